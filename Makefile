@@ -1,0 +1,24 @@
+# Set-up and entry points. Each target creates the virtualenv and installs the project first (once).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install test lint bench demo clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# The test command of the README and of CI: lint, then the whole suite on CPU.
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m uvic.kernels.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

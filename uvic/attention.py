@@ -1,0 +1,416 @@
+"""Cog attention and softmax attention: the one attention op every uvic model calls.
+
+Cog attention (Lv et al., "More Expressive Attention with Negative Weights", ICML 2025, Eq. 3) replaces the
+softmax weights with signed ones:
+
+    p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v
+
+so a query can subtract a value vector as well as add it. Masked keys (causal or key padding) are left out of
+the max and the sum and get weight 0; a query row with no kept key returns zeros (and zero gradients).
+
+Shape letters: B batch, nh heads, Lq / Lk query / key tokens, hd head dim. Every tensor is in the
+`F.scaled_dot_product_attention` layout (B, nh, L, hd).
+
+Backends (the same semantics in each, tested against `attention_ref` in float64):
+    "reference"  the paper's "faster" formula (Fig. 2), dense, upcast to float32; the ground truth.
+    "torch"      memory-efficient PyTorch: works over tiles of queries, saves only q, k, v, the output and one
+                 float per row (the log-sum-exp of |p|) and recomputes the weights in backward.
+                 For `softmax_attention` this is `F.scaled_dot_product_attention`.
+    "triton"     the fused flash-style kernel in `uvic.kernels` (CUDA only).
+    "auto"       "triton" when the input is on CUDA and inside the kernel's envelope, else "torch".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+
+Backend = Literal["auto", "reference", "torch", "triton"]
+BACKENDS = ("auto", "reference", "torch", "triton")
+
+# Elements of one (rows x keys) score tile in the "torch" backend. 2**18 fp32 scores = 1 MiB: the tile and
+# its few same-sized temporaries stay in the L2 cache, which matters more on CPU than the Python loop cost.
+_TILE_ELEMENTS = 2**18
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks and masks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scale: float | None,
+    backend: str,
+) -> None:
+    """Raise a ValueError that names the problem for anything the op does not accept."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, nh, L, hd) (4 dims), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, nh, _, hd = q.shape
+    if k.shape[0] != B or k.shape[1] != nh or k.shape[3] != hd:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, nh or hd")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {tuple(v.shape)} must have the (B, nh, Lk) of k {tuple(k.shape)}")
+    if v.shape[3] != hd:
+        raise ValueError(f"v head dim {v.shape[3]} must equal the q/k head dim {hd}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask)
+            raise ValueError(f"key_padding_mask must be a bool tensor (True = key takes part), got {got}")
+        if tuple(key_padding_mask.shape) != (B, k.shape[2]):
+            raise ValueError(
+                f"key_padding_mask must have shape (B, Lk) = {(B, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+
+
+def _keep_mask(
+    Lq: int,
+    Lk: int,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    device: torch.device,
+    rows: slice | None = None,
+) -> torch.Tensor | None:
+    """Boolean keep-mask broadcastable to (B, 1, Lq, Lk) (True = the key takes part), or None when all keys do.
+
+    `causal` keeps key j for query i when j <= i + Lk - Lq (bottom-right aligned, as FlashAttention-2).
+    `rows` restricts the query rows to a slice (used by the tiled backend).
+    """
+    keep = None
+    if causal:
+        i = torch.arange(Lq, device=device)
+        if rows is not None:
+            i = i[rows]
+        j = torch.arange(Lk, device=device)
+        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None, None]  # (1, 1, Lq, Lk)
+    if key_padding_mask is not None:
+        kpm = key_padding_mask[:, None, None, :]  # (B, 1, 1, Lk)
+        keep = kpm if keep is None else keep & kpm
+    return keep
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Math in float32 for 16/32-bit inputs; float64 stays float64 (gradcheck).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference (the ground truth)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    cog: bool = True,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Dense attention by the paper's formula; the ground truth every other backend is tested against.
+
+    Cog: `sign(p) * softmax(|p|.masked_fill(~keep, -inf))` (paper Fig. 2, "faster"); softmax: `softmax(p)`.
+    Query rows with no kept key return zeros with zero gradients (no NaN).
+
+    Args:
+        q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
+        causal: bottom-right aligned causal mask.
+        key_padding_mask: (B, Lk) bool, True = the key takes part.
+        scale: multiplies q k^T; defaults to hd ** -0.5.
+        cog: Cog weights if True, softmax weights if False.
+        upcast: compute in float32 (float64 stays float64) and cast the result back.
+    Returns:
+        (B, nh, Lq, hd) in q's dtype.
+    """
+    dtype = q.dtype
+    if upcast:
+        ct = _compute_dtype(dtype)
+        q, k, v = q.to(ct), k.to(ct), v.to(ct)
+    Lq, Lk = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = scale * (q @ k.transpose(-2, -1))  # (B, nh, Lq, Lk)
+    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device)
+    has_key = None
+    if keep is not None:
+        has_key = keep.any(-1, keepdim=True)  # (B or 1, 1, Lq, 1)
+        # A row with no kept key keeps all keys here and is zeroed below: a finite softmax, so no NaN
+        # reaches the gradients through the weights.
+        keep = keep | ~has_key
+    if cog:
+        scores = p.abs()
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        attn = torch.sign(p) * torch.softmax(scores, dim=-1)
+    else:
+        scores = p if keep is None else p.masked_fill(~keep, float("-inf"))
+        attn = torch.softmax(scores, dim=-1)
+    if has_key is not None:
+        attn = attn * has_key
+    return (attn @ v).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# "torch" backend for Cog: tiled, recompute in backward, O(L * tile) memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _tiles(BH: int, Lq: int, Lk: int, nh: int, tile_elements: int) -> list[tuple[slice, slice]]:
+    """Split (B*nh, Lq) into tiles of about `tile_elements` scores: whole heads when they fit, else query blocks.
+
+    Tiles never straddle a batch item in the head direction unless all heads of it fit (so a (B, Lk) padding
+    mask maps onto each tile with one reshape).
+    """
+    per_head = Lq * Lk
+    if per_head <= tile_elements:
+        heads = max(1, min(BH, tile_elements // per_head))
+        if heads >= nh:
+            heads -= heads % nh  # whole batch items
+        else:
+            while nh % heads:  # a divisor of nh, so a tile never crosses a batch item
+                heads -= 1
+        return [(slice(h, min(h + heads, BH)), slice(0, Lq)) for h in range(0, BH, heads)]
+    rows = max(1, tile_elements // Lk)
+    return [(slice(h, h + 1), slice(r, min(r + rows, Lq))) for h in range(BH) for r in range(0, Lq, rows)]
+
+
+def _tile_keep(
+    hs: slice, rs: slice, nh: int, Lq: int, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Keep-mask for one tile, broadcastable to (heads, rows, Lk)."""
+    keep = None
+    if causal:
+        i = torch.arange(rs.start, rs.stop, device=device)
+        j = torch.arange(Lk, device=device)
+        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None]  # (1, rows, Lk)
+    if kpm is not None:
+        b = torch.arange(hs.start, hs.stop, device=device) // nh
+        k_keep = kpm[b][:, None, :]  # (heads, 1, Lk)
+        keep = k_keep if keep is None else keep & k_keep
+    return keep
+
+
+def _signed_exp_(s: torch.Tensor, keep: torch.Tensor | None, row_sum: bool) -> tuple[torch.Tensor, ...]:
+    """In place on a score tile s = p (h, r, Lk): E = sign(p) * exp(|p| - m) with m the row max of |p| over kept
+    keys (0 for rows with none); masked keys give 0. Returns (E, sign(p)) plus l = sum_j exp(|p_ij| - m_i) when
+    `row_sum` (exact zeros p = 0 count in l with exp(-m) but have sign 0, so l is taken before the sign)."""
+    if keep is not None:
+        s.masked_fill_(~keep, 0.0)  # |0| cannot raise the row max, which is >= 0 anyway
+    sgn = torch.sign(s)
+    lo, hi = torch.aminmax(s, dim=-1, keepdim=True)
+    m = torch.maximum(hi, lo.neg_())
+    e = torch.addcmul(m.neg_(), s, sgn, out=s)  # |p| - m, as s * sign(s) = |s|; exact near the max
+    if keep is not None:
+        e.masked_fill_(~keep, float("-inf"))
+    e = e.exp_()
+    if row_sum:
+        return e, sgn, e.sum(-1, keepdim=True)
+    return e, sgn
+
+
+class _CogAttentionTorch(torch.autograd.Function):
+    """Tiled Cog attention with the FlashAttention memory contract (see docs/kernel_math.md Sec. 2).
+
+    Each tile is a group of whole heads (short sequences) or a block of query rows of one head (long ones), so
+    the transient memory is a few tiles of `tile_elements` scores whatever the sequence length, and a tile
+    always holds complete rows.
+
+    Forward saves q, k, v, the output and one float per query row: log l_i, the log-sum-exp of |p_i| relative to
+    its row max m_i (LSE_i = m_i + log l_i). Backward recomputes m_i from the same tile, so no precision is lost
+    at large |p| (an absolute fp32 LSE near |p| = 1e4 has an ulp of 1e-3, a 1e-3 relative error in every weight).
+    With E = sign(p) * exp(|p| - m) = l * A, every 1/l factor moves onto an (L, hd) tensor:
+        O = (E v) / l,   dV = A^T dO = E^T (dO / l),   dP = A * (sign(p) * g - D) = (E * (sign(p) * g - D)) / l,
+    with g = dO v^T and D = rowsum(dO * O); dQ = scale dP K and dK = scale dP^T Q.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, key_padding_mask, scale, tile_elements):
+        B, nh, Lq, hd = q.shape
+        Lk = k.shape[2]
+        ct = _compute_dtype(q.dtype)
+        qc = q.to(ct).reshape(B * nh, Lq, hd)  # (B*nh, Lq, hd); copies only if q is not mergeable
+        kt = k.to(ct).reshape(B * nh, Lk, hd).transpose(1, 2)  # (B*nh, hd, Lk)
+        vc = v.to(ct).reshape(B * nh, Lk, hd)
+        out = torch.empty(B * nh, Lq, hd, dtype=ct, device=q.device)
+        row_sum = torch.empty(B * nh, Lq, 1, dtype=ct, device=q.device)
+        zero = q.new_zeros((), dtype=ct)
+        for hs, rs in _tiles(B * nh, Lq, Lk, nh, tile_elements):
+            s = torch.baddbmm(zero, qc[hs, rs], kt[hs], beta=0, alpha=scale)  # p = scale q k^T, (h, r, Lk)
+            keep = _tile_keep(hs, rs, nh, Lq, Lk, causal, key_padding_mask, q.device)
+            e, sgn, row_sum[hs, rs] = _signed_exp_(s, keep, row_sum=True)
+            torch.bmm(e.mul_(sgn), vc[hs], out=out[hs, rs])  # E v, normalised below
+        inv_l = _safe_reciprocal(row_sum)  # rows with no kept key: l = 0, output 0
+        out = (out * inv_l).reshape(B, nh, Lq, hd).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, row_sum.log_(), key_padding_mask)
+        ctx.causal, ctx.scale, ctx.tile_elements = causal, scale, tile_elements
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, log_l, key_padding_mask = ctx.saved_tensors
+        causal, scale = ctx.causal, ctx.scale
+        B, nh, Lq, hd = q.shape
+        Lk = k.shape[2]
+        ct = _compute_dtype(q.dtype)
+        inv_l = _safe_reciprocal(log_l.exp())  # (B*nh, Lq, 1); 0 on rows with no kept key
+        qc = q.to(ct).reshape(B * nh, Lq, hd)
+        q_l = qc * (inv_l * scale)  # scale Q / l, for dK = scale dP^T Q
+        kc = k.to(ct).reshape(B * nh, Lk, hd)
+        vt = v.to(ct).reshape(B * nh, Lk, hd).transpose(1, 2)
+        do = dout.to(ct).reshape(B * nh, Lq, hd)
+        do_l = do * inv_l  # dO / l, for dV = E^T (dO / l)
+        D = (do * out.to(ct).reshape(B * nh, Lq, hd)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i)
+        dq = torch.empty_like(qc)
+        dk = torch.zeros_like(kc)
+        dv = torch.zeros_like(kc)
+        zero = q.new_zeros((), dtype=ct)
+        for hs, rs in _tiles(B * nh, Lq, Lk, nh, ctx.tile_elements):
+            s = torch.baddbmm(zero, qc[hs, rs], kc[hs].transpose(1, 2), beta=0, alpha=scale)
+            keep = _tile_keep(hs, rs, nh, Lq, Lk, causal, key_padding_mask, q.device)
+            e, sgn = _signed_exp_(s, keep, row_sum=False)
+            e.mul_(sgn)  # E = l * A, (h, r, Lk)
+            dv[hs].baddbmm_(e.transpose(1, 2), do_l[hs, rs])  # dV += E^T dO / l
+            g = torch.bmm(do[hs, rs], vt[hs])  # g_ij = dO_i . v_j
+            dp = torch.addcmul(D[hs, rs].neg(), g, sgn, out=g).mul_(e)  # l * dP = E * (sign(p) * g - D)
+            torch.bmm(dp, kc[hs], out=dq[hs, rs])  # l * dQ / scale
+            dk[hs].baddbmm_(dp.transpose(1, 2), q_l[hs, rs])  # dK += scale dP^T Q
+        dq = (dq * (inv_l * scale)).reshape(q.shape).to(q.dtype)
+        dk = dk.reshape(k.shape).to(k.dtype)
+        dv = dv.reshape(v.shape).to(v.dtype)
+        return dq, dk, dv, None, None, None, None
+
+
+def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """1 / x, with 0 where x == 0 (rows with no kept key)."""
+    return torch.where(x > 0, x.reciprocal(), torch.zeros_like(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backend selection and the public ops
+# ---------------------------------------------------------------------------------------------------------
+
+
+def triton_unsupported_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+) -> str | None:
+    """Why the fused Triton kernel cannot run on these inputs (None when it can)."""
+    try:
+        from uvic.kernels import unsupported_reason
+    except ImportError as err:  # triton missing, or the kernel package not importable
+        return f"the Triton kernel is not available ({err})"
+    return unsupported_reason(q, k, v, key_padding_mask)
+
+
+def _resolve_backend(q, k, v, key_padding_mask, backend: str) -> str:
+    if backend == "auto":
+        if q.is_cuda and triton_unsupported_reason(q, k, v, key_padding_mask) is None:
+            return "triton"
+        return "torch"
+    if backend == "triton":
+        why = triton_unsupported_reason(q, k, v, key_padding_mask)
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run on these inputs: {why}")
+    return backend
+
+
+def cog_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Cog attention: `sign(p) * softmax(|p|) @ v` with `p = scale * q k^T` (paper Eq. 3).
+
+    Args:
+        q: (B, nh, Lq, hd) queries.
+        k: (B, nh, Lk, hd) keys.
+        v: (B, nh, Lk, hd) values.
+        causal: mask key j for query i when j > i + Lk - Lq (bottom-right aligned, KV-cache friendly).
+        key_padding_mask: (B, Lk) bool, True = the key takes part.
+        scale: multiplies q k^T; defaults to hd ** -0.5.
+        backend: "auto", "reference", "torch" or "triton" (see the module docstring).
+    Returns:
+        (B, nh, Lq, hd) in the input dtype; rows with no kept key are zeros.
+    """
+    _check_inputs(q, k, v, key_padding_mask, scale, backend)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = _resolve_backend(q, k, v, key_padding_mask, backend)
+    if backend == "reference":
+        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
+    if backend == "triton":
+        from uvic.kernels import fused_attention
+
+        return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
+    return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, _TILE_ELEMENTS)
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Softmax attention with the same signature and masking semantics as `cog_attention`.
+
+    The "torch" backend is `F.scaled_dot_product_attention` (flash / memory-efficient kernels where PyTorch
+    has them); "triton" is the fused kernel in its softmax mode, for like-for-like comparisons.
+
+    Args:
+        q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
+        causal: bottom-right aligned causal mask.
+        key_padding_mask: (B, Lk) bool, True = the key takes part.
+        scale: defaults to hd ** -0.5.
+        backend: "auto", "reference", "torch" or "triton".
+    Returns:
+        (B, nh, Lq, hd) in the input dtype; rows with no kept key are zeros.
+    """
+    _check_inputs(q, k, v, key_padding_mask, scale, backend)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = _resolve_backend(q, k, v, key_padding_mask, backend)
+    if backend == "reference":
+        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
+    if backend == "triton":
+        from uvic.kernels import fused_attention
+
+        return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
+    Lq, Lk = q.shape[2], k.shape[2]
+    if key_padding_mask is None and (not causal or Lq == Lk):
+        # The fast path: no explicit mask, so SDPA can use its fused kernels.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device)
+    has_key = keep.any(-1, keepdim=True)
+    # Rows with no kept key attend to everything (finite) and are zeroed afterwards, so no NaN anywhere.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | ~has_key, scale=scale)
+    return out * has_key.to(out.dtype)
