@@ -1,0 +1,132 @@
+"""FID statistics and scores, comparable with U-ViT (mode pytorch-fid) or TTUR / torch-fidelity (mode tf).
+
+    python -m uvic.fid stats cifar10-train:data/cifar10 --out cifar10_train.npz --weights pt_inception-2015-12-05-6726825d.pth
+    python -m uvic.fid score samples/ fid_stats_cifar10_train_pytorch.npz --expect-n 50000
+    accelerate launch -m uvic.fid score samples/ ref.npz      # features gathered across processes
+
+SOURCE / SAMPLES: an image folder, an .npz of images (or of stats, for score), cifar10-train:ROOT,
+cifar10-test:ROOT, coco-val2014-256:VAL2014_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from .inception import DIMS, MODES, WEIGHTS_ENV, WEIGHTS_NAME, WEIGHTS_SHA256_PREFIX
+from .inputs import open_source
+from .metric import compute_fid, fid_from_stats
+from .stats import compute_stats, is_stats_file, load_extractor, load_stats, process_state, save_stats
+
+
+def _value_range(text: str) -> tuple[float, float]:
+    lo, hi = (float(v) for v in text.split(","))
+    return lo, hi
+
+
+def _check_n(n: int | None, expected: int) -> None:
+    if n != expected:
+        raise ValueError(f"expected {expected} sample images, got {n}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--mode", choices=MODES, default="pytorch-fid",
+                        help="pytorch-fid: U-ViT-comparable (default); tf: torch-fidelity / TTUR pipeline")
+    common.add_argument("--dims", type=int, choices=DIMS, default=2048, help="Inception feature layer")
+    common.add_argument("--weights", help=f"path to {WEIGHTS_NAME} (default: ${WEIGHTS_ENV}, then the torch.hub cache)")
+    common.add_argument("--weights-sha256", default=WEIGHTS_SHA256_PREFIX,
+                        help="expected SHA-256 (prefix) of the weights; 'none' skips the check")
+    common.add_argument("--download", action="store_true", help="allow downloading the weights if not found")
+    common.add_argument("--batch-size", type=int, default=50)
+    common.add_argument("--num-workers", type=int, default=4, help="image decoding workers")
+    common.add_argument("--num-samples", type=int, help="use only the first N images")
+    common.add_argument("--value-range", type=_value_range, default=(0.0, 1.0),
+                        help="range of float .npz images, e.g. -1,1 (default 0,1)")
+    common.add_argument("--recursive", action="store_true", help="read image sub-folders too")
+    common.add_argument("--md5-check", action="store_true", help="check the md5 of the CIFAR-10 batch files")
+    common.add_argument("--device", help="torch device (default: accelerate's)")
+    common.add_argument("--no-progress", action="store_true")
+    p = argparse.ArgumentParser(prog="python -m uvic.fid", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("stats", parents=[common], help="compute reference statistics (.npz)")
+    s.add_argument("source")
+    s.add_argument("--out", required=True, help="output .npz (mu, sigma + metadata)")
+    c = sub.add_parser("score", parents=[common], help="FID of samples against reference stats or images")
+    c.add_argument("samples")
+    c.add_argument("reference")
+    c.add_argument("--expect-n", type=int, help="fail unless the samples hold exactly N images (50000, 30000)")
+    c.add_argument("--isc", action="store_true", help="also the Inception Score")
+    c.add_argument("--isc-splits", type=int, default=10)
+    c.add_argument("--kid", action="store_true", help="also KID (reference must be images)")
+    c.add_argument("--kid-subsets", type=int, default=100)
+    c.add_argument("--kid-subset-size", type=int, default=1000)
+    c.add_argument("--prc", action="store_true", help="also precision/recall on Inception features")
+    c.add_argument("--json", help="write the result as JSON to this file")
+    return p
+
+
+def _run(args: argparse.Namespace) -> str:
+    sha = None if args.weights_sha256.lower() == "none" else args.weights_sha256
+    weights = {"weights": args.weights, "sha256": sha, "allow_download": args.download, "device": args.device}
+    opts = {"batch_size": args.batch_size, "num_workers": args.num_workers, "value_range": args.value_range,
+            "progress": not args.no_progress}  # fmt: skip
+
+    def source(spec: str):
+        return open_source(spec, value_range=args.value_range, recursive=args.recursive, md5_check=args.md5_check)
+
+    if args.command == "stats":
+        ext = load_extractor(mode=args.mode, dims=args.dims, **weights)
+        stats = compute_stats(source(args.source), extractor=ext, num_samples=args.num_samples, **opts)
+        save_stats(stats, args.out)
+        return f"wrote {args.out}: n={stats.n} dims={stats.dims} mode={stats.mode} source={stats.name}"
+
+    for path in (args.samples, args.reference):
+        if path.endswith(".npz") and not os.path.isfile(path):
+            raise FileNotFoundError(f"{path!r} does not exist")
+    if is_stats_file(args.samples):
+        if not is_stats_file(args.reference):
+            raise ValueError("samples given as statistics need reference statistics too")
+        if args.isc or args.kid or args.prc:
+            raise ValueError("--isc/--kid/--prc need sample images, not statistics")
+        result = fid_from_stats(load_stats(args.samples), load_stats(args.reference))
+    else:
+        ref = load_stats(args.reference) if is_stats_file(args.reference) else source(args.reference)
+        if getattr(ref, "mode", None) not in (None, args.mode):  # before loading the network
+            raise ValueError(f"reference {ref.name!r} was computed with mode={ref.mode!r}; pass --mode {ref.mode}")
+        samples = source(args.samples)
+        if args.expect_n is not None and hasattr(samples, "__len__"):
+            _check_n(min(len(samples), args.num_samples or len(samples)), args.expect_n)
+        dims = ref.dims if hasattr(ref, "dims") else args.dims
+        ext = load_extractor(mode=args.mode, dims=dims, with_logits=args.isc, **weights)
+        result = compute_fid(samples, ref, num_samples=args.num_samples, extractor=ext, mode=args.mode,
+                             isc=args.isc, kid=args.kid, prc=args.prc, isc_splits=args.isc_splits,
+                             kid_subsets=args.kid_subsets, kid_subset_size=args.kid_subset_size, **opts)  # fmt: skip
+    if args.expect_n is not None:
+        _check_n(result.n, args.expect_n)
+    if args.json and process_state().is_main_process:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=2)
+    return str(result)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point (``uvic-fid``)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        line = _run(args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")
+    if process_state().is_main_process:
+        print(line, file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""FID-Inception feature extractor in two pipelines, and the offline weights policy.
+
+The network is torch-fidelity's `FeatureExtractorInceptionV3` (the TF `inception-2015-12-05` graph with the
+FID patches; same 566 state-dict keys as pytorch-fid's `pt_inception-2015-12-05-6726825d.pth`). Only the
+preprocessing differs between the two modes:
+
+* ``"pytorch-fid"`` (default, comparable with U-ViT / pytorch-fid numbers): uint8 -> float32 ``/255`` ->
+  ``F.interpolate(299, bilinear, align_corners=False)`` -> ``2x - 1`` -> torch-fidelity's layers. This is
+  pytorch-fid's ``InceptionV3(resize_input=True, normalize_input=True)`` input path.
+* ``"tf"`` (comparable with TTUR / torch-fidelity numbers): torch-fidelity's own ``forward`` (uint8 input,
+  TF1.x-exact bilinear resize, ``(x - 128) / 128``), i.e. what ``torch_fidelity.calculate_metrics`` runs.
+
+Both run in fp32 with TF32 and autocast off. Shapes: images (B, 3, H, W) uint8; features (B, dims) float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["pytorch-fid", "tf"]
+MODES: tuple[str, ...] = ("pytorch-fid", "tf")
+# Feature layers the FID-Inception provides (pytorch-fid's --dims); "logits_unbiased" is for the Inception Score.
+DIMS: tuple[int, ...] = (64, 192, 768, 2048)
+
+WEIGHTS_ENV = "UVIC_FID_WEIGHTS"
+WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d.pth"
+WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/" + WEIGHTS_NAME
+# torch-fidelity ships the same TF graph converted to the same layout under this name.
+TORCH_FIDELITY_WEIGHTS_NAME = "weights-inception-2015-12-05-6726825d.pth"
+# torch.hub naming convention: the suffix of the file name is the start of the file's SHA-256.
+WEIGHTS_SHA256_PREFIX = "6726825d"
+
+_INPUT_SIZE = 299
+_TRUNK = (
+    "Conv2d_1a_3x3", "Conv2d_2a_3x3", "Conv2d_2b_3x3", "MaxPool_1",
+    "Conv2d_3b_1x1", "Conv2d_4a_3x3", "MaxPool_2",
+    "Mixed_5b", "Mixed_5c", "Mixed_5d", "Mixed_6a", "Mixed_6b", "Mixed_6c", "Mixed_6d", "Mixed_6e",
+    "Mixed_7a", "Mixed_7b", "Mixed_7c",
+)  # fmt: skip
+# Trunk stage after which each pooled feature layer is read (pytorch-fid's BLOCK_INDEX_BY_DIM).
+_LAYER_AFTER = {64: "MaxPool_1", 192: "MaxPool_2", 768: "Mixed_6e", 2048: "Mixed_7c"}
+
+
+def check_mode(mode: str) -> str:
+    """Return `mode` if it is a known pipeline, else raise ValueError naming the choices."""
+    if mode not in MODES:
+        raise ValueError(f"unknown FID mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hub_candidates() -> list[Path]:
+    ckpt = Path(torch.hub.get_dir()) / "checkpoints"
+    return [ckpt / WEIGHTS_NAME, ckpt / TORCH_FIDELITY_WEIGHTS_NAME]
+
+
+def resolve_weights(
+    weights: str | os.PathLike | None = None,
+    *,
+    sha256: str | None = WEIGHTS_SHA256_PREFIX,
+    allow_download: bool = False,
+) -> tuple[Path, str]:
+    """Find the FID-Inception weights file and check its SHA-256.
+
+    Looks, in order, at `weights`, the ``UVIC_FID_WEIGHTS`` environment variable, and the torch.hub cache
+    (``$TORCH_HOME/hub/checkpoints/pt_inception-2015-12-05-6726825d.pth`` or torch-fidelity's
+    ``weights-inception-2015-12-05-6726825d.pth``). Downloads from pytorch-fid's release only when
+    `allow_download` is True.
+
+    Args:
+        weights: explicit path to the weights file.
+        sha256: expected SHA-256 (a prefix is enough, as in torch.hub); None skips the check (e.g. for
+            self-converted weights).
+        allow_download: fetch ``WEIGHTS_URL`` into the torch.hub cache if no local file is found.
+    Returns:
+        (path, full hex SHA-256 of the file).
+    """
+    explicit = weights if weights is not None else os.environ.get(WEIGHTS_ENV) or None
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            origin = "weights argument" if weights is not None else f"${WEIGHTS_ENV}"
+            raise FileNotFoundError(
+                f"FID Inception weights not found at {str(path)!r} (from the {origin}). Expected the file "
+                f"{WEIGHTS_NAME} (pytorch-fid) or {TORCH_FIDELITY_WEIGHTS_NAME} (torch-fidelity); get it from "
+                f"{WEIGHTS_URL}"
+            )
+    else:
+        path = next((p for p in _hub_candidates() if p.is_file()), None)
+        if path is None:
+            if not allow_download:
+                raise FileNotFoundError(
+                    f"FID Inception weights {WEIGHTS_NAME} not found. Download it from {WEIGHTS_URL} and pass its "
+                    f"path with --weights / the {WEIGHTS_ENV} environment variable, or put it at "
+                    f"{_hub_candidates()[0]}; or allow a download (--download / allow_download=True)."
+                )
+            path = _hub_candidates()[0]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            logger.info("downloading %s to %s", WEIGHTS_URL, path)
+            # torch.hub removes the partial file and raises if the hash prefix does not match.
+            torch.hub.download_url_to_file(WEIGHTS_URL, str(path), hash_prefix=WEIGHTS_SHA256_PREFIX)
+    digest = sha256_file(path)
+    if sha256 is not None and not digest.startswith(sha256.lower()):
+        raise ValueError(
+            f"SHA-256 of {str(path)!r} is {digest}, expected it to start with {sha256!r} ({WEIGHTS_NAME}). "
+            "The file is corrupt or not the FID Inception weights; pass sha256=None / --weights-sha256 none "
+            "only for weights you converted yourself."
+        )
+    return path, digest
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """Turn TF32 off for convolutions and matmuls (restored on exit); the FID network must run in true fp32."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9 precision API
+        matmul = torch.backends.cuda.matmul
+        saved = (conv.fp32_precision, matmul.fp32_precision)
+        conv.fp32_precision, matmul.fp32_precision = "ieee", "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision, matmul.fp32_precision = saved
+        return
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+class InceptionExtractor(nn.Module):
+    """FID-Inception features of uint8 images, in the pipeline given by `mode`.
+
+    Args:
+        weights: path to the FID-Inception weights (see `resolve_weights` for the search order).
+        mode: ``"pytorch-fid"`` or ``"tf"`` (module docstring).
+        dims: pooled feature layer, one of 64, 192, 768, 2048 (2048 = pool3, the standard FID).
+        with_logits: also return the 1008 unbiased logits (needed for the Inception Score).
+        sha256: expected SHA-256 prefix of the weights file, None to skip the check.
+        allow_download: see `resolve_weights`.
+    """
+
+    def __init__(
+        self,
+        weights: str | os.PathLike | None = None,
+        *,
+        mode: Mode = "pytorch-fid",
+        dims: int = 2048,
+        with_logits: bool = False,
+        sha256: str | None = WEIGHTS_SHA256_PREFIX,
+        allow_download: bool = False,
+    ) -> None:
+        super().__init__()
+        from torch_fidelity import FeatureExtractorInceptionV3
+
+        self.mode = check_mode(mode)
+        if dims not in DIMS:
+            raise ValueError(f"dims must be one of {DIMS}, got {dims!r}")
+        self.dims, self.with_logits = dims, with_logits
+        path, self.weights_sha256 = resolve_weights(weights, sha256=sha256, allow_download=allow_download)
+        self.weights_path = str(path)
+        features = [str(dims)] + (["logits_unbiased"] if with_logits else [])
+        # Given a path, torch-fidelity loads it strictly with torch.load and never downloads.
+        self.net = FeatureExtractorInceptionV3("inception-v3-compat", features, feature_extractor_weights_path=path)
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """
+        Args:
+            images: (B, 3, H, W) uint8 RGB, any H, W.
+        Returns:
+            {"features": (B, dims) float32} plus {"logits": (B, 1008) float32} when `with_logits`.
+        """
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"expected (B, 3, H, W) uint8 images, got {tuple(images.shape)} {images.dtype}")
+        images = images.to(next(self.net.parameters()).device)
+        with exact_fp32(), torch.autocast(images.device.type, enabled=False):
+            if self.mode == "tf":
+                out = self.net(images)
+            else:
+                out = self._forward_pytorch_fid(images)
+        result = {"features": out[0].float()}
+        if self.with_logits:
+            result["logits"] = out[1].float()
+        return result
+
+    def _forward_pytorch_fid(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # pytorch-fid input path: ToTensor ([0, 1]) -> bilinear 299 (half-pixel centres) -> [-1, 1].
+        x = images.float() / 255
+        x = F.interpolate(x, size=(_INPUT_SIZE, _INPUT_SIZE), mode="bilinear", align_corners=False)
+        x = 2 * x - 1
+        # The FID-Inception body, in torch-fidelity's layer order; pooled features read as pytorch-fid does.
+        stop = _LAYER_AFTER[2048 if self.with_logits else self.dims]
+        feats = None
+        for name in _TRUNK:
+            x = getattr(self.net, name)(x)
+            if name == _LAYER_AFTER[self.dims]:
+                feats = F.adaptive_avg_pool2d(x, output_size=(1, 1)).flatten(1)
+            if name == stop:
+                break
+        if not self.with_logits:
+            return (feats,)
+        pool3 = self.net.AvgPool(x).flatten(1)
+        logits = pool3.mm(self.net.fc.weight.T)  # torch-fidelity's "logits_unbiased": no bias.
+        return feats, logits

@@ -1,0 +1,311 @@
+"""Image sources for FID: folders, `.npz` image arrays, in-memory generators, CIFAR-10 pickles, COCO val2014-256.
+
+Every source yields uint8 RGB images (3, H, W). Float images are quantised exactly like
+`torchvision.utils.save_image` (``x * 255 + 0.5``, clamped, truncated), so an in-memory generator gives the same
+features as the PNGs U-ViT writes and reads back.
+
+Map-style sources (`ImageFolder`, `ImageArray`, `cifar10`, `CocoVal2014`) are `torch.utils.data.Dataset`s that
+can be sharded across processes; `GeneratorSource` wraps a callable ``fn(n) -> batch`` or an iterable of batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Union
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
+LOSSY_EXTENSIONS = (".jpg", ".jpeg", ".webp")
+ValueRange = tuple[float, float]
+Batch = Union[torch.Tensor, np.ndarray]
+
+
+def to_uint8(images: Batch, value_range: ValueRange = (0.0, 1.0)) -> torch.Tensor:
+    """Convert a batch to (B, 3, H, W) uint8, quantising floats like `torchvision.utils.save_image`.
+
+    Args:
+        images: (B, 3, H, W) or (B, H, W, 3), torch or numpy; uint8 is taken as is, floats are mapped from
+            `value_range` to [0, 1] (U-ViT's ``unpreprocess`` for (-1, 1)) and then quantised.
+        value_range: (low, high) of float inputs.
+    Returns:
+        (B, 3, H, W) uint8 tensor on the input's device (CPU for numpy).
+    """
+    x = torch.from_numpy(np.ascontiguousarray(images)) if isinstance(images, np.ndarray) else images
+    if not torch.is_tensor(x) or x.dim() != 4:
+        raise ValueError(f"expected a 4-D image batch, got {getattr(x, 'shape', type(x))}")
+    if x.shape[1] != 3:
+        if x.shape[-1] != 3:
+            raise ValueError(f"expected (B, 3, H, W) or (B, H, W, 3) RGB images, got shape {tuple(x.shape)}")
+        x = x.permute(0, 3, 1, 2)
+    if x.dtype == torch.uint8:
+        return x.contiguous()
+    if not x.is_floating_point():
+        raise ValueError(f"images must be uint8 or floating point, got {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError("images contain NaN or Inf")
+    lo, hi = value_range
+    if (lo, hi) != (0.0, 1.0):
+        x = (x - lo) / (hi - lo)
+    # torchvision.utils.save_image: mul(255).add_(0.5).clamp_(0, 255).to(uint8).
+    return x.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8).contiguous()
+
+
+def _natural_key(path: Path) -> tuple:
+    # U-ViT writes {idx}.png: order 2.png before 10.png so a folder matches the generation order.
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", path.name) if t)
+
+
+class ImageFolder(Dataset):
+    """Images in a folder (U-ViT's ``{idx}.png`` sample dirs), in natural sort order.
+
+    All images must have one size and exactly 3 channels (RGB); the first offending file is named.
+
+    Args:
+        root: folder to read.
+        recursive: also read sub-folders.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, recursive: bool = False) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"image folder {str(self.root)!r} does not exist")
+        pattern = "**/*" if recursive else "*"
+        files = [p for p in self.root.glob(pattern) if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+        if not files:
+            raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {str(self.root)!r}")
+        self.files = sorted(files, key=lambda p: (p.parent.as_posix(), _natural_key(p)))
+        self.name = str(self.root)
+        self._check()
+
+    def _check(self) -> None:
+        lossy = [p for p in self.files if p.suffix.lower() in LOSSY_EXTENSIONS]
+        if lossy:
+            warnings.warn(f"{len(lossy)} lossy-compressed images in {self.name} (e.g. {lossy[0].name}); "
+                          "JPEG artefacts change FID, prefer PNG samples", stacklevel=3)  # fmt: skip
+        first = None
+        for p in self.files:  # PIL reads only the header here.
+            with Image.open(p) as im:
+                size, mode = im.size, im.mode
+            if mode != "RGB":
+                raise ValueError(f"image {str(p)!r} has mode {mode!r} ({Image.getmodebands(mode)} channels); "
+                                 "FID needs 3-channel RGB images")  # fmt: skip
+            if first is None:
+                first = (p, size)
+            elif size != first[1]:
+                raise ValueError(f"image {str(p)!r} is {size[0]}x{size[1]}, but {str(first[0])!r} is "
+                                 f"{first[1][0]}x{first[1][1]}; all images must have one size")  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """(3, H, W) uint8."""
+        with Image.open(self.files[i]) as im:
+            return torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+
+
+class ImageArray(Dataset):
+    """Images held in an array: (N, H, W, 3) or (N, 3, H, W), uint8 or float in `value_range`.
+
+    Args:
+        images: the array (numpy or torch).
+        value_range: range of float images (quantised like `save_image`).
+        name: label recorded in the stats.
+    """
+
+    def __init__(self, images: Batch, *, value_range: ValueRange = (0.0, 1.0), name: str = "array") -> None:
+        if images.ndim != 4 or 3 not in (images.shape[1], images.shape[-1]):
+            raise ValueError(f"{name}: expected (N, H, W, 3) or (N, 3, H, W) images, got shape {tuple(images.shape)}")
+        self.images, self.value_range, self.name = images, value_range, name
+
+    @classmethod
+    def from_npz(cls, path: str | os.PathLike, *, key: str | None = None,
+                 value_range: ValueRange = (0.0, 1.0)) -> "ImageArray":  # fmt: skip
+        """Read an `.npz` of images (``arr_0`` as written by ``np.savez(path, images)``, or the only array)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"image archive {str(path)!r} does not exist")
+        with np.load(path, allow_pickle=False) as f:
+            keys = list(f.keys())
+            if key is None:
+                if "mu" in keys and "sigma" in keys:
+                    raise ValueError(f"{str(path)!r} holds FID statistics (mu, sigma), not images")
+                key = "arr_0" if "arr_0" in keys else (keys[0] if len(keys) == 1 else None)
+            if key not in keys:
+                raise ValueError(f"{str(path)!r}: no image array {key!r}; arrays are {keys}, pass key=")
+            images = f[key]
+        return cls(images, value_range=value_range, name=str(path))
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """(3, H, W) uint8."""
+        return to_uint8(self.images[i : i + 1], self.value_range)[0]
+
+
+def cifar10(root: str | os.PathLike, split: str = "train", *, md5_check: bool = False) -> ImageArray:
+    """A CIFAR-10 split read directly from the ``cifar-10-batches-py`` pickles.
+
+    torchvision's loader insists on the md5 of every batch file; this reads them directly, with the same md5
+    table (`torchvision.datasets.CIFAR10`) applied only when `md5_check` is set.
+
+    Args:
+        root: the ``cifar-10-batches-py`` folder or its parent.
+        split: "train" (50,000 images, U-ViT's reference) or "test" (10,000).
+    Returns:
+        `ImageArray` of (N, 32, 32, 3) uint8 named ``cifar10-<split>``.
+    """
+    from torchvision.datasets import CIFAR10
+
+    if split not in ("train", "test"):
+        raise ValueError(f"CIFAR-10 split must be 'train' or 'test', got {split!r}")
+    root = Path(root)
+    folder = root if (root / "batches.meta").exists() or root.name == CIFAR10.base_folder else root / CIFAR10.base_folder
+    chunks = []
+    for fname, md5 in CIFAR10.train_list if split == "train" else CIFAR10.test_list:
+        path = folder / fname
+        if not path.is_file():
+            raise FileNotFoundError(f"CIFAR-10 batch {str(path)!r} not found; expected the python version "
+                                    f"(cifar-10-python.tar.gz) extracted to {str(folder)!r}")  # fmt: skip
+        if md5_check and (got := hashlib.md5(path.read_bytes()).hexdigest()) != md5:
+            raise ValueError(f"md5 of {str(path)!r} is {got}, expected {md5} (corrupt or not the official file)")
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="bytes")
+        data = np.asarray(entry[b"data"] if b"data" in entry else entry["data"], dtype=np.uint8)
+        chunks.append(data.reshape(-1, 3, 32, 32))  # rows are R(1024) G(1024) B(1024)
+    return ImageArray(np.concatenate(chunks), name=f"cifar10-{split}")
+
+
+def center_crop_lanczos(image: np.ndarray, resolution: int) -> np.ndarray:
+    """U-ViT's MS-COCO preprocessing (`datasets.center_crop`): centre square crop, then PIL Lanczos resize.
+
+    Args:
+        image: (H, W, 3) uint8.
+    Returns:
+        (resolution, resolution, 3) uint8.
+    """
+    h, w = image.shape[:2]
+    c = min(h, w)
+    image = image[(h - c) // 2 : (h + c) // 2, (w - c) // 2 : (w + c) // 2]
+    resized = Image.fromarray(image, "RGB").resize((resolution, resolution), Image.LANCZOS)
+    return np.asarray(resized).astype(np.uint8)
+
+
+class CocoVal2014(Dataset):
+    """MS-COCO val2014 images at `resolution` with U-ViT's crop + Lanczos preprocessing (sorted ``*.jpg``).
+
+    Args:
+        root: the ``val2014`` folder (40,504 ``COCO_val2014_*.jpg``).
+        resolution: output side, 256 for U-ViT's ``fid_stats_mscoco256_val.npz``.
+    """
+
+    def __init__(self, root: str | os.PathLike, resolution: int = 256) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"COCO val2014 folder {str(self.root)!r} does not exist")
+        self.files = sorted(p for p in self.root.iterdir() if p.suffix.lower() in (".jpg", ".jpeg"))
+        if not self.files:
+            raise ValueError(f"no .jpg images in {str(self.root)!r}")
+        self.resolution = resolution
+        self.name = f"coco-val2014-{resolution}"
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """(3, resolution, resolution) uint8."""
+        with Image.open(self.files[i]) as im:
+            image = np.asarray(im.convert("RGB"))
+        return torch.from_numpy(center_crop_lanczos(image, self.resolution)).permute(2, 0, 1)
+
+
+class GeneratorSource:
+    """In-memory images from a callable ``fn(n) -> batch of n`` or an iterable of batches (no PNG round trip).
+
+    Batches are (B, 3, H, W) or (B, H, W, 3), uint8 or float in `value_range` (quantised like `save_image`).
+
+    Args:
+        source: callable taking the number of images wanted, or an iterable / iterator of batches.
+        num_samples: images to take (required for a callable; for an iterable, None means until exhausted).
+        value_range: range of float batches.
+        name: label recorded in the stats.
+    """
+
+    def __init__(self, source: Callable[[int], Batch] | Iterable[Batch], *, num_samples: int | None = None,
+                 value_range: ValueRange = (0.0, 1.0), name: str = "generator") -> None:  # fmt: skip
+        if callable(source) and not isinstance(source, Iterable):
+            if num_samples is None:
+                raise ValueError("num_samples is required when the source is a callable fn(n) -> images")
+        elif not isinstance(source, Iterable):
+            raise ValueError(f"source must be a callable fn(n) -> images or an iterable of batches, got {type(source)}")
+        if num_samples is not None and num_samples < 1:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        self.source, self.num_samples, self.value_range, self.name = source, num_samples, value_range, name
+
+    def batches(self, num_samples: int | None, batch_size: int) -> Iterator[torch.Tensor]:
+        """Yield (B, 3, H, W) uint8 batches, `num_samples` images in all (None: all of an iterable)."""
+        left = num_samples
+        if callable(self.source) and not isinstance(self.source, Iterable):
+            while left > 0:
+                batch = to_uint8(self.source(min(batch_size, left)), self.value_range)
+                if len(batch) == 0:
+                    raise ValueError("the generator returned an empty batch")
+                batch = batch[:left]
+                left -= len(batch)
+                yield batch
+            return
+        for batch in self.source:
+            batch = to_uint8(batch, self.value_range)
+            if left is not None:
+                batch = batch[:left]
+                left -= len(batch)
+            yield batch
+            if left is not None and left <= 0:
+                return
+        if left is not None and left > 0:
+            raise ValueError(f"the iterable ran out {left} images short of num_samples={num_samples}")
+
+
+Source = Union[str, os.PathLike, Dataset, GeneratorSource, Callable[[int], Batch], Iterable[Batch]]
+
+
+def open_source(spec: Source, *, value_range: ValueRange = (0.0, 1.0), num_samples: int | None = None,
+                recursive: bool = False, md5_check: bool = False) -> Dataset | GeneratorSource:  # fmt: skip
+    """Turn a source spec into a map-style dataset or a `GeneratorSource`.
+
+    String specs: a folder of images; an ``.npz`` of images; ``cifar10-train:ROOT`` / ``cifar10-test:ROOT``;
+    ``coco-val2014-256:VAL2014_DIR`` (any resolution in place of 256). Datasets and `GeneratorSource`s pass
+    through; other callables and iterables become a `GeneratorSource`.
+    """
+    if isinstance(spec, (Dataset, GeneratorSource)):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        if m := re.fullmatch(r"cifar10-(train|test):(.+)", text):
+            return cifar10(m[2], m[1], md5_check=md5_check)
+        if m := re.fullmatch(r"coco-val2014-(\d+):(.+)", text):
+            return CocoVal2014(m[2], int(m[1]))
+        path = Path(text)
+        if path.is_dir():
+            return ImageFolder(path, recursive=recursive)
+        if path.suffix == ".npz":
+            return ImageArray.from_npz(path, value_range=value_range)
+        raise FileNotFoundError(f"image source {text!r} is not a folder, an .npz file, cifar10-<split>:ROOT "
+                                "or coco-val2014-<res>:DIR")  # fmt: skip
+    if callable(spec) or isinstance(spec, Iterable):
+        return GeneratorSource(spec, num_samples=num_samples, value_range=value_range)
+    raise ValueError(f"unsupported image source {type(spec)}")

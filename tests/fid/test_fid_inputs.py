@@ -1,0 +1,161 @@
+"""Image sources: folder checks and order, .npz and generator quantisation, CIFAR-10 pickles, COCO crop."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from fid_testutils import smooth_images
+from PIL import Image
+
+from uvic.fid import CocoVal2014, GeneratorSource, ImageArray, ImageFolder, cifar10, open_source, to_uint8
+from uvic.fid.inputs import center_crop_lanczos
+
+
+def write_pngs(folder, images):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, im in enumerate(images):
+        Image.fromarray(im).save(folder / f"{i}.png")
+    return folder
+
+
+def test_folder_reads_in_natural_order(tmp_path):
+    images = smooth_images(12, size=8)
+    ds = ImageFolder(write_pngs(tmp_path / "s", images))
+    assert [p.name for p in ds.files[:3]] == ["0.png", "1.png", "2.png"] and ds.files[10].name == "10.png"
+    got = torch.stack([ds[i] for i in range(len(ds))])
+    assert got.dtype == torch.uint8 and torch.equal(got, torch.from_numpy(images).permute(0, 3, 1, 2))
+
+
+def test_folder_names_first_image_of_wrong_size(tmp_path):
+    folder = write_pngs(tmp_path / "s", smooth_images(3, size=8))
+    Image.fromarray(smooth_images(1, size=9)[0]).save(folder / "1.png")
+    with pytest.raises(ValueError, match=r"1\.png' is 9x9, but .*0\.png' is 8x8"):
+        ImageFolder(folder)
+
+
+def test_folder_names_first_image_without_3_channels(tmp_path):
+    folder = write_pngs(tmp_path / "s", smooth_images(3, size=8))
+    Image.fromarray(smooth_images(1, size=8)[0][..., 0]).save(folder / "2.png")
+    with pytest.raises(ValueError, match=r"2\.png' has mode 'L' \(1 channels\)"):
+        ImageFolder(folder)
+
+
+def test_folder_errors_and_jpeg_warning(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ImageFolder(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        ImageFolder(tmp_path / "empty")
+    Image.fromarray(smooth_images(1, size=8)[0]).save(tmp_path / "empty" / "0.JPG")
+    with pytest.warns(UserWarning, match="lossy"):
+        assert len(ImageFolder(tmp_path / "empty")) == 1  # extensions are case-insensitive
+
+
+@pytest.mark.parametrize("value_range", [(0.0, 1.0), (-1.0, 1.0)])
+def test_float_quantisation_matches_save_image(tmp_path, value_range):
+    lo, hi = value_range
+    x = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * (hi - lo) * 1.1 + lo - 0.05 * (hi - lo)
+    # Independent reference: torchvision.utils.save_image writes a PNG, PIL reads it back (U-ViT's round trip).
+    ref = []
+    for i, im in enumerate(x):
+        unit = (im - lo) / (hi - lo)
+        torchvision.utils.save_image(unit, tmp_path / f"{i}.png")
+        ref.append(np.asarray(Image.open(tmp_path / f"{i}.png").convert("RGB")))
+    ref = torch.from_numpy(np.stack(ref)).permute(0, 3, 1, 2)
+    assert torch.equal(to_uint8(x, value_range), ref)
+    assert torch.equal(to_uint8(x.permute(0, 2, 3, 1).numpy(), value_range), ref)  # NHWC numpy too
+
+
+def test_to_uint8_rejects_bad_batches():
+    with pytest.raises(ValueError, match=r"\(B, 3, H, W\) or \(B, H, W, 3\)"):
+        to_uint8(torch.zeros(2, 4, 8, 8))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        to_uint8(torch.full((1, 3, 2, 2), float("nan")))
+    with pytest.raises(ValueError, match="4-D"):
+        to_uint8(torch.zeros(3, 8, 8))
+
+
+def test_npz_images(tmp_path):
+    images = smooth_images(5, size=8)
+    np.savez(tmp_path / "a.npz", images)
+    np.savez(tmp_path / "b.npz", samples=images.transpose(0, 3, 1, 2))
+    np.savez(tmp_path / "c.npz", images.astype(np.float32) / 255)
+    expected = torch.from_numpy(images).permute(0, 3, 1, 2)
+    for name in ("a", "b", "c"):
+        ds = open_source(tmp_path / f"{name}.npz")
+        assert torch.equal(torch.stack([ds[i] for i in range(len(ds))]), expected), name
+    np.savez(tmp_path / "stats.npz", mu=np.zeros(2), sigma=np.eye(2))
+    with pytest.raises(ValueError, match="holds FID statistics"):
+        ImageArray.from_npz(tmp_path / "stats.npz")
+    np.savez(tmp_path / "two.npz", x=images, y=images)
+    with pytest.raises(ValueError, match=r"arrays are \['x', 'y'\]"):
+        ImageArray.from_npz(tmp_path / "two.npz")
+
+
+def write_fake_cifar(root, n_per_batch=4, seed=0):
+    """cifar-10-batches-py with the real file names and pickle layout, random content."""
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    data = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        d = rng.integers(0, 256, size=(n_per_batch, 3072), dtype=np.uint8)
+        data[name] = d
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"batch_label": name.encode(), b"labels": [0] * n_per_batch, b"data": d,
+                         b"filenames": [b"x.png"] * n_per_batch}, f)
+    return data
+
+
+def test_cifar10_pickles(tmp_path):
+    data = write_fake_cifar(tmp_path)
+    train = cifar10(tmp_path, "train")
+    assert train.name == "cifar10-train" and len(train) == 20
+    expected = np.concatenate([data[f"data_batch_{i}"] for i in range(1, 6)]).reshape(-1, 3, 32, 32)
+    assert torch.equal(train[7], torch.from_numpy(expected[7]))
+    # Channel planes: first 1024 bytes are red, row-major.
+    assert train[0][0, 0, 1].item() == data["data_batch_1"][0, 1] and train[0][1, 0, 0] == data["data_batch_1"][0, 1024]
+    test = open_source(f"cifar10-test:{tmp_path / 'cifar-10-batches-py'}")
+    assert len(test) == 4 and torch.equal(test[3], torch.from_numpy(data["test_batch"][3].reshape(3, 32, 32)))
+    with pytest.raises(ValueError, match="md5 of .*data_batch_1.* expected c99cafc152244af753f735de768cd75f"):
+        cifar10(tmp_path, "train", md5_check=True)
+    with pytest.raises(FileNotFoundError, match="data_batch_1"):
+        cifar10(tmp_path / "nowhere", "train")
+    with pytest.raises(ValueError, match="split"):
+        cifar10(tmp_path, "val")
+
+
+def test_coco_crop_and_lanczos(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "val2014").mkdir()
+    img = rng.integers(0, 256, size=(40, 60, 3), dtype=np.uint8)
+    Image.fromarray(img).save(tmp_path / "val2014" / "COCO_val2014_000000000042.jpg", quality=95)
+    ds = open_source(f"coco-val2014-16:{tmp_path / 'val2014'}")
+    assert isinstance(ds, CocoVal2014) and ds.name == "coco-val2014-16"
+    decoded = np.asarray(Image.open(tmp_path / "val2014" / "COCO_val2014_000000000042.jpg").convert("RGB"))
+    # Independent reference: PIL crop box (centre 40x40 of 60 wide) + Lanczos resize.
+    ref = np.array(Image.fromarray(decoded).crop((10, 0, 50, 40)).resize((16, 16), Image.LANCZOS))
+    assert torch.equal(ds[0], torch.from_numpy(ref).permute(2, 0, 1))
+    assert center_crop_lanczos(decoded, 16).shape == (16, 16, 3)
+
+
+def test_generator_source_counts_and_errors():
+    images = torch.from_numpy(smooth_images(7, size=8)).permute(0, 3, 1, 2)
+    pos = [0]
+
+    def fn(n):
+        out = images[pos[0] : pos[0] + n]
+        pos[0] += n
+        return out.float() / 255
+
+    got = torch.cat(list(GeneratorSource(fn, num_samples=7).batches(7, 3)))
+    assert torch.equal(got, images)
+    assert sum(len(b) for b in GeneratorSource(iter([images[:4], images[4:]])).batches(5, 2)) == 5
+    with pytest.raises(ValueError, match="num_samples is required"):
+        GeneratorSource(fn)
+    with pytest.raises(ValueError, match="ran out 3 images short"):
+        list(GeneratorSource([images]).batches(10, 4))
+    with pytest.raises(FileNotFoundError, match="not a folder, an .npz file"):
+        open_source("no/such/thing")
