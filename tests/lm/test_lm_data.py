@@ -1,0 +1,112 @@
+"""Token data: the byte tokenizer, .bin files, text files with a user tokenizer, and the window dataset."""
+
+import numpy as np
+import pytest
+import scipy.stats
+from transformers import AutoTokenizer
+
+from uvic.lm.data import (
+    BYTE_EOS_ID,
+    TokenDataset,
+    byte_tokenizer,
+    encode_text,
+    load_tokenizer,
+    load_tokens,
+    read_token_bin,
+    unigram_entropy,
+    write_token_bin,
+)
+
+
+TEXT = "Cog attention, négatif: 🙂\n\ttabs and\x00 nulls\nline three\n"
+
+
+def test_byte_tokenizer_ids_are_utf8_bytes(tmp_path):
+    tok = byte_tokenizer()
+    ids = encode_text(TEXT, tok)
+    assert ids.dtype == np.uint16
+    assert ids.tolist() == list(TEXT.encode("utf-8"))
+    assert tok.decode(ids.tolist()) == TEXT
+    assert tok.eos_token_id == BYTE_EOS_ID == len(tok) - 1
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again.encode(TEXT, add_special_tokens=False) == list(TEXT.encode("utf-8"))
+    assert load_tokenizer(str(tmp_path)).encode(TEXT, add_special_tokens=False) == list(TEXT.encode("utf-8"))
+
+
+def test_text_file_with_tokenizer_json(tmp_path):
+    """A user's tokenizers-library tokenizer.json tokenizes the file exactly as the tokenizers library does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted(set(TEXT.split())) + ["[UNK]"]
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text(TEXT * 3, encoding="utf-8")
+    got = load_tokens(tmp_path / "corpus.txt", tokenizer=str(tmp_path / "tokenizer.json"))
+    assert got.tolist() == raw.encode(TEXT * 3).ids
+
+
+def test_bin_round_trip_and_memmap(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 32000, size=1000)
+    write_token_bin(tokens, tmp_path / "train.bin")
+    assert (tmp_path / "train.bin").stat().st_size == 2000  # uint16
+    got = load_tokens(tmp_path / "train.bin")
+    assert isinstance(got, np.memmap) and got.tolist() == tokens.tolist()
+    with pytest.raises(ValueError, match="does not fit in uint16"):
+        write_token_bin(np.array([70000]), tmp_path / "big.bin")
+    write_token_bin(np.array([70000, 1]), tmp_path / "big.bin", dtype="uint32")
+    assert read_token_bin(tmp_path / "big.bin", "uint32").tolist() == [70000, 1]
+    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(ValueError, match="not a multiple"):
+        read_token_bin(tmp_path / "odd.bin")
+
+
+def test_missing_files_and_bad_specs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokens(tmp_path / "none.bin")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokens(tmp_path / "none.txt")
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        load_tokenizer(str(tmp_path / "tok.json"))
+    (tmp_path / "t.txt").write_text("x")
+    with pytest.raises(ValueError, match="unknown token data format"):
+        load_tokens(tmp_path / "t.txt", fmt="parquet")
+
+
+def test_sentencepiece_model_needs_the_package(tmp_path):
+    pytest.importorskip("tokenizers")
+    try:
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+        with pytest.raises(ImportError, match="sentencepiece"):
+            load_tokenizer(str(tmp_path / "tokenizer.model"))
+    else:
+        pytest.skip("sentencepiece is installed; the missing-package message does not apply")
+
+
+def test_token_dataset_windows():
+    tokens = np.arange(100, dtype=np.uint16)
+    ds = TokenDataset(tokens, block_size=16)
+    assert len(ds) == 6  # floor((100 - 16) / 16) + 1
+    assert ds[2]["input_ids"].tolist() == list(range(32, 48))
+    overlap = TokenDataset(tokens, block_size=16, stride=8)
+    assert len(overlap) == 11 and overlap[10]["input_ids"].tolist() == list(range(80, 96))
+    with pytest.raises(IndexError):
+        ds[6]
+    with pytest.raises(ValueError, match="fewer than one block"):
+        TokenDataset(tokens[:10], block_size=16)
+
+
+def test_unigram_entropy_matches_scipy():
+    tokens = np.random.default_rng(1).integers(0, 50, size=5000)
+    assert unigram_entropy(tokens) == pytest.approx(scipy.stats.entropy(np.bincount(tokens)), rel=1e-12)
+
+
+def test_prepare_cli_writes_a_bin_that_loads_back(tmp_path):
+    from uvic.lm.prepare import main
+
+    (tmp_path / "c.txt").write_text(TEXT, encoding="utf-8")
+    main(["--text", str(tmp_path / "c.txt"), "--out", str(tmp_path / "c.bin")])
+    assert load_tokens(tmp_path / "c.bin").tolist() == list(TEXT.encode("utf-8"))

@@ -1,0 +1,58 @@
+"""Representational-collapse probes (paper Sec. 3.2) on a tiny random model: values, CSV, PNG and the CLI."""
+
+import csv
+
+import pytest
+import torch
+
+from uvic.lm.data import byte_tokenizer
+from uvic.lm.probes import main, probe_pair, representation_differences, run_probes
+from uvic.models.cogformer import CogformerForCausalLM, cogformer_config
+
+
+def test_probe_pairs():
+    assert probe_pair("find_a_zero", 3, "Q?") == ("Q?1111", "Q?0111")
+    assert probe_pair("count_ones", 3) == ("1111", "111")
+    with pytest.raises(ValueError, match="unknown probe task"):
+        probe_pair("count_zeros", 3)
+
+
+def test_probe_values_against_hidden_states():
+    """L-inf of the difference of final-position outputs, from the causal LM's own hidden_states output."""
+    torch.manual_seed(0)
+    model = CogformerForCausalLM(cogformer_config("tiny")).eval()
+    tok = byte_tokenizer()
+    rows = representation_differences(model, tok, "count_ones", ns=(3, 6, 12), prompt="n:")
+    assert [r["n"] for r in rows] == [3, 6, 12]
+    for r in rows:
+        x1, x2 = probe_pair("count_ones", r["n"], "n:")
+        with torch.no_grad():
+            y = [model(torch.tensor([tok.encode(x)]), output_hidden_states=True).hidden_states[-1][0, -1] for x in (x1, x2)]
+        d = y[1] - y[0]
+        assert r["linf"] == pytest.approx(d.abs().max().item(), rel=1e-5)
+        assert r["head_linf"] == pytest.approx(d.view(4, 16).abs().amax(-1).mean().item(), rel=1e-5)
+        assert r["rel_linf"] == pytest.approx(r["linf"] / rows[-1]["linf"])
+    assert rows[-1]["rel_linf"] == 1.0
+
+
+def test_run_probes_writes_csv_and_png(tmp_path):
+    torch.manual_seed(0)
+    model = CogformerForCausalLM(cogformer_config("tiny")).eval()
+    rows = run_probes(model, byte_tokenizer(), tmp_path, ns=(2, 5, 10))
+    with open(tmp_path / "probes.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["task"], int(r["n"])) for r in table] == [(t, n) for t in ("find_a_zero", "count_ones") for n in (2, 5, 10)]
+    assert [float(r["rel_linf"]) for r in table] == pytest.approx([r["rel_linf"] for r in rows])
+    assert (tmp_path / "probes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_on_saved_model(tmp_path):
+    torch.manual_seed(0)
+    CogformerForCausalLM(cogformer_config("tiny")).save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    main(["--model", str(tmp_path / "model"), "--out", str(tmp_path / "p"), "--ns", "4,8", "--tasks", "find_a_zero"])
+    with open(tmp_path / "p" / "probes.csv") as f:
+        assert [int(r["n"]) for r in csv.DictReader(f)] == [4, 8]
+    assert (tmp_path / "p" / "probes.png").is_file()
+    with pytest.raises(FileNotFoundError, match="not found"):
+        main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "q")])

@@ -1,0 +1,211 @@
+"""Token data for language-model training: pre-tokenized `.bin` files, text files, and the tokenizers for them.
+
+Two on-disk sources:
+  * a pre-tokenized binary file: a flat array of token ids, uint16 by default (the nanoGPT / Megatron
+    "common" format), read through `np.memmap` so corpora larger than RAM work;
+  * a UTF-8 text file, tokenized on load with a tokenizer the user points to: a `tokenizer.json`
+    (Hugging Face `tokenizers`), a sentencepiece `.model` (needs the `sentencepiece` package), a saved
+    transformers tokenizer directory, or `"byte"`, the built-in byte-level tokenizer (ids 0-255 are the UTF-8
+    bytes, 256 is end-of-text) that needs no files and is used by the tests and the CPU demo.
+
+`TokenDataset` cuts the flat token array into fixed-length windows; a batch is `{"input_ids": (B, L)}` and the
+model shifts the labels (position t predicts token t + 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+logger = logging.getLogger(__name__)
+
+BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-text id
+BYTE_EOS_ID = 256
+_TEXT_CHUNK_CHARS = 1 << 20  # tokenize large text files in ~1M-character pieces, split at line ends
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The reversible byte -> printable-character table of GPT-2's byte-level BPE (as `tokenizers.ByteLevel`)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer():
+    """A transformers fast tokenizer whose ids are the UTF-8 bytes (0-255) plus `<|endoftext|>` = 256.
+
+    It is a real `PreTrainedTokenizerFast` (a byte-level BPE with no merges), so `save_pretrained` writes it next to
+    the model and lm-evaluation-harness / `AutoTokenizer` load it like any other tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    eos = "<|endoftext|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=eos, pad_token=eos)
+    if fast.convert_tokens_to_ids(eos) != BYTE_EOS_ID or len(fast) != BYTE_VOCAB_SIZE:
+        raise RuntimeError(f"byte tokenizer layout changed: eos id {fast.convert_tokens_to_ids(eos)}, size {len(fast)}")
+    return fast
+
+
+class _SentencePieceTokenizer:
+    """The two calls `encode_text` needs, over a sentencepiece model file."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            import sentencepiece
+        except ImportError as err:
+            raise ImportError(
+                f"{path} is a sentencepiece model; install the `sentencepiece` package to use it "
+                "(or convert it to a transformers tokenizer directory / tokenizer.json)"
+            ) from err
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self.sp.get_piece_size()
+        self.eos_token_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode(list(ids))
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def load_tokenizer(spec: str) -> Any:
+    """A tokenizer from `spec`: "byte", a `tokenizer.json`, a sentencepiece `.model`, or a tokenizer directory.
+
+    The result has `encode(text, add_special_tokens=False) -> list[int]`, `decode(ids)` and `len()`.
+    """
+    if spec == "byte":
+        return byte_tokenizer()
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"tokenizer {spec!r} not found: pass 'byte', a tokenizer.json, a sentencepiece .model file, "
+            "or a directory saved with save_pretrained"
+        )
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if path.suffix == ".json":
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    if path.suffix == ".model":
+        return _SentencePieceTokenizer(str(path))
+    raise ValueError(f"cannot tell the tokenizer type of {spec!r}: expected 'byte', *.json, *.model or a directory")
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def encode_text(text: str, tokenizer: Any) -> np.ndarray:
+    """Token ids of `text` as a 1-D uint16 (uint32 for vocabularies over 65536) array; no special tokens added."""
+    ids: list[int] = []
+    start = 0
+    while start < len(text):  # pieces end at a newline so a BPE merge never straddles two pieces
+        end = min(len(text), start + _TEXT_CHUNK_CHARS)
+        if end < len(text):
+            nl = text.rfind("\n", start, end)
+            end = nl + 1 if nl > start else end
+        ids.extend(tokenizer.encode(text[start:end], add_special_tokens=False))
+        start = end
+    return np.asarray(ids, dtype=_token_dtype(len(tokenizer)))
+
+
+def read_text_tokens(path: str | os.PathLike, tokenizer: Any) -> np.ndarray:
+    """Read a UTF-8 text file and tokenize it (see `encode_text`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {path} does not exist")
+    return encode_text(path.read_text(encoding="utf-8"), tokenizer)
+
+
+def write_token_bin(tokens: np.ndarray, path: str | os.PathLike, dtype: str = "uint16") -> None:
+    """Write token ids as a flat binary file of `dtype` (readable by `read_token_bin`)."""
+    dt = np.dtype(dtype)
+    tokens = np.asarray(tokens)
+    if tokens.size and int(tokens.max()) > np.iinfo(dt).max:
+        raise ValueError(f"token id {int(tokens.max())} does not fit in {dt}; write with dtype='uint32'")
+    tokens.astype(dt).tofile(path)
+
+
+def read_token_bin(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
+    """Memory-map a flat binary file of token ids (nanoGPT-style `.bin`) as a read-only 1-D array."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token file {path} does not exist (expected a flat {dtype} array of token ids)")
+    itemsize = np.dtype(dtype).itemsize
+    if path.stat().st_size % itemsize:
+        raise ValueError(f"{path} has {path.stat().st_size} bytes, not a multiple of the {dtype} size {itemsize}")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def load_tokens(path: str | os.PathLike, fmt: str = "auto", tokenizer: str = "byte", dtype: str = "uint16") -> np.ndarray:
+    """Token ids from a `.bin` file (`fmt="bin"`) or a text file tokenized with `tokenizer` (`fmt="text"`).
+
+    `fmt="auto"` picks "bin" for a `.bin` suffix and "text" otherwise.
+    """
+    if fmt == "auto":
+        fmt = "bin" if Path(path).suffix == ".bin" else "text"
+    if fmt == "bin":
+        return read_token_bin(path, dtype)
+    if fmt == "text":
+        return read_text_tokens(path, load_tokenizer(tokenizer))
+    raise ValueError(f"unknown token data format {fmt!r}; expected 'auto', 'bin' or 'text'")
+
+
+class TokenDataset(Dataset):
+    """Fixed-length windows over a flat token array.
+
+    Window i is `tokens[i * stride : i * stride + block_size]`; the default stride is `block_size`
+    (non-overlapping, every token seen once per epoch). Items are `{"input_ids": (block_size,) int64}`.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, stride: int | None = None) -> None:
+        if block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (one input and one target), got {block_size}")
+        self.stride = block_size if stride is None else stride
+        if self.stride < 1:
+            raise ValueError(f"stride must be positive, got {self.stride}")
+        if len(tokens) < block_size:
+            raise ValueError(f"the data has {len(tokens)} tokens, fewer than one block of {block_size}")
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - self.block_size) // self.stride + 1
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} out of range for {len(self)} windows")
+        start = i * self.stride
+        window = np.asarray(self.tokens[start : start + self.block_size], dtype=np.int64)
+        return {"input_ids": torch.from_numpy(window)}
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy (nats) of the empirical unigram distribution of `tokens`: the loss of the best context-free model."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

@@ -1,0 +1,34 @@
+"""Tokenize a UTF-8 text file once into a flat `.bin` of token ids for LM training (a thin CLI).
+
+    python -m uvic.lm.prepare --text corpus.txt --tokenizer tokenizer.json --out data/train.bin
+
+`--tokenizer` is "byte", a tokenizer.json, a sentencepiece .model or a transformers tokenizer directory; ids are
+written as uint16 (uint32 with `--dtype uint32` for vocabularies over 65536), the format `uvic.lm.data` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from uvic.lm.data import load_tokenizer, read_text_tokens, write_token_bin
+
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--tokenizer", default="byte", help="'byte', tokenizer.json, sentencepiece .model or a directory")
+    p.add_argument("--out", required=True, help="output .bin file")
+    p.add_argument("--dtype", default="uint16", choices=["uint16", "uint32"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tokens = read_text_tokens(args.text, load_tokenizer(args.tokenizer))
+    write_token_bin(tokens, args.out, args.dtype)
+    logger.info("wrote %d tokens (%s) to %s", len(tokens), args.dtype, args.out)
+
+
+if __name__ == "__main__":
+    main()
