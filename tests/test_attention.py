@@ -297,3 +297,17 @@ def test_triton_backend_on_cpu_is_a_clear_error(monkeypatch):
         cog_attention(q, k, v, backend="triton")
     # "auto" falls back to the torch backend on CPU.
     torch.testing.assert_close(cog_attention(q, k, v), cog_attention(q, k, v, backend="torch"))
+
+
+@pytest.mark.parametrize("op", [cog_attention, softmax_attention])
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_autocast_bf16(op, backend):
+    # Mixed-precision training: inside autocast, q, k, v come in bf16 and the result stays bf16.
+    q, k, v, do = make_inputs(2, 2, 33, 33, 16, dtype=torch.bfloat16, seed=23)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = op(q, k, v, causal=True, backend=backend)
+    out.backward(do)
+    assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+    expect = cog_f64(q.detach(), k.detach(), v.detach(), causal=True, cog=op is cog_attention)
+    assert (out.double() - expect).abs().max() < 0.05

@@ -363,13 +363,16 @@ def cog_attention(
     _check_inputs(q, k, v, key_padding_mask, scale, backend)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = _resolve_backend(q, k, v, key_padding_mask, backend)
-    if backend == "reference":
-        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
-    if backend == "triton":
-        from uvic.kernels import fused_attention
+    # The op chooses its own compute precision (float32 math on q, k, v as given), so autocast is off inside it:
+    # under autocast q, k, v already carry the low-precision dtype, and the output comes back in that dtype.
+    with torch.autocast(q.device.type, enabled=False):
+        if backend == "reference":
+            return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
+        if backend == "triton":
+            from uvic.kernels import fused_attention
 
-        return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
-    return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, _TILE_ELEMENTS)
+            return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
+        return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, _TILE_ELEMENTS)
 
 
 def softmax_attention(
@@ -400,11 +403,13 @@ def softmax_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = _resolve_backend(q, k, v, key_padding_mask, backend)
     if backend == "reference":
-        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
+        with torch.autocast(q.device.type, enabled=False):  # float32 math, as for cog_attention
+            return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
     if backend == "triton":
         from uvic.kernels import fused_attention
 
-        return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
+        with torch.autocast(q.device.type, enabled=False):
+            return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
     Lq, Lk = q.shape[2], k.shape[2]
     if key_padding_mask is None and (not causal or Lq == Lk):
         # The fast path: no explicit mask, so SDPA can use its fused kernels.
