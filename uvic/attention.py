@@ -17,7 +17,7 @@ Backends (the same semantics in each, tested against `attention_ref` in float64)
                  float per row (the log-sum-exp of |p|) and recomputes the weights in backward.
                  For `softmax_attention` this is `F.scaled_dot_product_attention`.
     "triton"     the fused flash-style kernel in `uvic.kernels` (CUDA only).
-    "auto"       "triton" when the input is on CUDA and inside the kernel's envelope, else "torch".
+    "auto"       "triton" for fp16/bf16 CUDA inputs inside the kernel's envelope, else "torch".
 """
 
 from __future__ import annotations
@@ -327,7 +327,9 @@ def triton_unsupported_reason(
 
 def _resolve_backend(q, k, v, key_padding_mask, backend: str) -> str:
     if backend == "auto":
-        if q.is_cuda and triton_unsupported_reason(q, k, v, key_padding_mask) is None:
+        # fp32 runs on the kernel only with small IEEE tiles (larger ones spill registers), so on CUDA "auto"
+        # gives fp32 to the torch backend; an explicit backend="triton" still accepts it.
+        if q.is_cuda and q.dtype != torch.float32 and triton_unsupported_reason(q, k, v, key_padding_mask) is None:
             return "triton"
         return "torch"
     if backend == "triton":

@@ -1,0 +1,97 @@
+"""Fused Triton kernels for Cog attention (the "triton" backend of `uvic.attention`).
+
+Importing this package does not import triton: `unsupported_reason` checks for it, and the kernels in
+`uvic.kernels.attention` are imported on first use. So `import uvic.kernels` works on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+__all__ = ["SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "fused_attention", "unsupported_reason"]
+
+
+def unsupported_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+) -> str | None:
+    """Why the fused kernel cannot run on these inputs, or None when it can (the envelope of kernels/attention.py).
+
+    Args:
+        q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
+        key_padding_mask: (B, Lk) bool or None.
+    Returns:
+        A short reason, or None.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    tensors = (q, k, v) if key_padding_mask is None else (q, k, v, key_padding_mask)
+    if any(not isinstance(t, torch.Tensor) for t in tensors):
+        return "inputs must be torch tensors"
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    for name, t in zip(("q", "k", "v", "key_padding_mask"), tensors):
+        if not (t.is_cuda or (interpret and t.device.type == "cpu")):
+            return f"{name} is on {t.device}; the kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1)"
+    if len({t.device for t in tensors}) != 1:
+        return "q, k, v and key_padding_mask must be on one device"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (B, nh, L, hd)"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
+    hd = q.shape[-1]
+    if k.shape[-1] != hd or v.shape[-1] != hd:
+        return f"q, k, v must share one head dim, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
+    if hd not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {hd} is not supported (one of {SUPPORTED_HEAD_DIMS})"
+    B, nh, Lq = q.shape[:3]
+    if k.shape[:2] != (B, nh) or v.shape[:3] != k.shape[:3]:
+        return f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if Lq == 0 or k.shape[2] == 0 or B * nh == 0:
+        return "empty input (a zero-sized dimension)"
+    if B * nh > 65535:
+        return f"B * nh = {B * nh} is larger than the kernel grid allows (65535)"
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, k.shape[2]):
+            return "key_padding_mask must be a (B, Lk) bool tensor"
+    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 8:
+        return "the kernel needs compute capability 8.0 or newer (A100/H100 class)"
+    return None
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    cog: bool = True,
+) -> torch.Tensor:
+    """Fused flash-style attention, differentiable; Cog weights (`cog=True`) or softmax weights from the same kernel.
+
+    Args:
+        q: (B, nh, Lq, hd) queries; k, v: (B, nh, Lk, hd); any strides, float16/bfloat16/float32.
+        causal: mask key j for query i when j > i + Lk - Lq (bottom-right aligned).
+        key_padding_mask: (B, Lk) bool, True = the key takes part.
+        scale: multiplies q k^T; defaults to hd ** -0.5.
+        cog: `sign(p) * softmax(|p|)` if True, `softmax(p)` if False.
+    Returns:
+        (B, nh, Lq, hd) in the input dtype; rows with no kept key are zeros (zero gradients).
+    Raises:
+        ValueError: the inputs are outside the kernel's envelope (the message says why).
+    """
+    why = unsupported_reason(q, k, v, key_padding_mask)
+    if why is not None:
+        raise ValueError(f"fused_attention cannot run on these inputs: {why}")
+    from uvic.kernels.ops import fused_attention_impl
+
+    return fused_attention_impl(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=cog)

@@ -1,0 +1,281 @@
+"""Compile the attention kernels ahead of time for sm_80 / sm_90 (no GPU needed) and read their resource usage.
+
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90, 32))` builds PTX and a cubin on a CPU-only
+machine (docs/kernel_math.md Sec. 3(b)). The ptxas shipped with triton is then run with `-v` on that PTX, with the
+flags triton itself uses, to read registers and spill bytes; shared memory is triton's `metadata.shared`.
+
+Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`) is compiled with the mask
+variant that has the most code (causal + key padding mask), in Cog mode and in softmax mode.
+
+    python -m uvic.kernels.aot                 # full report, exit code 1 if any config spills or overflows smem
+    python -m uvic.kernels.aot --arch 90 --dtype bf16 --head-dim 128 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from uvic.kernels.configs import (
+    ARCHS,
+    DTYPES,
+    HEAD_DIMS,
+    KERNELS,
+    SMEM_LIMIT,
+    KernelConfig,
+    candidate_configs,
+    gpu_dot_precision,
+)
+
+
+logger = logging.getLogger(__name__)
+
+_PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One compile job: a kernel in one config, for one architecture, dtype, head dim and mode."""
+
+    kernel: str
+    arch: int
+    dtype: str
+    head_dim: int
+    config: KernelConfig
+    cog: bool = True
+    causal: bool = True
+    has_kpm: bool = True
+    dot_prec: str | None = None  # None: what the launcher uses for this dtype on a GPU
+
+
+@dataclass(frozen=True)
+class Result:
+    """ptxas / triton resource usage of one compiled kernel."""
+
+    spec: Spec
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared: int  # dynamic shared memory in bytes (triton's metadata.shared)
+    compile_s: float
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+    @property
+    def smem_ok(self) -> bool:
+        return self.shared <= SMEM_LIMIT[self.spec.arch]
+
+
+def all_specs(
+    archs=ARCHS, dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=KERNELS, modes=(True, False)
+) -> list[Spec]:  # fmt: skip
+    """Every (kernel, arch, dtype, head dim, candidate config, mode) the autotuner can reach."""
+    specs = []
+    for arch in archs:
+        for dtype in dtypes:
+            for hd in head_dims:
+                for kernel in kernels:
+                    for c in candidate_configs(kernel, arch, dtype, hd):
+                        if kernel == "bwd_pre":  # has no mode or mask switches
+                            specs.append(Spec(kernel, arch, dtype, hd, c, cog=False, causal=False, has_kpm=False))
+                            continue
+                        for cog in modes:
+                            specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog))
+    return specs
+
+
+def _signature(spec: Spec, arg_names: list[str]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as the JIT would specialise a launch on contiguous, 16-byte aligned tensors."""
+    ptr = _PTR[spec.dtype]
+    consts = {"HEAD_DIM": spec.head_dim, "BLOCK_M": spec.config.block_m, "BLOCK_N": spec.config.block_n}
+    if spec.kernel != "bwd_pre":
+        consts.update(CAUSAL=spec.causal, HAS_KPM=spec.has_kpm, COG=spec.cog,
+                      DOT_PREC=spec.dot_prec or gpu_dot_precision(spec.dtype))  # fmt: skip
+    sig, attrs = {}, {}
+    for i, name in enumerate(arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.startswith("stride_") and name.endswith("d"):  # last-dim strides of contiguous inputs are 1
+            sig[name] = "constexpr"
+            consts[name] = 1
+        elif name in ("LSE", "DELTA"):
+            sig[name], attrs[(i,)] = "*fp32", [["tt.divisibility", 16]]
+        elif name == "KPM":
+            sig[name], attrs[(i,)] = "*i8", [["tt.divisibility", 16]]
+        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):  # tensors in the input dtype
+            sig[name], attrs[(i,)] = ptr, [["tt.divisibility", 16]]
+        elif name == "sm_scale":
+            sig[name] = "fp32"
+        elif name.startswith("stride_") and name != "stride_kpmb":  # (b, h, m) strides of (B, nh, L, hd), hd >= 16
+            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+        elif name == "L_BUCKET":
+            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+        else:  # NH, LQ, LK, stride_kpmb: any value
+            sig[name] = "i32"
+    return sig, consts, attrs
+
+
+_USAGE_RE = (re.compile(r"Used (\d+) registers"), re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads"))
+
+
+_PTXAS_FLAGS = ("-lineinfo", "-v", "--regAllocOptLevel=2")  # what triton's make_cubin passes (triton 3.8)
+
+
+def _parse_ptxas_log(log: str) -> tuple[int, int, int] | None:
+    regs, spill = (r.search(log) for r in _USAGE_RE)
+    if regs is None or spill is None:
+        return None
+    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from `ptxas -v` with triton's own flags.
+
+    Memoised on disk next to triton's cache, keyed by the PTX text, the ptxas binary and the flags: ptxas is
+    deterministic, so this only saves re-running it when triton's cache hands back an already compiled kernel.
+    """
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    tool = get_ptxas(arch)
+    memo = _memo_path(ptx, arch)
+    if memo.is_file():
+        return tuple(json.loads(memo.read_text()))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [tool.path, *_PTXAS_FLAGS, f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o",
+               str(Path(tmp) / "k.o")]  # fmt: skip
+        log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    usage = _parse_ptxas_log(log)
+    if usage is None:
+        raise RuntimeError(f"could not parse ptxas -v output:\n{log}")
+    _write_memo(memo, usage)
+    return usage
+
+
+def _memo_path(ptx: str, arch: int) -> Path:
+    """Where the ptxas -v result of this PTX is kept (next to triton's cache), keyed by PTX, ptxas and flags."""
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = get_ptxas(arch)
+    key = hashlib.sha256(f"{tool.path}|{_PTXAS_FLAGS}|{arch}|{ptx}".encode()).hexdigest()
+    return Path(triton.knobs.cache.dir) / "uvic_ptxas_usage" / f"{key}.json"
+
+
+def _write_memo(memo: Path, usage: tuple[int, int, int]) -> None:
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp_file = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp_file.write_text(json.dumps(usage))
+    tmp_file.replace(memo)
+
+
+def compile_spec(spec: Spec) -> Result:
+    """Compile one spec with triton for its GPU target and read ptxas -v's register and spill counts.
+
+    On a fresh compile the counts come from the ptxas run triton does itself (TRITON_DUMP_PTXAS_LOG, set by the
+    worker); when triton's cache already holds the kernel, ptxas -v is run again on the cached PTX.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from uvic.kernels.attention import KERNEL_FNS
+
+    fn = KERNEL_FNS[spec.kernel]
+    sig, consts, attrs = _signature(spec, fn.arg_names)
+    t0 = time.perf_counter()
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(
+            ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs),
+            target=GPUTarget("cuda", spec.arch, 32),
+            options={"num_warps": spec.config.num_warps, "num_stages": spec.config.num_stages},
+        )
+    usage = _parse_ptxas_log(log.getvalue())
+    if usage is None:  # cache hit: triton did not run ptxas
+        usage = _ptxas_usage(compiled.asm["ptx"], spec.arch)
+    else:
+        _memo_path(compiled.asm["ptx"], spec.arch).parent.mkdir(parents=True, exist_ok=True)
+        _write_memo(_memo_path(compiled.asm["ptx"], spec.arch), usage)
+    return Result(spec, *usage, int(compiled.metadata.shared), time.perf_counter() - t0)
+
+
+def _worker_init() -> None:
+    # The kernels must be real @triton.jit functions, not the interpreter's (a test session may have set
+    # TRITON_INTERPRET=1); triton reads the variable when `uvic.kernels.attention` is first imported, which in a
+    # freshly spawned worker happens after this.
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # triton prints ptxas -v's log when it compiles (cache misses)
+
+
+def compile_all(specs: list[Spec], workers: int = 1) -> list[Result]:
+    """Compile many specs in `workers` freshly spawned processes (each compile is single-threaded)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_worker_init) as pool:
+        return list(pool.map(compile_spec, specs, chunksize=2))
+
+
+def format_report(results: list[Result]) -> str:
+    """A fixed-width table: one line per compiled kernel, flagged when it spills or exceeds shared memory."""
+    lines = [f"{'arch':<6}{'dtype':<6}{'hd':>4} {'kernel':<9}{'mode':<8}{'config':<20}{'regs':>5}"
+             f"{'spill st/ld':>13}{'smem KB':>9}{'limit':>7}  flag"]  # fmt: skip
+    for r in results:
+        s = r.spec
+        mode = "-" if s.kernel == "bwd_pre" else ("cog" if s.cog else "softmax")
+        flag = ("SPILL " if r.spills else "") + ("SMEM" if not r.smem_ok else "")
+        lines.append(
+            f"sm_{s.arch:<3}{s.dtype:<6}{s.head_dim:>4} {s.kernel:<9}{mode:<8}{str(s.config):<20}{r.registers:>5}"
+            f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared / 1024:>9.1f}{SMEM_LIMIT[s.arch] // 1024:>7}  {flag}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, choices=ARCHS, action="append", help="default: all")
+    parser.add_argument("--dtype", choices=DTYPES, action="append", help="default: all")
+    parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, action="append", help="default: all")
+    parser.add_argument("--kernel", choices=KERNELS, action="append", help="default: all")
+    parser.add_argument("--cog-only", action="store_true", help="skip the softmax mode")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    specs = all_specs(
+        archs=args.arch or ARCHS,
+        dtypes=args.dtype or DTYPES,
+        head_dims=args.head_dim or HEAD_DIMS,
+        kernels=args.kernel or KERNELS,
+        modes=(True,) if args.cog_only else (True, False),
+    )
+    t0 = time.perf_counter()
+    results = compile_all(specs, workers=args.workers)
+    logger.info(format_report(results))
+    bad = [r for r in results if r.spills or not r.smem_ok]
+    logger.info("%d kernels compiled in %.0f s; %d spill or exceed shared memory", len(results),
+                time.perf_counter() - t0, len(bad))  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "config": str(r.spec.config)} for r in results], indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

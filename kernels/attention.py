@@ -1,0 +1,590 @@
+"""Fused Cog attention (and softmax attention) in Triton: flash-style forward and deterministic backward.
+
+Written for uvic. The structure follows the Triton fused-attention tutorial (python/tutorials/06-fused-attention.py)
+and FlashAttention-2 (online softmax in base 2, one fp32 log-sum-exp per row, recompute in backward, D = rowsum(dO*O)
+preprocessing); the Cog math and its pitfalls are derived in docs/kernel_math.md Sec. 2.
+
+    p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v        (COG=True)
+    attn = softmax(p)                                                           (COG=False, the same kernels)
+
+Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
+    - q, k, v: (B, nh, Lq|Lk, hd) CUDA tensors with any strides (CPU tensors only under TRITON_INTERPRET=1).
+    - dtypes float16, bfloat16, float32 (q, k, v share one). Accumulation is always fp32. For float32 inputs every
+      tl.dot uses input_precision="ieee" (no TF32), so fp32 results match an fp32 reference; this path is for
+      parity and has no tensor-core speed.
+    - head dims 16, 32, 64, 128 (q, k, v share one; 256 is not in the envelope).
+    - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk; causal is bottom-right aligned (key j is
+      masked for query i when j > i + Lk - Lq, as FlashAttention-2); key_padding_mask (B, Lk) bool, True = keep.
+    - any finite scale (a negative scale flips the signs of p, as in the reference).
+Known differences from `uvic.attention.attention_ref`:
+    - rounding: P and dS are cast to the input dtype before their matmuls (as every flash kernel); fp32 math
+      elsewhere. Errors are within 2x those of computing the reference in the input dtype, plus one rounding of
+      the largest value for 16-bit inputs (tests/kernels/interpret_numerics.py).
+    - a row with no kept key gives O = 0, LSE = -inf and zero gradients, like the reference (which zeroes such
+      rows) and `torch._safe_softmax`; the plain softmax formula would give NaN there.
+    - no dropout and no attention bias (no backend of uvic.attention has them).
+Determinism: the backward runs one program per key block for dK/dV (looping over query blocks) and one program
+per query block for dQ (looping over key blocks). No atomics, so gradients are bitwise reproducible for a given
+config (the autotuner's choice can differ between machines).
+Code map: this file holds the @triton.jit kernels and their launchers; `uvic.kernels.ops` registers them as
+torch.library custom ops (fake + autograd, so torch.compile traces them without graph breaks);
+`uvic.kernels.configs` lists the autotune candidates; `uvic.kernels.aot` compiles them for sm_80/sm_90.
+Cautions:
+    - verified here only under the interpreter (numerics) and by AOT compilation for sm_80/sm_90 (ptxas resource
+      usage); the GPU launch path (autotuner, real timings) has not yet run on a GPU in this project.
+    - TRITON_INTERPRET=1 must be set before triton is first imported (triton builds its own @jit helpers then);
+      under the interpreter a fixed small config runs (INTERPRET_CONFIGS) and bf16 dots are done in fp32
+      (exact products, see `_dot`) because the triton 3.8 interpreter's bf16 tl.dot is wrong.
+    - autotuning benchmarks every candidate the first time a (head dim, dtype, causal, mask, length bucket) key
+      is seen, re-running the kernel; the kernels only write their outputs, so this is safe.
+    - the candidates live in `uvic.kernels.configs`; `python -m uvic.kernels.aot` compiles all of them for
+      sm_80 and sm_90 and reports registers, spills and shared memory. Keep that report clean when editing.
+    - Lq and Lk are runtime values (no recompile per length); the autotune key uses a power-of-two bucket.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from uvic.kernels.configs import KernelConfig, all_configs, candidate_configs, gpu_dot_precision
+
+
+LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 (exp2 is one MUFU op)
+
+# Config used under TRITON_INTERPRET=1 (the autotuner benchmarks on a GPU). Small blocks so that short test
+# sequences still cross block boundaries, the causal diagonal and the ragged tail. Tests may override it.
+INTERPRET_CONFIGS: dict[str, KernelConfig] = {
+    "fwd": KernelConfig(32, 16, 4, 1),
+    "bwd_pre": KernelConfig(32, 16, 4, 1),
+    "bwd_dkdv": KernelConfig(16, 32, 4, 1),
+    "bwd_dq": KernelConfig(32, 16, 4, 1),
+}
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr):
+    """tl.dot with fp32 accumulation. DOT_PREC "ieee" (fp32 inputs) or "tf32" (ignored for 16-bit inputs);
+    "upcast" multiplies in fp32 and is used only under the interpreter for bfloat16, whose tl.dot on CPU is
+    wrong in triton 3.8 (it multiplies the raw bf16 bits). Products of bf16 numbers are exact in fp32, so this
+    matches a bf16 MMA with fp32 accumulation."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _scores(qk, scale2, COG: tl.constexpr):
+    """(signed p in base-2 units, the score the softmax sees): |p| for Cog, p for softmax."""
+    p = qk * scale2
+    if COG:
+        s = tl.abs(p)
+    else:
+        s = p
+    return p, s
+
+
+@triton.jit
+def _signed(w, p, COG: tl.constexpr):
+    """sign(p) * w (exact zero where p == 0) for Cog, w for softmax."""
+    if COG:
+        return tl.where(p > 0, w, tl.where(p < 0, -w, 0.0))
+    else:
+        return w
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    COG: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASK:
+            k = tl.load(k_ptrs, mask=cols[:, None] < LK, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < LK, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = _dot(q, tl.trans(k), DOT_PREC)
+        p, s = _scores(qk, scale2, COG)
+        # Masked keys become -inf AFTER the abs (an additive -1e6 before it would become the largest |p|).
+        if MASK:
+            keep = cols[None, :] < LK
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(keep, s, float("-inf"))
+        if HAS_KPM:
+            kpm = tl.load(kpm_base + cols, mask=cols < LK, other=0)
+            s = tl.where(kpm[None, :] != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if COG:
+            m_use = m_new  # starts at 0 and |p| >= 0: always finite, no -inf - -inf
+        else:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        w = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(w, 1)  # the denominator sums the UNSIGNED weights
+        a = _signed(w, p, COG)
+        acc = acc * alpha[:, None] + _dot(a.to(v.dtype), v, DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE, KPM, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_kpmb, NH, LQ, LK, L_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. O, LSE are contiguous."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    off_b = (bh // NH).to(tl.int64)
+    off_h = (bh % NH).to(tl.int64)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    kpm_base = KPM + off_b * stride_kpmb
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < LQ
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+
+    scale2 = sm_scale * 1.4426950408889634
+    diag = LK - LQ  # causal: key j is kept for query i when j <= i + diag
+    if COG:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # max of |p| >= 0; l_i must then start at 0 (not 1)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Keys [0, full_hi) need no mask for any row of this block; [full_hi, hi) get the causal/boundary mask.
+    full_lk = (LK // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        row0 = start_m * BLOCK_M
+        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
+        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
+    else:
+        full_hi = full_lk
+        hi = LK
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
+        BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2,
+        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+    )  # fmt: skip
+
+    # Rows with no kept key: l_i == 0, acc == 0 -> O = 0 and LSE = -inf (backward turns it into weight 0).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    o = acc / l_safe[:, None]
+    o_base = O + bh.to(tl.int64) * LQ * HEAD_DIM
+    tl.store(o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_pre(
+    O, DO, DELTA, LQ, L_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """DELTA = rowsum(dO * O) in fp32; O, DO are contiguous (B*nh, Lq, hd)."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m < LQ
+    off = bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * LQ + offs_m, tl.sum(o * do, 1), mask=ok)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
+    offs_m, offs_n, offs_d, lo, hi, LQ, diag, scale2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Transposed tiles (keys x queries) as in the tutorial: dV += A^T dO, dK += dS^T q (scaled by the caller)."""
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q_ptrs = q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = do_base + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        if MASK:
+            row_ok = rows < LQ
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            m = tl.load(lse_base + rows, mask=row_ok, other=0.0)
+            dlt = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            m = tl.load(lse_base + rows)
+            dlt = tl.load(delta_base + rows)
+        m = tl.where(m == float("-inf"), 0.0, m)  # empty rows: every score is -inf, so every weight is 0
+        qkT = _dot(k, tl.trans(q), DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        pT, sT = _scores(qkT, scale2, COG)
+        if MASK:
+            keep = rows[None, :] < LQ
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= rows[None, :] + diag)
+            sT = tl.where(keep, sT, float("-inf"))
+        if HAS_KPM:
+            sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
+        wT = tl.math.exp2(sT - m[None, :])
+        aT = _signed(wT, pT, COG)
+        dv += _dot(aT.to(do.dtype), do, DOT_PREC)
+        gT = _dot(v, tl.trans(do), DOT_PREC)  # g_ij = dO_i . v_j
+        # dP = A * (sign(p) * g - D); for softmax dP = P * (g - D).
+        if COG:
+            dsT = aT * (tl.where(pT < 0, -gT, gT) - dlt[None, :])
+        else:
+            dsT = wT * (gT - dlt[None, :])
+        dk += _dot(dsT.to(q.dtype), q, DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, LSE, DELTA, KPM, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_kpmb, NH, LQ, LK, L_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_N keys of one (batch, head); loops over query blocks. DO, DK, DV, LSE, DELTA contiguous."""
+    start_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    off_b = (bh // NH).to(tl.int64)
+    off_h = (bh % NH).to(tl.int64)
+    bh64 = bh.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < LK
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=col_ok[:, None], other=0.0)
+    if HAS_KPM:
+        kpm_keep = tl.load(KPM + off_b * stride_kpmb + offs_n, mask=col_ok, other=0) != 0
+    else:
+        kpm_keep = col_ok
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + bh64 * LQ * HEAD_DIM
+    lse_base = LSE + bh64 * LQ
+    delta_base = DELTA + bh64 * LQ
+    scale2 = sm_scale * 1.4426950408889634
+    diag = LK - LQ
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Query blocks: [lo, s1) masked (causal diagonal), [s1, s2) unmasked, [s2, end) masked (ragged tail of Lq).
+    # Keys beyond Lk load as zeros and their dK/dV rows are not stored, so they need no mask here.
+    end = tl.cdiv(LQ, BLOCK_M) * BLOCK_M
+    full_lq = (LQ // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        col0 = start_n * BLOCK_N
+        lo = (tl.maximum(col0 - diag, 0) // BLOCK_M) * BLOCK_M
+        unmasked_from = tl.cdiv(tl.maximum(col0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+        lo = tl.minimum(lo, end)
+        s1 = tl.maximum(lo, tl.minimum(unmasked_from, end))
+    else:
+        lo = 0
+        s1 = 0
+    s2 = tl.maximum(s1, full_lq)
+    dk, dv = _bwd_dkdv_inner(
+        dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
+        offs_m, offs_n, offs_d, lo, s1, LQ, diag, scale2,
+        HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+    )  # fmt: skip
+    dk, dv = _bwd_dkdv_inner(
+        dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
+        offs_m, offs_n, offs_d, s1, s2, LQ, diag, scale2,
+        HEAD_DIM, BLOCK_M, False, CAUSAL, HAS_KPM, COG, DOT_PREC,
+    )  # fmt: skip
+    dk, dv = _bwd_dkdv_inner(
+        dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
+        offs_m, offs_n, offs_d, s2, end, LQ, diag, scale2,
+        HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+    )  # fmt: skip
+    dk = dk * sm_scale  # p = scale * q k^T
+    out_off = bh64 * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    COG: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASK:
+            k = tl.load(k_ptrs, mask=cols[:, None] < LK, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < LK, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = _dot(q, tl.trans(k), DOT_PREC)
+        p, s = _scores(qk, scale2, COG)
+        if MASK:
+            keep = cols[None, :] < LK
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(keep, s, float("-inf"))
+        if HAS_KPM:
+            kpm = tl.load(kpm_base + cols, mask=cols < LK, other=0)
+            s = tl.where(kpm[None, :] != 0, s, float("-inf"))
+        w = tl.math.exp2(s - m[:, None])
+        g = _dot(do, tl.trans(v), DOT_PREC)
+        if COG:
+            a = _signed(w, p, COG)
+            ds = a * (tl.where(p < 0, -g, g) - dlt[:, None])
+        else:
+            ds = w * (g - dlt[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, DQ, LSE, DELTA, KPM, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_kpmb, NH, LQ, LK, L_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. DO, DQ, LSE, DELTA contiguous."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    off_b = (bh // NH).to(tl.int64)
+    off_h = (bh % NH).to(tl.int64)
+    bh64 = bh.to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < LQ
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    io_off = bh64 * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    do = tl.load(DO + io_off, mask=row_ok[:, None], other=0.0)
+    m = tl.load(LSE + bh64 * LQ + offs_m, mask=row_ok, other=0.0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    dlt = tl.load(DELTA + bh64 * LQ + offs_m, mask=row_ok, other=0.0)
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    kpm_base = KPM + off_b * stride_kpmb
+    scale2 = sm_scale * 1.4426950408889634
+    diag = LK - LQ
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    full_lk = (LK // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        row0 = start_m * BLOCK_M
+        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
+        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
+    else:
+        full_hi = full_lk
+        hi = LK
+    dq = _bwd_dq_inner(
+        dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
+        BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC,
+    )  # fmt: skip
+    dq = _bwd_dq_inner(
+        dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2,
+        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+    )  # fmt: skip
+    dq = dq * sm_scale
+    tl.store(DQ + io_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# The kernels by name, for the launcher and for `uvic.kernels.aot`.
+KERNEL_FNS = {"fwd": _attn_fwd, "bwd_pre": _attn_bwd_pre, "bwd_dkdv": _attn_bwd_dkdv, "bwd_dq": _attn_bwd_dq}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch: autotuned on a GPU, a fixed config under the interpreter
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def length_bucket(n: int) -> int:
+    """Autotune key for a sequence length: the next power of two, clamped to [16, 16384]."""
+    return max(16, min(triton.next_power_of_2(n), 16384))
+
+
+def pick_candidates(kernel: str, arch: int, dtype: torch.dtype, head_dim: int, bucket: int) -> list[KernelConfig]:
+    """The configs the autotuner benchmarks for one launch: the candidates of this (arch, dtype, head dim), less
+    tiles longer than the length bucket (keeping the smallest tile when none fits). Always a subset of
+    `candidate_configs`, which is what `uvic.kernels.aot` compiles and checks."""
+    allowed = candidate_configs(kernel, arch, _DTYPE_NAMES[dtype], head_dim)
+    fits = [c for c in allowed if (c.block_n if kernel == "bwd_dkdv" else c.block_m) <= bucket]
+    return fits or [min(allowed, key=lambda c: c.block_m * c.block_n)]
+
+
+def _arch(device: torch.device) -> int:
+    return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
+
+
+def _prune(kernel: str):
+    """early_config_prune hook over `pick_candidates`."""
+
+    def prune(configs, nargs, **kwargs):
+        tensor = nargs["O"] if kernel == "bwd_pre" else nargs["Q"]
+        keep = pick_candidates(kernel, _arch(tensor.device), tensor.dtype, kwargs["HEAD_DIM"], nargs["L_BUCKET"])
+        return [c for c in configs if _to_plain(c) in keep]
+
+    return prune
+
+
+def _to_plain(c: triton.Config) -> KernelConfig:
+    return KernelConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+
+_AUTOTUNED: dict[tuple[str, int], object] = {}
+
+
+def _autotuned(kernel: str, arch: int):
+    """The autotuned wrapper of one kernel for one architecture (created on first use, then cached)."""
+    key = (kernel, arch)
+    if key not in _AUTOTUNED:
+        configs = [
+            triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in all_configs(arch)[kernel]
+        ]
+        tune_key = ["HEAD_DIM", "L_BUCKET"] if kernel == "bwd_pre" else ["HEAD_DIM", "CAUSAL", "HAS_KPM", "COG", "L_BUCKET"]
+        _AUTOTUNED[key] = triton.autotune(configs, key=tune_key, prune_configs_by={"early_config_prune": _prune(kernel)})(
+            KERNEL_FNS[kernel]
+        )
+    return _AUTOTUNED[key]
+
+
+def _launch(kernel: str, device: torch.device, grid_rows: int, grid_blocks_of: str, bh: int, args: tuple, consts: dict):
+    """Launch one kernel: a fixed config under the interpreter, else the autotuned wrapper for this GPU."""
+    if _interpreting():
+        c = INTERPRET_CONFIGS[kernel]
+        block = c.block_n if grid_blocks_of == "BLOCK_N" else c.block_m
+        KERNEL_FNS[kernel][(triton.cdiv(grid_rows, block), bh)](
+            *args, **consts, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages
+        )
+        return
+    fn = _autotuned(kernel, _arch(device))
+    fn[lambda meta: (triton.cdiv(grid_rows, meta[grid_blocks_of]), bh)](*args, **consts)
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: full IEEE fp32 products (tl.dot would otherwise use TF32 on GPU and miss fp32 parity).
+    if dtype == torch.bfloat16 and _interpreting():
+        return "upcast"  # see _dot
+    return gpu_dot_precision(_DTYPE_NAMES[dtype])
+
+
+def _kpm_arg(q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    if key_padding_mask is None:
+        return q.new_empty(1, dtype=torch.int8), 0  # never read (HAS_KPM=False)
+    kpm = key_padding_mask.to(torch.int8).contiguous()
+    return kpm, kpm.stride(0)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    cog: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel. q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), any strides.
+
+    Returns:
+        out: (B, nh, Lq, hd) contiguous, q's dtype; lse: (B, nh, Lq) float32, base-2 log-sum-exp of the
+        (scaled) scores, -inf on rows with no kept key.
+    """
+    B, nh, Lq, hd = q.shape
+    Lk = k.shape[2]
+    out = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, nh, Lq), dtype=torch.float32, device=q.device)
+    kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
+    args = (q, k, v, out, lse, kpm, float(scale), *q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk,
+            length_bucket(max(Lq, Lk)))  # fmt: skip
+    consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog, "DOT_PREC": _dot_prec(q.dtype)}
+    _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts)
+    return out, lse
+
+
+def attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    cog: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the three backward kernels (D preprocess, dK/dV, dQ). Shapes as `attention_forward`; returns dq, dk, dv
+    (contiguous, in the dtype of q, k, v)."""
+    B, nh, Lq, hd = q.shape
+    Lk = k.shape[2]
+    do = do.contiguous()
+    out = out.contiguous()
+    delta = torch.empty((B, nh, Lq), dtype=torch.float32, device=q.device)
+    bucket = length_bucket(max(Lq, Lk))
+    _launch("bwd_pre", q.device, Lq, "BLOCK_M", B * nh, (out, do, delta, Lq, length_bucket(Lq)), {"HEAD_DIM": hd})
+    dq = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, nh, Lk, hd), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, nh, Lk, hd), dtype=v.dtype, device=q.device)
+    kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
+    strides = (*q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk, bucket)
+    consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog, "DOT_PREC": _dot_prec(q.dtype)}
+    _launch("bwd_dkdv", q.device, Lk, "BLOCK_N", B * nh, (q, k, v, do, dk, dv, lse, delta, kpm, float(scale), *strides),
+            consts)  # fmt: skip
+    _launch("bwd_dq", q.device, Lq, "BLOCK_M", B * nh, (q, k, v, do, dq, lse, delta, kpm, float(scale), *strides), consts)
+    return dq, dk, dv

@@ -1,0 +1,182 @@
+"""Side-by-side benchmark of Cog attention against softmax attention (a script, not a test).
+
+    python -m uvic.kernels.bench                      # time + memory, on CUDA if present else CPU
+    python -m uvic.kernels.bench --what time --rounds 30
+    python -m uvic.kernels.bench --what memory
+
+Every number is a ratio measured in the same run: the implementations run round-robin (one call each per round)
+and the reported ratio is the median over rounds of time(impl) / time(softmax) within the round, which stays
+stable on a shared machine where absolute times drift.
+
+Implementations (forward + backward):
+    softmax          `softmax_attention(backend="auto")`: SDPA on CPU, the fused kernel's softmax mode on CUDA
+    cog              `cog_attention(backend="auto")`: the "torch" backend on CPU, the Triton kernel on CUDA
+    cog[torch]       `cog_attention(backend="torch")` (CUDA only; it is "cog" on CPU)
+    cog[reference]   `cog_attention(backend="reference")`: the dense formula, upcast to float32
+    official         the unfused formula of the official U-ViC / Cogformer code, in the input dtype
+    sdpa             `F.scaled_dot_product_attention` (CUDA only: on CPU it is "softmax")
+
+Shapes: U-ViT (B=8, nh=8, L=257 and 334, hd=64) and LM (B=1, nh=12, L=2048, hd=64, causal). Memory: the peak
+extra memory of one forward + backward at L=4096 (CUDA: the allocator's peak; CPU: the process's peak RSS,
+each implementation in a fresh subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from uvic.attention import cog_attention, softmax_attention
+
+
+SHAPES = {
+    # name: (B, nh, L, hd, causal)
+    "uvit-cifar10 (L=257)": (8, 8, 257, 64, False),
+    "uvit-mscoco (L=334)": (8, 8, 334, 64, False),
+    "lm (L=2048, causal)": (1, 12, 2048, 64, True),
+}
+MEMORY_SHAPE = (1, 8, 4096, 64, False)
+
+
+def official_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """The official code's attention (CogAttn: U-ViC/libs/uvit_t2i.py, Cogformer/attention.py), unfused."""
+    p = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    abs_p = torch.abs(p)
+    if causal:
+        L = q.shape[2]
+        mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        abs_p = abs_p.masked_fill(~mask, float("-inf"))
+    attn = torch.sign(p) * F.softmax(abs_p, dim=-1)
+    return attn @ v
+
+
+def implementations(device: torch.device) -> dict[str, Callable]:
+    impls = {
+        "softmax": lambda q, k, v, c: softmax_attention(q, k, v, causal=c),
+        "cog": lambda q, k, v, c: cog_attention(q, k, v, causal=c),
+    }
+    if device.type == "cuda":
+        impls["cog[torch]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="torch")
+        impls["sdpa"] = lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+    impls["cog[reference]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="reference")
+    impls["official"] = lambda q, k, v, c: official_formula(q, k, v, causal=c)
+    return impls
+
+
+def _inputs(shape, device, dtype, seed=0):
+    B, nh, L, hd, _ = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, do = (torch.randn(B, nh, L, hd, device=device, dtype=dtype, generator=g) for _ in range(4))
+    return [t.requires_grad_(i < 3) for i, t in enumerate((q, k, v))] + [do]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fwd_bwd(shape, device, dtype, rounds: int, warmup: int = 2) -> dict[str, dict[str, float]]:
+    """Median ms and median per-round ratio to softmax, forward + backward."""
+    q, k, v, do = _inputs(shape, device, dtype)
+    causal = shape[4]
+    impls = implementations(device)
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for r in range(warmup + rounds):
+        for name, fn in impls.items():
+            q.grad = k.grad = v.grad = None
+            _sync(device)
+            t0 = time.perf_counter()
+            fn(q, k, v, causal).backward(do)
+            _sync(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    base = times["softmax"]
+    B, nh, L, hd, _ = shape
+    flops = 4 * B * nh * L * L * hd * 3.5 * (0.5 if causal else 1.0)  # fwd 2 matmuls + bwd 5 (2.5x fwd)
+    return {
+        name: {
+            "ms": 1e3 * statistics.median(t),
+            "ratio": statistics.median(a / b for a, b in zip(t, base)),
+            "tflops": flops / statistics.median(t) / 1e12,
+        }
+        for name, t in times.items()
+    }
+
+
+def _peak_memory_child(name: str, device_type: str) -> None:
+    """Run in a fresh process: print the peak extra memory (bytes) of one forward + backward of `name`."""
+    device = torch.device(device_type)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fn = implementations(device)[name]
+    # Warm up on a small shape so one-time code loading is not counted.
+    small = (1, 2, 64, MEMORY_SHAPE[3], MEMORY_SHAPE[4])
+    q, k, v, do = _inputs(small, device, dtype)
+    fn(q, k, v, small[4]).backward(do)
+    q, k, v, do = _inputs(MEMORY_SHAPE, device, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn(q, k, v, MEMORY_SHAPE[4]).backward(do)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        fn(q, k, v, MEMORY_SHAPE[4]).backward(do)
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # ru_maxrss is in KiB
+    print(json.dumps({"name": name, "peak_bytes": peak}))
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak extra MiB per implementation at MEMORY_SHAPE, each in its own subprocess."""
+    out = {}
+    for name in implementations(device):
+        cmd = [sys.executable, "-m", "uvic.kernels.bench", "--memory-child", name, "--device", device.type]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out[name] = json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"] / 2**20
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--what", choices=["all", "time", "memory"], default="all")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), help=f"subset of {list(SHAPES)}")
+    p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.memory_child:
+        _peak_memory_child(args.memory_child, args.device)
+        return
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"device={device} dtype={dtype} torch={torch.__version__} threads={torch.get_num_threads()}")
+    if args.what in ("all", "time"):
+        for shape_name in args.shapes:
+            shape = SHAPES[shape_name]
+            res = time_fwd_bwd(shape, device, dtype, args.rounds)
+            print(f"\nforward+backward, {shape_name}: B={shape[0]} nh={shape[1]} L={shape[2]} hd={shape[3]}")
+            print(f"  {'impl':<16}{'median ms':>12}{'x softmax':>12}" + (f"{'TFLOP/s':>10}" if device.type == "cuda" else ""))
+            for name, r in res.items():
+                extra = f"{r['tflops']:>10.1f}" if device.type == "cuda" else ""
+                print(f"  {name:<16}{r['ms']:>12.2f}{r['ratio']:>12.2f}{extra}")
+    if args.what in ("all", "memory"):
+        mem = peak_memory(device)
+        B, nh, L, hd, _ = MEMORY_SHAPE
+        print(f"\npeak extra memory of forward+backward, B={B} nh={nh} L={L} hd={hd}")
+        print(f"  {'impl':<16}{'MiB':>10}{'x cog[reference]':>18}")
+        for name, mib in mem.items():
+            print(f"  {name:<16}{mib:>10.1f}{mib / mem['cog[reference]']:>18.3f}")
+
+
+if __name__ == "__main__":
+    main()

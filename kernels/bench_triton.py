@@ -1,0 +1,94 @@
+"""Benchmark of the fused kernel on CUDA: Cog vs the same kernel's softmax mode vs SDPA's flash backend.
+
+TFLOP/s for forward, backward and forward+backward, bf16, head dims 64 and 128, L from 256 to 16384, causal and
+not, as `triton.testing.perf_report` tables (FLOPs as the Triton tutorial counts them: 4 B nh L^2 hd for the
+forward, halved when causal; backward 2.5x the forward). Needs a CUDA GPU; uvic never imports this module.
+
+    python -m uvic.kernels.bench_triton                 # all tables to stdout
+    python -m uvic.kernels.bench_triton --save-path out # also CSV + PNG per table
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from uvic.kernels import fused_attention
+
+
+PROVIDERS = ["cog", "softmax", "sdpa-flash"]
+LENGTHS = [2**i for i in range(8, 15)]  # 256 .. 16384
+TOKENS = 16384  # B * L is kept at this, so short sequences still fill the GPU
+
+
+def _configs() -> list[triton.testing.Benchmark]:
+    configs = []
+    for hd in (64, 128):
+        for causal in (False, True):
+            for mode in ("fwd", "bwd", "fwd+bwd"):
+                configs.append(
+                    triton.testing.Benchmark(
+                        x_names=["L"],
+                        x_vals=LENGTHS,
+                        line_arg="provider",
+                        line_vals=PROVIDERS,
+                        line_names=PROVIDERS,
+                        styles=[("red", "-"), ("blue", "-"), ("green", "-")],
+                        ylabel="TFLOP/s",
+                        plot_name=f"attention-bf16-hd{hd}-{'causal' if causal else 'full'}-{mode}",
+                        args={"hd": hd, "causal": causal, "mode": mode, "nh": 2048 // hd},
+                    )
+                )
+    return configs
+
+
+def _attention(provider: str):
+    if provider == "cog":
+        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, cog=True)
+    if provider == "softmax":
+        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, cog=False)
+
+    def sdpa(q, k, v, causal):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return sdpa
+
+
+@triton.testing.perf_report(_configs())
+def bench(L: int, hd: int, nh: int, causal: bool, mode: str, provider: str) -> float:
+    """TFLOP/s of one (length, head dim, causal, mode, provider) point."""
+    B = max(1, TOKENS // L)
+    shape = (B, nh, L, hd)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fn = _attention(provider)
+    if mode == "fwd":
+        run = lambda: fn(q, k, v, causal)
+    else:
+        o = fn(q, k, v, causal)
+        do = torch.randn_like(o)
+        if mode == "bwd":
+            run = lambda: o.backward(do, retain_graph=True)
+        else:
+            run = lambda: fn(q, k, v, causal).backward(do)
+    ms = triton.testing.do_bench(run)
+    flops = 4.0 * B * nh * L * L * hd * (0.5 if causal else 1.0)
+    flops *= {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+    return flops * 1e-12 / (ms * 1e-3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--save-path", default="", help="folder for CSV/PNG files (default: print only)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_triton needs a CUDA GPU (torch.cuda.is_available() is False)")
+    bench.run(print_data=True, save_path=args.save_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Autotune candidates of the fused attention kernels, per GPU architecture, dtype and head dim.
+
+This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these configs for sm_80 and sm_90 and
+checks them with ptxas (no register spills, shared memory under the limit), and the autotuner in
+`uvic.kernels.attention` only ever picks from them. Change a list here and the AOT test re-checks it.
+
+Choices follow the register data in docs/kernel_math.md Sec. 3(b): Cog's sign handling costs registers, so the
+128-wide tiles use 8 warps, and the (32, 128, 4 warps) dK/dV tile of the Triton tutorial is left out (it spills).
+Configs that ptxas showed to spill for some dtype/head dim are dropped for that case (comments below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+KERNELS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
+ARCHS = (80, 90)
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = ("fp16", "bf16", "fp32")
+
+# Shared memory per block (bytes) a kernel may use: A100 164 KB, H100 228 KB (227 KB usable per block).
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration: tile sizes (rows of queries, columns of keys), warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"BM{self.block_m}-BN{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+
+
+_C = KernelConfig
+
+# Preprocess (D = rowsum(dO * O)) is memory-bound and tiny; block_n is unused.
+_PRE = [_C(64, 16, 4, 1)]
+
+# 16-bit inputs (fp16 / bf16). Keys: (arch, head dim). Head dims 16 and 32 are cheap at any tile: one config.
+_FWD_16 = {
+    (80, 16): [_C(64, 64, 4, 2)],
+    (80, 32): [_C(64, 64, 4, 2)],
+    (80, 64): [_C(128, 64, 8, 3), _C(64, 64, 4, 3)],
+    (80, 128): [_C(128, 32, 8, 2), _C(64, 64, 4, 2)],  # (128, 64, 8, 2) spills
+    (90, 16): [_C(64, 64, 4, 3)],
+    (90, 32): [_C(64, 64, 4, 3)],
+    (90, 64): [_C(128, 64, 8, 3), _C(128, 128, 8, 3)],
+    (90, 128): [_C(128, 64, 8, 3), _C(128, 128, 8, 2)],
+}
+_DKDV_16 = {
+    (80, 16): [_C(64, 64, 4, 2)],
+    (80, 32): [_C(64, 64, 4, 2)],
+    (80, 64): [_C(32, 128, 8, 2)],  # (64, 64, 4|8 warps) and Cog (32, 64, 4) spill
+    (80, 128): [_C(32, 64, 8, 2), _C(16, 128, 8, 1)],  # (32, 128, 8, 1) and (32, 64, 4, 2) spill
+    (90, 16): [_C(64, 64, 4, 3)],
+    (90, 32): [_C(64, 64, 4, 3)],
+    (90, 64): [_C(64, 128, 8, 3), _C(64, 64, 4, 3)],
+    (90, 128): [_C(32, 128, 8, 2)],  # (64, 64, 4|8 warps) and (32, 64, 4, 2) spill
+}
+_DQ_16 = {
+    (80, 16): [_C(64, 64, 4, 2)],
+    (80, 32): [_C(64, 64, 4, 2)],
+    (80, 64): [_C(128, 32, 8, 2), _C(64, 64, 8, 2)],  # softmax spills at (128, 64, 8) and (64, 64, 4)
+    (80, 128): [_C(64, 64, 8, 2), _C(64, 32, 4, 2)],
+    (90, 16): [_C(64, 64, 4, 3)],
+    (90, 32): [_C(64, 64, 4, 3)],
+    (90, 64): [_C(128, 64, 8, 3), _C(64, 64, 4, 3)],
+    (90, 128): [_C(128, 64, 8, 2), _C(64, 64, 4, 2)],
+}
+# fp32 inputs: IEEE fp32 dots run on the FMA units (no tensor cores), which hold a whole head-dim row of each
+# operand per thread: every 32-64 wide tile with 4 warps spills (up to 7.6 KB at hd 128, and so does tf32x3), so
+# fp32 uses 16 x 16 tiles (48-168 registers). 8 warps, except where ptxas spilled a few bytes with 8 and not with
+# 4 (sm_80 hd 16 dQ, sm_90 hd 64 dK/dV and dQ). A parity path, not a fast one.
+_FP32 = _C(16, 16, 8, 1)
+_FP32_4_WARPS = {(80, 16, "bwd_dq"), (90, 64, "bwd_dkdv"), (90, 64, "bwd_dq")}
+
+
+def gpu_dot_precision(dtype: str) -> str:
+    """tl.dot input_precision the GPU kernels use for an input dtype (ignored by triton for 16-bit inputs)."""
+    return "ieee" if dtype == "fp32" else "tf32"
+
+
+def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list[KernelConfig]:
+    """Every config the autotuner may pick for one kernel on one architecture (sm_80 or sm_90).
+
+    Args:
+        kernel: one of `KERNELS`.
+        arch: compute capability as an int, 80 or 90 (other majors use the nearest: < 90 -> 80, >= 90 -> 90).
+        dtype: "fp16", "bf16" or "fp32".
+        head_dim: 16, 32, 64 or 128.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} not supported; expected one of {HEAD_DIMS}")
+    arch = 90 if arch >= 90 else 80
+    if kernel == "bwd_pre":
+        return list(_PRE)
+    if dtype == "fp32":
+        return [_C(16, 16, 4, 1)] if (arch, head_dim, kernel) in _FP32_4_WARPS else [_FP32]
+    table = {"fwd": _FWD_16, "bwd_dkdv": _DKDV_16, "bwd_dq": _DQ_16}[kernel]
+    return list(table[(arch, head_dim)])
+
+
+def all_configs(arch: int) -> dict[str, list[KernelConfig]]:
+    """Union over dtypes and head dims of the candidates of each kernel (the autotuner's config list)."""
+    out: dict[str, list[KernelConfig]] = {}
+    for kernel in KERNELS:
+        seen: list[KernelConfig] = []
+        for dtype in DTYPES:
+            for hd in HEAD_DIMS:
+                for c in candidate_configs(kernel, arch, dtype, hd):
+                    if c not in seen:
+                        seen.append(c)
+        out[kernel] = seen
+    return out

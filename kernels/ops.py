@@ -1,0 +1,95 @@
+"""torch.library registration of the fused attention kernels (opaque custom ops + fake + autograd).
+
+`torch.compile` traces models that call `uvic::fused_attention_fwd` without graph breaks: the ops are opaque
+to Dynamo, their fake implementations give the output shapes, and `register_autograd` wires the backward op
+(docs/kernel_math.md Sec. 3(c): `triton_op` fails under the interpreter and opcheck's fake-tensor test, `custom_op`
+passes both). The kernels themselves live in `uvic.kernels.attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from uvic.kernels import attention as _kernels
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.library registration (opaque custom ops + fake + autograd: torch.compile traces them without breaks)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("uvic::fused_attention_fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    cog: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels.attention_forward(q, k, v, key_padding_mask, causal, scale, cog)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, key_padding_mask, causal, scale, cog):
+    B, nh, Lq, hd = q.shape
+    return q.new_empty((B, nh, Lq, hd)), q.new_empty((B, nh, Lq), dtype=torch.float32)
+
+
+@torch.library.custom_op("uvic::fused_attention_bwd", mutates_args=())
+def _bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    cog: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kernels.attention_backward(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog)
+
+
+@_bwd_op.register_fake
+def _(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_padding_mask, causal, scale, cog = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+    ctx.causal, ctx.scale, ctx.cog = causal, scale, cog
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale, ctx.cog)
+    return dq, dk, dv, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_attention_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    cog: bool = True,
+) -> torch.Tensor:
+    """Differentiable fused attention through the `uvic::fused_attention_fwd` op. See `uvic.kernels.fused_attention`."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    out, _ = _fwd_op(q, k, v, key_padding_mask, bool(causal), scale, bool(cog))
+    return out

@@ -1,0 +1,58 @@
+"""torch.library registration of the fused kernels: opcheck and torch.compile, under the Triton interpreter (CPU).
+
+Run by test_triton_interpret.py in a subprocess with TRITON_INTERPRET=1. By hand:
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/interpret_library.py -q
+"""
+
+import os
+
+import pytest
+import torch
+
+from uvic.attention import attention_ref, cog_attention
+from uvic.kernels import fused_attention
+from uvic.kernels.ops import _bwd_op, _fwd_op
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.fail("run with TRITON_INTERPRET=1 set before python starts (see the module docstring)", pytrace=False)
+
+
+def _qkv(B=1, nh=2, Lq=19, Lk=23, hd=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, nh, L, hd, generator=g) for L in (Lq, Lk, Lk)]
+
+
+@pytest.mark.parametrize("causal,use_mask", [(False, False), (True, True)])
+def test_opcheck(causal, use_mask):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    kpm = torch.tensor([[True] * 20 + [False] * 3]) if use_mask else None
+    torch.library.opcheck(_fwd_op, (q, k, v, kpm, causal, 0.25, True))
+    with torch.no_grad():
+        out, lse = _fwd_op(q, k, v, kpm, causal, 0.25, True)
+    do = torch.randn_like(out)
+    torch.library.opcheck(_bwd_op, (do, q.detach(), k.detach(), v.detach(), out, lse, kpm, causal, 0.25, True))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """A small attention block compiled with fullgraph=True (a graph break would raise) gives eager's values."""
+    q, k, v = _qkv(Lq=21, Lk=21)
+    proj = torch.nn.Linear(16, 16)
+
+    def block(q, k, v):
+        out = cog_attention(proj(q), k, v, causal=True, backend="triton")
+        return (out * out).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager = block(*leaves)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    leaves_c = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves_c)
+    grads = torch.autograd.grad(out, leaves_c)
+    torch.testing.assert_close(out, eager)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b)
+    # and both agree with the dense reference
+    ref = attention_ref(proj(q), k, v, causal=True)
+    torch.testing.assert_close(fused_attention(proj(q), k, v, causal=True), ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,189 @@
+"""Numerics of the fused kernels under the Triton interpreter (CPU) against the float64 reference.
+
+Run by test_triton_interpret.py in a subprocess with TRITON_INTERPRET=1 (triton decides between compiled and
+interpreted kernels, its own included, when it is first imported). By hand:
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/interpret_numerics.py -q
+
+FlashAttention's rule: the error of the kernel (vs attention_ref in float64) on the output and on dq, dk, dv is at
+most 2x the error of the plain formula computed in the input dtype, plus a small floor: 1e-5 for float32, and
+for 16-bit inputs one rounding (unit roundoff) of the largest reference value. The floor covers short rows (one
+or two kept keys), where dq/dk are small differences of O(1) terms and the kernel's rounding of dS and O to the
+input dtype (as in every flash kernel) differs in pattern from the plain formula's.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.fail("run with TRITON_INTERPRET=1 set before python starts (see the module docstring)", pytrace=False)
+
+import uvic.kernels.attention as kattn
+from uvic.attention import attention_ref, cog_attention, softmax_attention
+from uvic.kernels import fused_attention, unsupported_reason
+from uvic.kernels.configs import KernelConfig
+
+
+def _floor(dtype, ref):
+    if dtype == torch.float32:
+        return 1e-5
+    return 0.5 * torch.finfo(dtype).eps * ref.abs().max().item()
+
+
+def _inputs(B, nh, Lq, Lk, hd, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, nh, Lq, hd, generator=g, dtype=torch.float64)
+    k = torch.randn(B, nh, Lk, hd, generator=g, dtype=torch.float64)
+    v = torch.randn(B, nh, Lk, hd, generator=g, dtype=torch.float64)
+    do = torch.randn(B, nh, Lq, hd, generator=g, dtype=torch.float64)
+    q, k, v, do = (t.to(dtype).to(torch.float64) for t in (q, k, v, do))  # exactly representable in dtype
+    return q, k, v, do
+
+
+def _strided(t, dtype, layout):
+    """t (B, nh, L, hd) float64 -> the same values in dtype (a fresh leaf tensor), laid out as asked."""
+    t = t.detach().clone()
+    if layout == "bshd":  # (B, L, nh, hd) storage, as a fused qkv projection gives
+        return t.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "gapped":  # non-unit last-dim stride
+        big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=dtype)
+        big[..., ::2] = t.to(dtype)
+        return big[..., ::2]
+    return t.to(dtype).contiguous()
+
+
+def _mask(kind, B, Lk, seed=1):
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    kpm = torch.rand(B, Lk, generator=g) > 0.4
+    if kind == "empty_batch" and B > 1:
+        kpm[-1] = False  # every query of the last batch item has no kept key
+    kpm[0, 0] = True
+    return kpm
+
+
+def _run(fn, q, k, v, do, dtype, layout="contiguous", **kw):
+    ts = [_strided(t, dtype, layout).requires_grad_() for t in (q, k, v)]
+    out = fn(*ts, **kw)
+    out.backward(_strided(do, dtype, "contiguous"))
+    return [out.detach().double()] + [t.grad.double() for t in ts]
+
+
+def _check(q, k, v, do, dtype, *, causal, kpm, cog, scale=None, layout="contiguous"):
+    kw = {"causal": causal, "key_padding_mask": kpm, "scale": scale}
+    exact = _run(lambda *a, **k_: attention_ref(*a, cog=cog, **k_), q, k, v, do, torch.float64, **kw)
+    plain = _run(lambda *a, **k_: attention_ref(*a, cog=cog, upcast=False, **k_), q, k, v, do, dtype, **kw)
+    fused = _run(lambda *a, **k_: fused_attention(*a, cog=cog, **k_), q, k, v, do, dtype, layout=layout, **kw)
+    for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
+        assert torch.isfinite(f).all(), f"{name} has NaN/inf"
+        err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
+        assert err <= 2 * err_plain + _floor(dtype, e), f"{name}: fused err {err:.3g} vs plain {dtype} err {err_plain:.3g}"
+    return fused
+
+
+# (B, nh, Lq, Lk, hd, dtype, causal, mask, cog, layout): covers L in {1, 17, 65, 130, 258}, Lq != Lk (incl.
+# Lq = 1 and Lq > Lk with causal rows that see no key), every head dim in fp32 and in 16-bit, both modes.
+CASES = [
+    (1, 2, 1, 1, 16, torch.float32, False, None, True, "contiguous"),
+    (2, 1, 17, 17, 32, torch.float32, True, None, True, "bshd"),
+    (1, 2, 65, 65, 64, torch.float32, False, "empty_batch", True, "contiguous"),
+    (1, 1, 130, 130, 128, torch.float32, True, "partial", True, "gapped"),
+    (2, 1, 65, 17, 32, torch.float32, True, "partial", True, "contiguous"),
+    (1, 2, 17, 130, 64, torch.float32, True, None, False, "contiguous"),
+    (2, 1, 130, 130, 16, torch.float16, True, "empty_batch", True, "contiguous"),
+    (1, 1, 258, 258, 64, torch.bfloat16, True, None, True, "bshd"),
+    (2, 1, 1, 258, 128, torch.float16, True, "partial", True, "contiguous"),
+    (1, 2, 65, 65, 32, torch.bfloat16, False, "partial", True, "contiguous"),
+    (1, 1, 40, 17, 128, torch.bfloat16, False, None, False, "contiguous"),
+    (2, 1, 65, 130, 16, torch.float16, True, "empty_batch", False, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("B,nh,Lq,Lk,hd,dtype,causal,mask,cog,layout", CASES)
+def test_matches_reference(B, nh, Lq, Lk, hd, dtype, causal, mask, cog, layout):
+    q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype)
+    kpm = _mask(mask, B, Lk)
+    _check(q, k, v, do, dtype, causal=causal, kpm=kpm, cog=cog, layout=layout)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_block_sizes(monkeypatch, causal):
+    """Tiles whose sizes differ per kernel (BM > BN and BM < BN) cross the causal diagonal differently."""
+    monkeypatch.setitem(kattn.INTERPRET_CONFIGS, "fwd", KernelConfig(16, 32, 4, 1))
+    monkeypatch.setitem(kattn.INTERPRET_CONFIGS, "bwd_dkdv", KernelConfig(32, 16, 4, 1))
+    monkeypatch.setitem(kattn.INTERPRET_CONFIGS, "bwd_dq", KernelConfig(16, 32, 4, 1))
+    q, k, v, do = _inputs(1, 2, 70, 57, 32, torch.float32, seed=3)
+    _check(q, k, v, do, torch.float32, causal=causal, kpm=_mask("partial", 1, 57), cog=True)
+
+
+def test_exact_zero_scores_and_negative_scale():
+    """sign(0) = 0: zero query/key vectors count in the denominator but not the numerator; scale < 0 flips signs."""
+    q, k, v, do = _inputs(1, 1, 33, 33, 16, torch.float32, seed=4)
+    q[..., 3, :] = 0.0
+    k[..., 5, :] = 0.0
+    _check(q, k, v, do, torch.float32, causal=True, kpm=None, cog=True)
+    _check(q, k, v, do, torch.float32, causal=False, kpm=None, cog=True, scale=-0.3)
+
+
+def test_no_kept_key_gives_exact_zeros():
+    q, k, v, do = _inputs(2, 2, 20, 20, 16, torch.float32, seed=5)
+    kpm = torch.ones(2, 20, dtype=torch.bool)
+    kpm[1] = False
+    out, dq, dk, dv = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, torch.float32,
+                           key_padding_mask=kpm)  # fmt: skip
+    for t in (out, dq, dk, dv):
+        assert torch.equal(t[1], torch.zeros_like(t[1]))
+    assert out[0].abs().sum() > 0
+
+
+def test_backward_is_deterministic():
+    q, k, v, do = _inputs(1, 2, 50, 50, 32, torch.float16, seed=6)
+    first = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, torch.float16, causal=True)
+    second = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, torch.float16, causal=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", [cog_attention, softmax_attention])
+def test_dispatcher_triton_backend_matches_reference(op):
+    q, k, v, do = _inputs(2, 2, 37, 37, 32, torch.float32, seed=7)
+    kpm = _mask("partial", 2, 37)
+    ref = _run(lambda *a, **kw: op(*a, backend="reference", **kw), q, k, v, do, torch.float32, causal=True,
+               key_padding_mask=kpm)  # fmt: skip
+    tri = _run(lambda *a, **kw: op(*a, backend="triton", **kw), q, k, v, do, torch.float32, causal=True,
+               key_padding_mask=kpm)  # fmt: skip
+    for a, b in zip(tri, ref):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_unsupported_reason(monkeypatch):
+    q = torch.randn(1, 2, 8, 32)
+    assert unsupported_reason(q, q, q) is None  # CPU is fine under the interpreter
+    assert "dtype" in unsupported_reason(q.double(), q.double(), q.double())
+    assert "head dim" in unsupported_reason(q[..., :24], q[..., :24], q[..., :24])
+    assert "key_padding_mask" in unsupported_reason(q, q, q, torch.ones(1, 8))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "CUDA" in unsupported_reason(q, q, q)
+    with pytest.raises(ValueError, match="CUDA"):
+        fused_attention(q, q, q)
+    with pytest.raises(ValueError, match="CUDA"):
+        cog_attention(q, q, q, backend="triton")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert unsupported_reason(q, q, q) == "triton is not installed"
+
+
+def test_autotuner_picks_only_checked_candidates():
+    """The prune hook never leaves the candidate list that the AOT test compiles."""
+    from uvic.kernels.configs import candidate_configs
+
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        for arch in (80, 90):
+            for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                for hd in (16, 32, 64, 128):
+                    allowed = candidate_configs(kernel, arch, name, hd)
+                    for bucket in (16, 64, 256, 16384):
+                        picked = kattn.pick_candidates(kernel, arch, dtype, hd, bucket)
+                        assert picked and all(c in allowed for c in picked)
