@@ -179,70 +179,61 @@ def attention_ref(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _tiles(BH: int, Lq: int, Lk: int, nh: int, tile_elements: int) -> list[tuple[slice, slice]]:
-    """Split (B*nh, Lq) into tiles of about `tile_elements` scores: whole heads when they fit, else query blocks.
+def _tiles(B: int, nh: int, Lq: int, Lk: int, tile_elements: int) -> list[tuple[int, slice, slice]]:
+    """Split the (B, nh, Lq) rows into tiles of about `tile_elements` scores, as (batch item, heads, query rows).
 
-    Tiles never straddle a batch item in the head direction unless all heads of it fit (so a (B, Lk) padding
-    mask maps onto each tile with one reshape).
+    A tile holds several whole heads of one batch item when a head fits, else a block of query rows of one head.
+    Tiles never cross a batch item, so q[b, heads, rows] is a strided view that bmm reads without a copy (also
+    for q, k, v sliced out of a fused qkv projection), and a (B, Lk) padding mask needs no regrouping.
     """
     per_head = Lq * Lk
     if per_head <= tile_elements:
-        heads = max(1, min(BH, tile_elements // per_head))
-        if heads >= nh:
-            heads -= heads % nh  # whole batch items
-        else:
-            while nh % heads:  # a divisor of nh, so a tile never crosses a batch item
-                heads -= 1
-        return [(slice(h, min(h + heads, BH)), slice(0, Lq)) for h in range(0, BH, heads)]
+        heads = max(1, min(nh, tile_elements // per_head))
+        return [(b, slice(h, min(h + heads, nh)), slice(0, Lq)) for b in range(B) for h in range(0, nh, heads)]
     rows = max(1, tile_elements // Lk)
-    return [(slice(h, h + 1), slice(r, min(r + rows, Lq))) for h in range(BH) for r in range(0, Lq, rows)]
+    return [(b, slice(h, h + 1), slice(r, min(r + rows, Lq))) for b in range(B) for h in range(nh)
+            for r in range(0, Lq, rows)]
 
 
 def _tile_keep(
-    hs: slice, rs: slice, nh: int, Lq: int, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
+    b: int, rs: slice, Lq: int, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:
-    """Keep-mask for one tile, broadcastable to (heads, rows, Lk)."""
+    """Keep-mask of one tile, broadcastable to (heads, rows, Lk); None when every key is kept."""
     keep = None
-    if causal:
+    if causal and rs.start < Lq - 1:  # otherwise every row of the tile sees all keys (j <= i + Lk - Lq)
         i = torch.arange(rs.start, rs.stop, device=device)
         j = torch.arange(Lk, device=device)
         keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None]  # (1, rows, Lk)
     if kpm is not None:
-        b = torch.arange(hs.start, hs.stop, device=device) // nh
-        k_keep = kpm[b][:, None, :]  # (heads, 1, Lk)
-        keep = k_keep if keep is None else keep & k_keep
+        keep = kpm[b][None, None] if keep is None else keep & kpm[b][None, None]  # (1, 1, Lk)
     return keep
 
 
-def _signed_exp_(s: torch.Tensor, keep: torch.Tensor | None, row_sum: bool) -> tuple[torch.Tensor, ...]:
-    """In place on a score tile s = p (h, r, Lk): E = sign(p) * exp(|p| - m) with m the row max of |p| over kept
-    keys (0 for rows with none); masked keys give 0. Returns (E, sign(p)) plus l = sum_j exp(|p_ij| - m_i) when
-    `row_sum` (exact zeros p = 0 count in l with exp(-m) but have sign 0, so l is taken before the sign)."""
+def _signed_exp_(s: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on a score tile s = p (h, r, Lk): returns (e, sign(p)) with e = exp(|p| - m), m the row max of |p|
+    over kept keys (0 for rows with none); masked keys give e = 0. Exact zeros p = 0 keep e = exp(-m) (they count
+    in the softmax denominator) and sign 0 (no weight)."""
     if keep is not None:
         s.masked_fill_(~keep, 0.0)  # |0| cannot raise the row max, which is >= 0 anyway
     sgn = torch.sign(s)
-    lo, hi = torch.aminmax(s, dim=-1, keepdim=True)
-    m = torch.maximum(hi, lo.neg_())
+    # Two plain reductions: much faster on CPU than torch.aminmax over a dim.
+    m = torch.maximum(s.amax(-1, keepdim=True), s.amin(-1, keepdim=True).neg_())
     e = torch.addcmul(m.neg_(), s, sgn, out=s)  # |p| - m, as s * sign(s) = |s|; exact near the max
     if keep is not None:
         e.masked_fill_(~keep, float("-inf"))
-    e = e.exp_()
-    if row_sum:
-        return e, sgn, e.sum(-1, keepdim=True)
-    return e, sgn
+    return e.exp_(), sgn
 
 
 class _CogAttentionTorch(torch.autograd.Function):
     """Tiled Cog attention with the FlashAttention memory contract (see docs/kernel_math.md Sec. 2).
 
-    Each tile is a group of whole heads (short sequences) or a block of query rows of one head (long ones), so
-    the transient memory is a few tiles of `tile_elements` scores whatever the sequence length, and a tile
-    always holds complete rows.
+    Tiles (see `_tiles`) hold complete query rows, so the transient memory is a few tiles of `tile_elements`
+    scores whatever the sequence length.
 
     Forward saves q, k, v, the output and one float per query row: log l_i, the log-sum-exp of |p_i| relative to
     its row max m_i (LSE_i = m_i + log l_i). Backward recomputes m_i from the same tile, so no precision is lost
     at large |p| (an absolute fp32 LSE near |p| = 1e4 has an ulp of 1e-3, a 1e-3 relative error in every weight).
-    With E = sign(p) * exp(|p| - m) = l * A, every 1/l factor moves onto an (L, hd) tensor:
+    With E = sign(p) * exp(|p| - m) = l * A, every 1/l factor moves onto a (rows, hd) block:
         O = (E v) / l,   dV = A^T dO = E^T (dO / l),   dP = A * (sign(p) * g - D) = (E * (sign(p) * g - D)) / l,
     with g = dO v^T and D = rowsum(dO * O); dQ = scale dP K and dK = scale dP^T Q.
     """
@@ -252,20 +243,19 @@ class _CogAttentionTorch(torch.autograd.Function):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
-        qc = q.to(ct).reshape(B * nh, Lq, hd)  # (B*nh, Lq, hd); copies only if q is not mergeable
-        kt = k.to(ct).reshape(B * nh, Lk, hd).transpose(1, 2)  # (B*nh, hd, Lk)
-        vc = v.to(ct).reshape(B * nh, Lk, hd)
-        out = torch.empty(B * nh, Lq, hd, dtype=ct, device=q.device)
-        row_sum = torch.empty(B * nh, Lq, 1, dtype=ct, device=q.device)
+        qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)  # views when already in the compute dtype
+        out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
+        log_l = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
         zero = q.new_zeros((), dtype=ct)
-        for hs, rs in _tiles(B * nh, Lq, Lk, nh, tile_elements):
-            s = torch.baddbmm(zero, qc[hs, rs], kt[hs], beta=0, alpha=scale)  # p = scale q k^T, (h, r, Lk)
-            keep = _tile_keep(hs, rs, nh, Lq, Lk, causal, key_padding_mask, q.device)
-            e, sgn, row_sum[hs, rs] = _signed_exp_(s, keep, row_sum=True)
-            torch.bmm(e.mul_(sgn), vc[hs], out=out[hs, rs])  # E v, normalised below
-        inv_l = _safe_reciprocal(row_sum)  # rows with no kept key: l = 0, output 0
-        out = (out * inv_l).reshape(B, nh, Lq, hd).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, row_sum.log_(), key_padding_mask)
+        for b, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
+            s = torch.baddbmm(zero, qc[b, hs, rs], kc[b, hs].transpose(1, 2), beta=0, alpha=scale)  # (h, r, Lk)
+            e, sgn = _signed_exp_(s, _tile_keep(b, rs, Lq, Lk, causal, key_padding_mask, q.device))
+            l = e.sum(-1, keepdim=True)  # taken before the sign: exact zeros p = 0 count here
+            o = torch.bmm(e.mul_(sgn), vc[b, hs])  # (h, r, hd) = l * O
+            out[b, hs, rs] = o.mul_(_safe_reciprocal(l))  # rows with no kept key: l = 0, O = 0
+            log_l[b, hs, rs] = l.log_()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, log_l, key_padding_mask)
         ctx.causal, ctx.scale, ctx.tile_elements = causal, scale, tile_elements
         return out
 
@@ -276,32 +266,34 @@ class _CogAttentionTorch(torch.autograd.Function):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
-        inv_l = _safe_reciprocal(log_l.exp())  # (B*nh, Lq, 1); 0 on rows with no kept key
-        qc = q.to(ct).reshape(B * nh, Lq, hd)
-        q_l = qc * (inv_l * scale)  # scale Q / l, for dK = scale dP^T Q
-        kc = k.to(ct).reshape(B * nh, Lk, hd)
-        vt = v.to(ct).reshape(B * nh, Lk, hd).transpose(1, 2)
-        do = dout.to(ct).reshape(B * nh, Lq, hd)
-        do_l = do * inv_l  # dO / l, for dV = E^T (dO / l)
-        D = (do * out.to(ct).reshape(B * nh, Lq, hd)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i)
-        dq = torch.empty_like(qc)
-        dk = torch.zeros_like(kc)
-        dv = torch.zeros_like(kc)
+        qc, kc, vc, do, oc = q.to(ct), k.to(ct), v.to(ct), dout.to(ct), out.to(ct)
+        dq = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
+        dk = torch.empty(B, nh, Lk, hd, dtype=ct, device=q.device)
+        dv = torch.empty(B, nh, Lk, hd, dtype=ct, device=q.device)
         zero = q.new_zeros((), dtype=ct)
-        for hs, rs in _tiles(B * nh, Lq, Lk, nh, ctx.tile_elements):
-            s = torch.baddbmm(zero, qc[hs, rs], kc[hs].transpose(1, 2), beta=0, alpha=scale)
-            keep = _tile_keep(hs, rs, nh, Lq, Lk, causal, key_padding_mask, q.device)
-            e, sgn = _signed_exp_(s, keep, row_sum=False)
+        for b, hs, rs in _tiles(B, nh, Lq, Lk, ctx.tile_elements):
+            s = torch.baddbmm(zero, qc[b, hs, rs], kc[b, hs].transpose(1, 2), beta=0, alpha=scale)
+            e, sgn = _signed_exp_(s, _tile_keep(b, rs, Lq, Lk, causal, key_padding_mask, q.device))
             e.mul_(sgn)  # E = l * A, (h, r, Lk)
-            dv[hs].baddbmm_(e.transpose(1, 2), do_l[hs, rs])  # dV += E^T dO / l
-            g = torch.bmm(do[hs, rs], vt[hs])  # g_ij = dO_i . v_j
-            dp = torch.addcmul(D[hs, rs].neg(), g, sgn, out=g).mul_(e)  # l * dP = E * (sign(p) * g - D)
-            torch.bmm(dp, kc[hs], out=dq[hs, rs])  # l * dQ / scale
-            dk[hs].baddbmm_(dp.transpose(1, 2), q_l[hs, rs])  # dK += scale dP^T Q
-        dq = (dq * (inv_l * scale)).reshape(q.shape).to(q.dtype)
-        dk = dk.reshape(k.shape).to(k.dtype)
-        dv = dv.reshape(v.shape).to(v.dtype)
-        return dq, dk, dv, None, None, None, None
+            inv_l = _safe_reciprocal(log_l[b, hs, rs].exp())  # (h, r, 1); 0 on rows with no kept key
+            do_t = do[b, hs, rs]
+            D = (do_t * oc[b, hs, rs]).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i)
+            first = rs.start == 0  # the first query block of these heads writes dK, dV; later ones accumulate
+            # dV = E^T (dO / l)
+            if first:
+                torch.bmm(e.transpose(1, 2), do_t * inv_l, out=dv[b, hs])
+            else:
+                dv[b, hs].baddbmm_(e.transpose(1, 2), do_t * inv_l)
+            g = torch.bmm(do_t, vc[b, hs].transpose(1, 2))  # g_ij = dO_i . v_j
+            dp = torch.addcmul(D.neg_(), g, sgn, out=g).mul_(e)  # l * dP = E * (sign(p) * g - D)
+            inv_l.mul_(scale)
+            dq[b, hs, rs] = torch.bmm(dp, kc[b, hs]).mul_(inv_l)  # dQ = scale dP K
+            q_l = qc[b, hs, rs] * inv_l  # dK = scale dP^T Q = (l dP)^T (scale Q / l)
+            if first:
+                torch.bmm(dp.transpose(1, 2), q_l, out=dk[b, hs])
+            else:
+                dk[b, hs].baddbmm_(dp.transpose(1, 2), q_l)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
