@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+import torch
+from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput
+
+from uvic.config import DiffusionConfig
+from uvic.models import UViTModel
+from uvic.pipelines import UViCPipeline
+from uvic.pipelines.sampling import generate, sample_to_folder, save_grid
+from uvic.schedulers import build_scheduler
+
+
+TINY = {"img_size": 8, "patch_size": 2, "in_chans": 3, "embed_dim": 16, "depth": 2, "num_heads": 2, "attention": "cog"}
+
+
+def _pipe(sampler="euler_maruyama", **model_kwargs):
+    torch.manual_seed(0)
+    model = UViTModel(**{**TINY, **model_kwargs}).eval()
+    pipe = UViCPipeline(transformer=model, scheduler=build_scheduler(sampler, DiffusionConfig()))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _gens(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_output_types_and_shapes():
+    pipe = _pipe()
+    out = pipe(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="pt")
+    assert isinstance(out, ImagePipelineOutput) and out.images.shape == (2, 3, 8, 8)
+    assert out.images.dtype == torch.float32 and 0 <= out.images.min() and out.images.max() <= 1
+    (np_images,) = pipe(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="np",
+                        return_dict=False)
+    np.testing.assert_allclose(np_images, out.images.permute(0, 2, 3, 1).numpy())
+    pil = pipe(batch_size=1, num_inference_steps=3, output_type="pil").images
+    assert pil[0].size == (8, 8)
+    with pytest.raises(ValueError, match="output_type"):
+        pipe(num_inference_steps=1, output_type="latent")
+    with pytest.raises(ValueError, match="generators"):
+        pipe(batch_size=3, num_inference_steps=1, generator=_gens([0, 1]))
+
+
+@pytest.mark.parametrize("sampler", ["euler_maruyama", "dpm_solver"])
+def test_deterministic_per_seed_and_independent_of_batch(sampler):
+    pipe = _pipe(sampler)
+    a = pipe(batch_size=3, num_inference_steps=4, generator=_gens([5, 6, 7]), output_type="pt").images
+    b = pipe(batch_size=3, num_inference_steps=4, generator=_gens([5, 6, 7]), output_type="pt").images
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    alone = pipe(batch_size=1, num_inference_steps=4, generator=_gens([6]), output_type="pt").images
+    torch.testing.assert_close(alone[0], a[1], rtol=1e-5, atol=1e-6)
+    other = pipe(batch_size=1, num_inference_steps=4, generator=_gens([8]), output_type="pt").images
+    assert (other[0] - a[1]).abs().max() > 1e-3
+
+
+def test_latents_are_the_starting_noise():
+    pipe = _pipe("dpm_solver")  # deterministic sampler: the output is a function of x_T only
+    x_t = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+    a = pipe(latents=x_t, num_inference_steps=3, output_type="pt").images
+    b = pipe(num_inference_steps=3, batch_size=2, generator=torch.Generator().manual_seed(3), output_type="pt").images
+    torch.testing.assert_close(a, b)
+
+
+def test_save_load_round_trip(tmp_path):
+    pipe = _pipe("dpm_solver", attention="cog")
+    pipe.save_pretrained(tmp_path)
+    loaded = UViCPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert loaded.transformer.config.attention == "cog"
+    public = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+    assert type(loaded.scheduler) is type(pipe.scheduler)
+    assert public(loaded.scheduler.config) == public(pipe.scheduler.config)
+    a = pipe(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="pt").images
+    b = loaded(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="pt").images
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    generic = DiffusionPipeline.from_pretrained(tmp_path, custom_pipeline="pipeline_uvic", trust_remote_code=True)
+    assert isinstance(generic, UViCPipeline)
+
+
+def test_stock_discrete_scheduler_and_class_labels():
+    torch.manual_seed(0)
+    model = UViTModel(**{**TINY, "num_classes": 3}).eval()
+    pipe = UViCPipeline(model, DDIMScheduler(num_train_timesteps=1000))
+    pipe.set_progress_bar_config(disable=True)
+    a = pipe(batch_size=2, num_inference_steps=3, class_labels=[0, 2], generator=_gens([0, 1]), output_type="pt")
+    b = pipe(batch_size=2, num_inference_steps=3, class_labels=[1, 2], generator=_gens([0, 1]), output_type="pt")
+    assert (a.images[0] - b.images[0]).abs().max() > 0  # the label reaches the model
+    torch.testing.assert_close(a.images[1], b.images[1])
+    with pytest.raises(ValueError, match="class-conditional"):
+        pipe(batch_size=1, num_inference_steps=1)
+    with pytest.raises(ValueError, match=r"class labels must be in \[0, 3\)"):
+        pipe(batch_size=1, num_inference_steps=1, class_labels=[3])
+    with pytest.raises(ValueError, match="not class-conditional"):
+        _pipe()(batch_size=1, num_inference_steps=1, class_labels=[0])
+
+
+def test_folder_sampling_is_sharded_and_resumable(tmp_path):
+    from PIL import Image
+
+    pipe = _pipe("dpm_solver")
+    n = sample_to_folder(pipe, tmp_path / "one", 5, seed=10, batch_size=5, num_inference_steps=2)
+    assert n == 5
+    for rank in range(2):  # two "processes", another batch size
+        sample_to_folder(pipe, tmp_path / "two", 5, seed=10, batch_size=2, num_inference_steps=2,
+                         process_index=rank, num_processes=2)
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == [f"{i:06d}.png" for i in range(5)] == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
+        a = np.asarray(Image.open(tmp_path / "one" / name)).astype(int)
+        b = np.asarray(Image.open(tmp_path / "two" / name)).astype(int)
+        assert np.abs(a - b).max() <= 1  # same seed -> same image, up to uint8 rounding of fp noise
+    (tmp_path / "one" / "000003.png").unlink()
+    assert sample_to_folder(pipe, tmp_path / "one", 5, seed=10, batch_size=5, num_inference_steps=2) == 1
+    grid = save_grid(generate(pipe, [0, 1, 2], 2, 2), tmp_path / "g.png")
+    assert Image.open(grid).size == (2 * (8 + 2) + 2, 2 * (8 + 2) + 2)

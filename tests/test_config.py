@@ -1,0 +1,85 @@
+import dataclasses
+import inspect
+import typing
+
+import pytest
+import yaml
+
+from uvic.config import Config, UViTConfig, config_from_dict, load_config
+from uvic.models import UViTModel
+
+
+def test_model_config_fields_are_the_model_kwargs():
+    params = [p for p in inspect.signature(UViTModel.__init__).parameters if p != "self"]
+    assert [f.name for f in dataclasses.fields(UViTConfig)] == params
+    # and the model accepts the config as is
+    model = UViTModel(**{**dataclasses.asdict(UViTConfig()), "embed_dim": 16, "depth": 2, "num_heads": 2,
+                         "img_size": 8})
+    assert model.config.attention == "cog"
+
+
+def test_defaults_are_the_official_cifar10_recipe():
+    cfg = Config()
+    t = cfg.train
+    assert (t.lr, t.weight_decay, t.betas, t.warmup_steps, t.batch_size, t.ema_decay) == (
+        2e-4, 0.03, (0.99, 0.999), 2500, 128, 0.9999)
+    assert t.lr_schedule == "constant" and t.grad_clip == 0.0 and t.max_steps == 500_000
+    assert cfg.diffusion.schedule == "vpsde" and (cfg.diffusion.beta_min, cfg.diffusion.beta_max) == (0.1, 20.0)
+    m = cfg.model
+    assert (m.img_size, m.patch_size, m.embed_dim, m.depth, m.num_heads, m.qkv_bias, m.mlp_time_embed) == (
+        32, 2, 512, 12, 8, False, False)
+    assert cfg.data.random_flip
+
+
+def test_yaml_deltas_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  depth: 13\ntrain:\n  lr: 1e-4\n  betas: [0.9, 0.9]\n")
+    cfg = load_config(p, ["train.batch_size=64", "model.attention=softmax", "train.mixed_precision=bf16"])
+    assert cfg.model.depth == 13 and cfg.train.lr == 1e-4 and cfg.train.betas == (0.9, 0.9)
+    assert cfg.train.batch_size == 64 and cfg.model.attention == "softmax" and cfg.train.mixed_precision == "bf16"
+    assert cfg.model.embed_dim == 512  # untouched default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.lr = 1.0
+
+
+def test_to_yaml_round_trips():
+    cfg = load_config(None, ["model.clip_dim=768", "train.lr=3e-4"])
+    assert config_from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("train.lrr=1", "unknown config key.*train.lrr"),
+        ("nosection.x=1", "unknown config key.*nosection"),
+        ("train.batch_size=1.5", "train.batch_size: expected int"),
+        ("train.batch_size=abc", "train.batch_size: expected int"),
+        ("model.qkv_bias=1", "model.qkv_bias: expected bool"),
+        ("model.attention=linear", "model.attention.*not one of"),
+        ("train.betas=[0.9]", "train.betas: expected a list of 2"),
+        ("train.lr=fast", "train.lr"),
+        ("train=3", "train must be a mapping"),
+        ("novalue", "must look like section.key=value"),
+    ],
+)
+def test_bad_keys_and_types_are_errors(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [override])
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    uvit = load_config(root / "cifar10_uvit_s2.yaml")
+    uvic = load_config(root / "cifar10_uvic_s2.yaml")
+    assert uvit.model.attention == "softmax" and uvic.model.attention == "cog"
+    assert dataclasses.replace(uvit.model, attention="cog") == uvic.model
+    demo = load_config(root / "demo_digits.yaml")
+    assert demo.data.name == "digits" and demo.model.in_chans == 1
+    assert typing.get_type_hints(UViTConfig)["attention"] is not None

@@ -1,0 +1,34 @@
+import numpy as np
+import pytest
+from PIL import Image
+
+
+@pytest.fixture
+def image_dir(tmp_path):
+    """Ten 8x8 RGB PNGs: with a global batch of 4 an epoch is 2 batches, so short runs cross epochs."""
+    d = tmp_path / "images"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(10):
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    return d
+
+
+@pytest.fixture
+def tiny_overrides():
+    """The function `(run_dir, image_dir, **extra) -> dotted overrides` of a tiny run."""
+    return _tiny_overrides
+
+
+def _tiny_overrides(run_dir, image_dir, **extra):
+    """Dotted overrides for a seconds-long CPU run of a 2-block U-ViC on 8x8 images."""
+    base = {
+        "model.img_size": 8, "model.patch_size": 2, "model.embed_dim": 16, "model.depth": 2, "model.num_heads": 2,
+        "data.name": "image_folder", "data.root": str(image_dir), "data.image_size": 8, "data.num_workers": 0,
+        "train.run_dir": str(run_dir), "train.batch_size": 4, "train.max_steps": 4, "train.warmup_steps": 2,
+        "train.lr": 1e-3, "train.ema_decay": 0.9, "train.log_every": 1, "train.sample_every": 0,
+        "train.save_every": 2, "train.log_with": "none", "train.cpu_threads": 1,
+        "sample.num_images": 4, "sample.num_inference_steps": 2,
+    }  # fmt: skip
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

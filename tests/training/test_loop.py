@@ -1,0 +1,127 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from uvic.config import load_config
+from uvic.pipelines import UViCPipeline
+from uvic.training import train
+from uvic.training.checkpoint import list_checkpoints
+from uvic.training.loop import lr_lambda
+from uvic.training.tasks import DiffusionTask
+
+
+def _weights(ckpt):
+    return load_file(str(ckpt / "model.safetensors")), load_file(str(ckpt / "ema.safetensors"))
+
+
+def test_train_writes_config_checkpoints_samples_and_pipeline(tmp_path, image_dir, tiny_overrides):
+    run = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(run, image_dir, **{"train.sample_every": 4, "train.log_with": "tensorboard",
+                                                            "train.keep_checkpoints": 1}))
+    train(cfg)
+    assert load_config(run / "config.yaml") == cfg  # the resolved config, reloadable
+    ckpts = list_checkpoints(run)
+    assert [s for s, _ in ckpts] == [4]  # rotated to keep_checkpoints=1
+    assert load_config(ckpts[0][1] / "config.yaml") == cfg
+    assert json.loads((ckpts[0][1] / "meta.json").read_text()) == {"step": 4}
+    assert (run / "samples" / "step_0000004.png").is_file() and (run / "loss_curve.png").is_file()
+    assert list(run.glob("train/events.out.tfevents*"))  # tensorboard tracker
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    pipe = UViCPipeline.from_pretrained(run / "pipeline")
+    assert pipe.transformer.config.attention == "cog" and pipe.transformer.config.img_size == 8
+    # the exported transformer holds the EMA weights of the last checkpoint
+    _, ema = _weights(ckpts[0][1])
+    for k, v in pipe.transformer.state_dict().items():
+        torch.testing.assert_close(v, ema[k], rtol=0, atol=0)
+
+
+def test_lr_schedule():
+    f = lr_lambda(2500, "constant", 10_000, 0.0)
+    assert [f(0), f(1250), f(2500), f(9999)] == [0.0, 0.5, 1.0, 1.0]  # U-ViT: min(s / 2500, 1)
+    g = lr_lambda(10, "cosine", 110, 0.1)
+    assert g(5) == 0.5 and g(10) == pytest.approx(1.0) and g(60) == pytest.approx(0.55) and g(110) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_is_exact(tmp_path, image_dir, tiny_overrides, accum):
+    extra = {"train.grad_accum_steps": accum, "train.max_steps": 5, "train.save_every": 3}
+    full = tmp_path / "full"
+    train(load_config(None, tiny_overrides(full, image_dir, **extra)))
+    part = tmp_path / "part"
+    train(load_config(None, tiny_overrides(part, image_dir, **{**extra, "train.max_steps": 3})))
+    train(load_config(None, tiny_overrides(part, image_dir, **extra, **{"train.resume": "latest"})))
+    # 5 steps x 4 images over 2-batch epochs: the resume at step 3 starts in the middle of an epoch.
+    a_model, a_ema = _weights(list_checkpoints(full)[-1][1])
+    b_model, b_ema = _weights(list_checkpoints(part)[-1][1])
+    for k in a_model:
+        torch.testing.assert_close(a_model[k], b_model[k], rtol=0, atol=0)
+        torch.testing.assert_close(a_ema[k], b_ema[k], rtol=0, atol=0)
+    a_opt = torch.load(list_checkpoints(full)[-1][1] / "optimizer.bin", weights_only=True)
+    b_opt = torch.load(list_checkpoints(part)[-1][1] / "optimizer.bin", weights_only=True)
+    for i, st in a_opt["state"].items():
+        torch.testing.assert_close(st["exp_avg_sq"], b_opt["state"][i]["exp_avg_sq"], rtol=0, atol=0)
+
+
+def test_refuses_to_overwrite_a_run_without_resume(tmp_path, image_dir, tiny_overrides):
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 2})))
+    with pytest.raises(ValueError, match="already has checkpoints.*--resume"):
+        train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 2})))
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch):
+    import uvic.training.checkpoint as ckpt_mod
+
+    run = tmp_path / "run"
+    real_save_file, calls = ckpt_mod.save_file, []
+
+    def crashing_save_file(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second checkpoint dies half-written
+            raise KeyboardInterrupt("simulated crash")
+        return real_save_file(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", crashing_save_file)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, tiny_overrides(run, image_dir)))
+    assert [s for s, _ in list_checkpoints(run)] == [2]
+    assert (run / "checkpoints" / ".tmp-step_000000004").is_dir()  # the partial one, ignored
+    monkeypatch.setattr(ckpt_mod, "save_file", real_save_file)
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest"})))
+    assert [s for s, _ in list_checkpoints(run)] == [2, 4]
+    assert not (run / "checkpoints" / ".tmp-step_000000004").exists()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch):
+    real_loss, calls = DiffusionTask.loss, []
+
+    def loss(self, model, batch, rng):
+        calls.append(1)
+        out = real_loss(self, model, batch, rng)
+        return out * float("nan") if len(calls) == 3 else out
+
+    monkeypatch.setattr(DiffusionTask, "loss", loss)
+    run = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"NaN or Inf at or before step 3.*step_000000002"):
+        train(load_config(None, tiny_overrides(run, image_dir)))
+    assert [s for s, _ in list_checkpoints(run)] == [2]
+    assert not (run / "pipeline").exists()
+
+
+def test_unreadable_checkpoint_is_a_clear_error(tmp_path, image_dir, tiny_overrides):
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 2})))
+    ckpt = list_checkpoints(run)[-1][1]
+    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="step_000000002 is unreadable"):
+        train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest"})))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(load_config(None, tiny_overrides(tmp_path / "r2", image_dir, **{"train.resume": str(tmp_path)})))
+
+
+def test_model_and_data_shape_mismatch_is_a_clear_error(tmp_path, image_dir, tiny_overrides):
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", image_dir, **{"model.in_chans": 1}))
+    with pytest.raises(ValueError, match=r"images of shape \(3, 8, 8\).*\(1, 8, 8\)"):
+        train(cfg)

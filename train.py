@@ -1,0 +1,51 @@
+"""Train a U-ViT / U-ViC (or another registered task) from a YAML config of deltas.
+
+    accelerate launch train.py configs/cifar10_uvic_s2.yaml train.batch_size=64
+    accelerate launch train.py configs/cifar10_uvic_s2.yaml --resume      # continue the run in train.run_dir
+    python train.py configs/demo_digits.yaml                              # the CPU demo
+    python train.py configs/cifar10_uvic_s2.yaml --dry-run                # print the resolved config
+    python train.py configs/cifar10_uvic_s2.yaml --export [CHECKPOINT]    # EMA -> run_dir/pipeline, no training
+"""
+
+import argparse
+import logging
+import sys
+
+from uvic.config import load_config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML file of deltas from the defaults in uvic/config.py")
+    p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.lr=2e-4 model.depth=13")
+    p.add_argument("-n", "--dry-run", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the latest checkpoint of train.run_dir, or from the given checkpoint dir")
+    p.add_argument("--export", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="export the EMA weights of a checkpoint (default: the latest) to run_dir/pipeline and exit")
+    args = p.parse_args()
+    overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+    if args.dry_run:
+        print(cfg.to_yaml(), end="")
+        return
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        if args.export:
+            from uvic.training.tasks import export_checkpoint
+
+            source = cfg.train.run_dir if args.export == "latest" else args.export
+            print(export_checkpoint(source, f"{cfg.train.run_dir}/pipeline"))
+            return
+        from uvic.training import train
+
+        train(cfg)
+    except (FileNotFoundError, ValueError, FloatingPointError) as e:  # bad input or a diverged run: the message
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""One config schema for training and sampling: frozen dataclasses, YAML deltas and dotted overrides.
+
+    cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
+    model = UViTModel(**dataclasses.asdict(cfg.model))
+
+The dataclass defaults are the official CIFAR-10 U-ViT-S/2 recipe (U-ViT `configs/cifar10_uvit_small.py`,
+see docs/uvit_reference.md sections 2.1 and 4); `configs/*.yaml` files hold only what differs. Unknown keys and
+values of the wrong type are errors that name the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+@dataclass(frozen=True)
+class UViTConfig:
+    """`UViTModel.__init__` keyword arguments, field for field (a test pins the two together)."""
+
+    img_size: int = 32
+    patch_size: int = 2
+    in_chans: int = 3
+    embed_dim: int = 512
+    depth: int = 12
+    num_heads: int = 8
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = False
+    mlp_time_embed: bool = False
+    num_classes: int = -1
+    clip_dim: int | None = None
+    num_clip_token: int = 77
+    conv: bool = True
+    skip: bool = True
+    # U-ViC: Cog attention in every block but the first and last executed ones (paper Sec. 4).
+    attention: Literal["softmax", "cog"] = "cog"
+    attention_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    """The forward process the model is trained on; it decides the loss and which samplers apply.
+
+    `schedule="vpsde"`: continuous VP-SDE, beta(t) = beta_min + t (beta_max - beta_min), t ~ U(0, 1), the
+    network sees `time_scale * t` (U-ViT CIFAR-10). `schedule="discrete"`: DDPM with `num_train_timesteps`
+    steps and diffusers' beta schedules; the network sees the diffusers timestep t in [0, T - 1].
+    """
+
+    schedule: Literal["vpsde", "discrete"] = "vpsde"
+    beta_min: float = 0.1
+    beta_max: float = 20.0
+    time_scale: float = 999.0
+    num_train_timesteps: int = 1000
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear"
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which dataset (`name`: "cifar10" | "image_folder" | "digits") and how it is read."""
+
+    name: str = "cifar10"
+    root: str = "data/cifar10"
+    image_size: int = 32
+    # Random horizontal flip, drawn on the training device from the run's seeded generator.
+    random_flip: bool = True
+    download: bool = True
+    num_workers: int = 2
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, checkpointing and logging. `batch_size` is global: per process x processes x accumulation."""
+
+    run_dir: str = "runs/cifar10_uvic_s2"
+    seed: int = 1234
+    max_steps: int = 500_000
+    batch_size: int = 128
+    grad_accum_steps: int = 1
+    # None: whatever `accelerate launch --mixed_precision` / the accelerate config says.
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None
+    lr: float = 2e-4
+    weight_decay: float = 0.03
+    betas: tuple[float, float] = (0.99, 0.999)
+    adam_eps: float = 1e-8
+    warmup_steps: int = 2500
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 0.0
+    ema_decay: float = 0.9999
+    gradient_checkpointing: bool = False
+    allow_tf32: bool = True
+    # torch.set_num_threads for CPU runs; 0 keeps torch's default (one per core).
+    cpu_threads: int = 0
+    log_every: int = 10
+    sample_every: int = 5000
+    save_every: int = 50_000
+    keep_checkpoints: int = 3
+    log_with: Literal["tensorboard", "none"] = "tensorboard"
+    # "" starts fresh (and refuses a run_dir that already has checkpoints), "latest" or a checkpoint path.
+    resume: str = ""
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """Sampling during training (grids) and the default sampler of the exported pipeline."""
+
+    sampler: Literal["euler_maruyama", "dpm_solver", "ddpm", "ddim"] = "dpm_solver"
+    num_inference_steps: int = 50
+    num_images: int = 64
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one run needs. `task` picks the training task (see `uvic.training.tasks`)."""
+
+    task: str = "diffusion"
+    model: UViTConfig = field(default_factory=UViTConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (tuples become lists), the form stored in run dirs and checkpoints."""
+        return _plain(dataclasses.asdict(self))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML deltas at `path`, then dotted `key=value` overrides (values parsed as YAML).
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: an unknown key, a value of the wrong type, or a malformed override.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        node = data
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build a `Config` from a (possibly partial) nested dict, checking every key and type."""
+    return _build(Config, data, prefix="")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys in {where}: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, prefix + name + ".")
+        else:
+            kwargs[name] = _coerce(value, hint, prefix + name)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Return `value` checked against the type `hint` (ints are accepted for floats, lists for tuples)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"config key {key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in args:
+            try:
+                return _coerce(value, option, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"config key {key}: {value!r} does not match {hint} ({'; '.join(errors)})")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ValueError(f"config key {key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if hint is type(None):
+        if value is not None:
+            raise ValueError(f"config key {key}: expected null, got {value!r}")
+        return None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads `2e-4` (no dot) as a string; accept any spelling Python reads as a float.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint in (int, float, str, bool):
+        if type(value) is not hint:
+            raise ValueError(f"config key {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise ValueError(f"config key {key}: unsupported type {hint}")  # a schema bug, not a user error

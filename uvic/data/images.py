@@ -1,0 +1,154 @@
+"""Image datasets for unconditional diffusion: CIFAR-10, a folder of images, and scikit-learn's 8x8 digits.
+
+Items are `{"x": (C, H, W) float32 in [-1, 1], "label": () int64}` (U-ViT's `ToTensor` + `Normalize(0.5, 0.5)`).
+Random flips are not applied here: the training task draws them on the device from the run's seeded generator,
+so that they resume exactly and do not depend on data-loader workers.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+_CIFAR_DIR = "cifar-10-batches-py"
+_CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
+
+
+def _to_model_range(images_uint8: np.ndarray) -> torch.Tensor:
+    """(N, H, W, C) uint8 -> (N, C, H, W) float32 in [-1, 1]."""
+    return torch.from_numpy(images_uint8).permute(0, 3, 1, 2).float().div(127.5).sub(1.0).contiguous()
+
+
+class _TensorImages(Dataset):
+    """Images held in memory as one (N, C, H, W) tensor in [-1, 1], with (N,) labels."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+        self.channels = images.shape[1]
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.images[i], "label": self.labels[i]}
+
+
+class Cifar10(_TensorImages):
+    """The CIFAR-10 training split (50,000 32x32 RGB images), read from the python-pickle batches.
+
+    Args:
+        root: folder that holds (or will hold) `cifar-10-batches-py/data_batch_{1..5}`.
+        download: fetch the archive with torchvision when the batches are missing.
+    Raises:
+        FileNotFoundError: the batches are missing and could not be downloaded; the message says where to put them.
+    """
+
+    def __init__(self, root: str | Path, download: bool = True) -> None:
+        folder = Path(root) / _CIFAR_DIR
+        files = [folder / f"data_batch_{i}" for i in range(1, 6)]
+        if not all(f.is_file() for f in files) and download:
+            _download_cifar10(Path(root))
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"CIFAR-10 not found: {folder} lacks {missing}. Download {_CIFAR_URL} and extract it into {root} "
+                f"(so that {folder}/data_batch_1 exists), or set data.download=true on a machine that is online."
+            )
+        data, labels = [], []
+        for f in files:
+            try:
+                with open(f, "rb") as fh:
+                    batch = pickle.load(fh, encoding="latin1")
+                data.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+                labels.extend(batch["labels"])
+            except Exception as e:  # noqa: BLE001 - any parse failure means the same thing to the user
+                raise ValueError(f"{f} is not a CIFAR-10 python batch (dict with 'data' and 'labels'): {e}") from e
+        images = np.concatenate(data).transpose(0, 2, 3, 1)  # (N, 32, 32, 3)
+        super().__init__(_to_model_range(images), torch.tensor(labels, dtype=torch.long))
+
+
+def _download_cifar10(root: Path) -> None:
+    import torchvision
+
+    try:
+        torchvision.datasets.CIFAR10(str(root), train=True, download=True)
+    except Exception as e:  # noqa: BLE001 - offline shows up as URLError, OSError, RuntimeError...
+        raise FileNotFoundError(
+            f"CIFAR-10 is not under {root / _CIFAR_DIR} and downloading it failed ({type(e).__name__}: {e}). "
+            f"Download {_CIFAR_URL} and extract it into {root}, or set data.root to where it is."
+        ) from e
+
+
+class ImageFolder(Dataset):
+    """Every image under `root` (recursively, sorted by path), center-cropped to a square and resized.
+
+    Args:
+        root: folder of .png / .jpg / .jpeg / .bmp / .webp files.
+        image_size: output side H = W.
+    """
+
+    def __init__(self, root: str | Path, image_size: int) -> None:
+        from torchvision import transforms
+
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"image folder not found: {root}")
+        self.paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES)
+        if not self.paths:
+            raise FileNotFoundError(f"no images ({sorted(_IMAGE_SUFFIXES)}) under {root}")
+        self.transform = transforms.Compose([
+            transforms.Resize(image_size),
+            transforms.CenterCrop(image_size),
+            transforms.ToTensor(),
+            transforms.Normalize(0.5, 0.5),
+        ])
+        self.channels = 3
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        from PIL import Image
+
+        with Image.open(self.paths[i]) as img:
+            x = self.transform(img.convert("RGB"))
+        return {"x": x, "label": torch.tensor(-1)}
+
+
+class DigitsDataset(_TensorImages):
+    """scikit-learn's 1,797 handwritten 8x8 digits (shipped with the package, no download), upscaled.
+
+    Gray levels 0..16 are mapped to [-1, 1] and resized bilinearly to `image_size`; one channel.
+
+    Args:
+        image_size: output side H = W (e.g. 32).
+    """
+
+    def __init__(self, image_size: int = 32) -> None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.from_numpy(digits.images).float().unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
+        x = torch.nn.functional.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+        super().__init__((x.clamp(0, 1) * 2 - 1).contiguous(), torch.from_numpy(digits.target).long())
+
+
+DATASETS: dict[str, Callable[[Any], Dataset]] = {
+    "cifar10": lambda data: Cifar10(data.root, download=data.download),
+    "image_folder": lambda data: ImageFolder(data.root, data.image_size),
+    "digits": lambda data: DigitsDataset(data.image_size),
+}
+
+
+def build_image_dataset(data: Any) -> Dataset:
+    """The dataset named by `data.name` (a `uvic.config.DataConfig`)."""
+    if data.name not in DATASETS:
+        raise ValueError(f"unknown dataset {data.name!r}; expected one of {sorted(DATASETS)}")
+    return DATASETS[data.name](data)

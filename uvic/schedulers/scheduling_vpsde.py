@@ -1,0 +1,191 @@
+"""Samplers for the continuous VP-SDE, as diffusers schedulers (no stock diffusers scheduler is continuous-time).
+
+Both follow diffusers' contract: `set_timesteps(n)` fills `timesteps` with the values the network embeds
+(`VPSDE.model_time(t)`, i.e. 999 t), and `step(model_output, timestep, sample)` takes one step down the grid.
+Samples are (B, C, H, W); the model output is the noise prediction eps_hat of the same shape.
+
+- `VPSDEEulerMaruyamaScheduler`: U-ViT's `sde.euler_maruyama`, the sampler behind the official CIFAR-10 FID 3.11
+  (docs/uvit_reference.md Sec. 2.1): time grid `[0] + linspace(t_eps, 1, n)` walked from 1 down to 0, the drift
+  evaluated at the upper time of each interval, no noise on the last step.
+- `VPSDEDPMSolverScheduler`: DPM-Solver++(2M) (Lu et al. 2022, Alg. 2) in data-prediction form on a
+  logSNR-uniform grid from t = 1 to t = t_eps; one network evaluation per step, so 50 steps = 50 NFE. U-ViT's
+  training-time monitor used the single-step "fast" DPM-Solver variant instead; both are 50-NFE solvers of the
+  same ODE, so sample quality is comparable but the samples are not bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.schedulers.scheduling_utils import SchedulerMixin, SchedulerOutput
+from diffusers.utils.torch_utils import randn_tensor
+
+from uvic.schedulers.vpsde import VPSDE
+
+
+class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
+    """Shared bookkeeping: the VP-SDE, the continuous grid `times` (n + 1,), `timesteps` (n,) and the step index."""
+
+    order = 1
+    init_noise_sigma = 1.0
+
+    @property
+    def sde(self) -> VPSDE:
+        return VPSDE(self.config.beta_min, self.config.beta_max, self.config.time_scale)
+
+    def _set_times(self, times: torch.Tensor, device: str | torch.device | None) -> None:
+        # `times` is float64 and decreasing; steps go from times[i] to times[i + 1].
+        self.times = times
+        self.timesteps = self.sde.model_time(times[:-1]).to(device=device, dtype=torch.float32)
+        self.num_inference_steps = len(times) - 1
+        self._step_index = 0
+
+    def scale_model_input(self, sample: torch.Tensor, timestep: torch.Tensor | float | None = None) -> torch.Tensor:
+        """Identity (the VP-SDE network takes x_t as is); kept for diffusers pipeline compatibility."""
+        return sample
+
+    def _next_index(self) -> int:
+        if getattr(self, "times", None) is None:
+            raise ValueError("call set_timesteps(num_inference_steps) before step()")
+        if self._step_index >= self.num_inference_steps:
+            raise ValueError(f"step() called more than num_inference_steps={self.num_inference_steps} times")
+        i = self._step_index
+        self._step_index += 1
+        return i
+
+    def __len__(self) -> int:
+        return self.config.num_train_timesteps
+
+
+class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
+    """Euler–Maruyama for the reverse VP-SDE, exactly U-ViT's CIFAR-10 evaluation sampler.
+
+    Args:
+        beta_min, beta_max, time_scale: the VP-SDE (see `uvic.schedulers.vpsde.VPSDE`).
+        t_eps: the smallest non-zero grid time.
+        num_train_timesteps: only reported by `len()`, for diffusers compatibility.
+    """
+
+    @register_to_config
+    def __init__(
+        self,
+        beta_min: float = 0.1,
+        beta_max: float = 20.0,
+        time_scale: float = 999.0,
+        t_eps: float = 1e-3,
+        num_train_timesteps: int = 1000,
+    ):
+        self.times = None
+        self.timesteps = None
+        self.num_inference_steps = None
+        self._step_index = 0
+
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+        """Grid `append(0, linspace(t_eps, 1, n))`, reversed: n steps, the last one from t_eps to 0."""
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        # numpy's linspace, bit for bit the official grid (torch.linspace rounds some points differently).
+        grid = np.append(0.0, np.linspace(self.config.t_eps, 1.0, num_inference_steps))
+        self._set_times(torch.from_numpy(grid[::-1].copy()), device)
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        timestep: torch.Tensor | float,
+        sample: torch.Tensor,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        return_dict: bool = True,
+    ) -> SchedulerOutput | tuple:
+        """x_s = x_t + (f - g^2 score)(s - t) + g sqrt(t - s) z with score = -eps_hat / sigma(t); z = 0 when s = 0.
+
+        Args:
+            model_output: (B, C, H, W) eps_hat at time t.
+            sample: (B, C, H, W) x_t.
+            generator: one generator, or one per sample (so each sample's noise is its own).
+        """
+        i = self._next_index()
+        t, s = float(self.times[i]), float(self.times[i + 1])
+        sde = self.sde
+        beta = sde.beta(t)
+        # Reverse drift f(x, t) - g(t)^2 score(x, t), with f = -beta x / 2, g^2 = beta, score = -eps_hat / sigma.
+        drift = -0.5 * beta * sample + (beta / sde.sigma(t)) * model_output.to(sample.dtype)
+        prev = sample + drift * (s - t)
+        if s > 0:  # U-ViT adds no noise on the final step to t = 0.
+            z = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=sample.dtype)
+            prev = prev + math.sqrt(beta * (t - s)) * z
+        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+
+
+class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
+    """DPM-Solver++(2M) for the VP-SDE probability-flow ODE, deterministic, one network evaluation per step.
+
+    Args:
+        beta_min, beta_max, time_scale: the VP-SDE.
+        t_eps: the final time (DPM-Solver's eps; U-ViT's monitor uses 1e-4).
+        num_train_timesteps: only reported by `len()`.
+    """
+
+    order = 1  # multistep: one model call per `step`
+
+    @register_to_config
+    def __init__(
+        self,
+        beta_min: float = 0.1,
+        beta_max: float = 20.0,
+        time_scale: float = 999.0,
+        t_eps: float = 1e-4,
+        num_train_timesteps: int = 1000,
+    ):
+        self.times = None
+        self.timesteps = None
+        self.num_inference_steps = None
+        self._step_index = 0
+        self._prev_x0 = None
+
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+        """A grid uniform in lambda (half log-SNR) from t = 1 to t = t_eps, n steps."""
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        sde = self.sde
+        lam = torch.linspace(sde.lambda_(1.0), sde.lambda_(self.config.t_eps), num_inference_steps + 1,
+                             dtype=torch.float64)
+        times = sde.t_from_lambda(lam)
+        times[0], times[-1] = 1.0, self.config.t_eps  # exact ends despite round-off in the inverse
+        self._set_times(times, device)
+        self._prev_x0 = None
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        timestep: torch.Tensor | float,
+        sample: torch.Tensor,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        return_dict: bool = True,
+    ) -> SchedulerOutput | tuple:
+        """One DPM-Solver++ step from times[i] to times[i + 1]: first order on the first step, then 2M.
+
+        Args:
+            model_output: (B, C, H, W) eps_hat at time t.
+            sample: (B, C, H, W) x_t.
+            generator: unused (the solver is deterministic); accepted for pipeline compatibility.
+        """
+        i = self._next_index()
+        sde = self.sde
+        t, s = float(self.times[i]), float(self.times[i + 1])
+        alpha_t, sigma_t = math.sqrt(sde.alpha_bar(t)), sde.sigma(t)
+        alpha_s, sigma_s = math.sqrt(sde.alpha_bar(s)), sde.sigma(s)
+        h = sde.lambda_(s) - sde.lambda_(t)
+        x0 = (sample - sigma_t * model_output.to(sample.dtype)) / alpha_t  # data prediction
+        if self._prev_x0 is None:
+            d = x0
+        else:
+            # Second-order multistep correction (Lu et al. 2022, DPM-Solver++(2M), Eq. 18-ish with r = h_prev/h).
+            h_prev = sde.lambda_(t) - sde.lambda_(float(self.times[i - 1]))
+            r = h_prev / h
+            d = (1.0 + 0.5 / r) * x0 - (0.5 / r) * self._prev_x0
+        prev = (sigma_s / sigma_t) * sample - alpha_s * math.expm1(-h) * d
+        self._prev_x0 = x0
+        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)

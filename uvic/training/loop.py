@@ -1,0 +1,211 @@
+"""`train(cfg)`: the one training loop (accelerate: DDP, fp16/bf16, gradient accumulation), for any `Task`.
+
+Structure follows DiT's `main()`: setup, model/EMA/optimizer, data, prepare, resume, loop, end. What is trained
+comes from the task (`uvic.training.tasks`); everything here is task-agnostic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import GradientAccumulationPlugin, set_seed
+from tqdm.auto import tqdm
+
+from uvic.config import Config
+from uvic.training.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
+from uvic.training.data import ShardedBatchSampler, build_loader
+from uvic.training.ema import EMA
+from uvic.training.logs import append_metrics, plot_loss_curve
+from uvic.training.rng import ShardedRNG
+from uvic.training.tasks import build_task
+
+
+logger = get_logger(__name__)
+
+
+def lr_lambda(warmup_steps: int, schedule: str, max_steps: int, min_ratio: float):
+    """LR multiplier at optimizer step s: linear warm-up from 0 (U-ViT: min(s / warmup, 1)), then constant or cosine."""
+
+    def f(s: int) -> float:
+        if warmup_steps > 0 and s < warmup_steps:
+            return s / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten a nested config for tensorboard's hparams (which takes scalars and strings only)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def train(cfg: Config) -> Path:
+    """Train `cfg.task` as configured; returns the run dir. Raises FloatingPointError on a NaN/Inf loss."""
+    tc = cfg.train
+    run_dir = Path(tc.run_dir)
+
+    # 1. Setup: accelerator, seeds, run dir, resolved config.
+    accelerator = Accelerator(
+        mixed_precision=tc.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=tc.grad_accum_steps, sync_with_dataloader=False
+        ),
+        log_with=None if tc.log_with == "none" else tc.log_with,
+        project_dir=str(run_dir),
+    )
+    world = accelerator.num_processes
+    if tc.batch_size % (world * tc.grad_accum_steps):
+        raise ValueError(
+            f"train.batch_size={tc.batch_size} must be divisible by processes x grad_accum_steps = "
+            f"{world} x {tc.grad_accum_steps}"
+        )
+    local_batch = tc.batch_size // (world * tc.grad_accum_steps)
+    resume = _resume_path(run_dir, tc.resume)
+    set_seed(tc.seed, device_specific=True)
+    torch.backends.cuda.matmul.allow_tf32 = tc.allow_tf32
+    torch.backends.cudnn.allow_tf32 = tc.allow_tf32
+    if tc.cpu_threads > 0:
+        torch.set_num_threads(tc.cpu_threads)
+    config = cfg.to_dict()
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    task = build_task(cfg)
+
+    # 2. Model, EMA, optimizer, LR schedule. The EMA is copied before `prepare`, which patches the model's
+    # forward for mixed precision (a deepcopy would share that patch).
+    model = task.build_model()
+    if tc.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    ema = EMA(model, tc.ema_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps, weight_decay=tc.weight_decay
+    )
+    # Not passed to accelerate.prepare: its wrapper steps the schedule once per process.
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(tc.warmup_steps, tc.lr_schedule, tc.max_steps, tc.min_lr_ratio)
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"task={cfg.task} parameters={n_params:,} processes={world} local_batch={local_batch} "
+                f"grad_accum={tc.grad_accum_steps} mixed_precision={accelerator.mixed_precision}")
+
+    # 3. Data: a sharded, epoch-seeded sampler, so the order resumes exactly and does not depend on world size.
+    dataset = task.build_dataset()
+    sampler = ShardedBatchSampler(len(dataset), local_batch, tc.seed, accelerator.process_index, world)
+    loader = build_loader(dataset, sampler, cfg.data.num_workers)
+
+    # 4. Prepare. The EMA restarts from the weights DDP broadcast from rank 0, an exact copy on every process.
+    # The run's generator and the LR schedule are checkpointed with the accelerator state, the EMA separately.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ema.model.load_state_dict(accelerator.unwrap_model(model).state_dict())
+    ema.to(accelerator.device)
+    rng = ShardedRNG(tc.seed, accelerator.process_index, world, accelerator.device)
+    accelerator.register_for_checkpointing(lr_scheduler, rng)
+
+    # 5. Resume.
+    step = load_checkpoint(accelerator, resume, {"ema": ema.model}) if resume else 0
+    if accelerator.is_main_process and tc.log_with != "none":
+        accelerator.init_trackers("train", config=_flat(config))
+
+    # 6. The loop. Micro-batches consumed so far fix the epoch and the position inside it.
+    epoch, skip = divmod(step * tc.grad_accum_steps, sampler.batches_per_epoch)
+    metrics_path = run_dir / "metrics.jsonl"
+    pbar = tqdm(total=tc.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+    loss_sum = torch.zeros((), device=accelerator.device)
+    nonfinite = torch.zeros((), device=accelerator.device, dtype=torch.bool)
+    n_micro, t0, last_good = 0, time.time(), latest_checkpoint(run_dir)
+
+    def check_finite() -> None:
+        # A reduce is a sync point, so this runs at log/save/sample intervals only, never every step.
+        if accelerator.reduce(nonfinite.float(), "sum").item() > 0:
+            accelerator.end_training()
+            raise FloatingPointError(
+                f"the loss became NaN or Inf at or before step {step}; training stopped without saving. "
+                f"Last good checkpoint: {last_good or 'none'} (resume with train.resume=latest, e.g. a lower "
+                f"train.lr or mixed_precision=bf16)."
+            )
+
+    while step < tc.max_steps:
+        sampler.set_epoch(epoch, skip)
+        for batch in loader:
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+            with accelerator.accumulate(model):
+                loss = task.loss(model, batch, rng)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and tc.grad_clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            loss = loss.detach()
+            nonfinite |= ~torch.isfinite(loss)
+            loss_sum += loss
+            n_micro += 1
+            if not accelerator.sync_gradients:
+                continue
+            lr_scheduler.step()
+            ema.update(accelerator.unwrap_model(model))
+            step += 1
+            pbar.update(1)
+
+            # 7. Log, sample and checkpoint at intervals.
+            if step % tc.log_every == 0 or step == tc.max_steps:
+                check_finite()
+                mean_loss = (accelerator.reduce(loss_sum, "mean") / n_micro).item()
+                steps_per_s = n_micro / tc.grad_accum_steps / (time.time() - t0)
+                lr = optimizer.param_groups[0]["lr"]
+                accelerator.log({"loss": mean_loss, "lr": lr, "steps_per_s": steps_per_s}, step=step)
+                if accelerator.is_main_process:
+                    append_metrics(metrics_path, {"step": step, "loss": mean_loss, "lr": lr})
+                logger.info(f"step={step:07d} loss={mean_loss:.4f} lr={lr:.2e} steps/s={steps_per_s:.2f}")
+                loss_sum.zero_()
+                n_micro, t0 = 0, time.time()
+            if tc.sample_every > 0 and (step % tc.sample_every == 0 or step == tc.max_steps):
+                check_finite()
+                if accelerator.is_main_process:
+                    task.on_sample(ema.model, step, run_dir)
+                accelerator.wait_for_everyone()
+            if (tc.save_every > 0 and step % tc.save_every == 0) or step == tc.max_steps:
+                check_finite()
+                last_good = save_checkpoint(accelerator, run_dir, step, config, {"ema": ema.model},
+                                            tc.keep_checkpoints)
+            if step >= tc.max_steps:
+                break
+        epoch, skip = epoch + 1, 0
+    pbar.close()
+
+    # 8. Export the EMA model and the loss curve; end.
+    if accelerator.is_main_process:
+        task.export(ema.model, run_dir / "pipeline")
+        plot_loss_curve(metrics_path, run_dir / "loss_curve.png", title=f"{cfg.task}: {run_dir.name}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return run_dir
+
+
+def _resume_path(run_dir: Path, resume: str) -> Path | None:
+    """"" -> None (and no existing checkpoints allowed), "latest" -> the newest or None, else that checkpoint."""
+    if resume == "":
+        if latest_checkpoint(run_dir) is not None:
+            raise ValueError(
+                f"{run_dir} already has checkpoints; pass --resume (train.resume=latest) to continue it, or choose "
+                f"another train.run_dir"
+            )
+        return None
+    if resume == "latest":
+        return latest_checkpoint(run_dir)
+    return resolve_checkpoint(resume)

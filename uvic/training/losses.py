@@ -1,0 +1,97 @@
+"""Forward diffusion processes for training, and the epsilon-prediction loss.
+
+A noise process picks the time, perturbs x_0 and says which timestep value the network embeds:
+- `VPSDENoise`: continuous VP-SDE (U-ViT CIFAR-10, `sde.LSimple`): t ~ U(0, 1), network time `VPSDE.model_time(t)`.
+- `DiscreteNoise`: DDPM with diffusers' betas (`DDPMScheduler.alphas_cumprod`), t ~ U{0..T-1}, network time t
+  (the diffusers convention, so diffusers' stock samplers drive the trained model unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from diffusers import DDPMScheduler
+
+from uvic.schedulers.vpsde import VPSDE
+from uvic.training.rng import ShardedRNG
+
+
+class NoiseProcess(Protocol):
+    def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor: ...
+
+    def alpha_bar(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def model_time(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+class VPSDENoise:
+    """Continuous VP-SDE; `t` is (B,) float in [0, 1)."""
+
+    def __init__(self, sde: VPSDE) -> None:
+        self.sde = sde
+
+    def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor:
+        return rng.rand(batch_size)
+
+    def alpha_bar(self, t: torch.Tensor) -> torch.Tensor:
+        return self.sde.alpha_bar(t)
+
+    def model_time(self, t: torch.Tensor) -> torch.Tensor:
+        return self.sde.model_time(t)
+
+
+class DiscreteNoise:
+    """Discrete DDPM; `t` is (B,) int64 in [0, T). alpha_bar comes from diffusers' `DDPMScheduler`."""
+
+    def __init__(self, num_train_timesteps: int, beta_schedule: str, beta_start: float, beta_end: float) -> None:
+        sched = DDPMScheduler(
+            num_train_timesteps=num_train_timesteps,
+            beta_schedule=beta_schedule,
+            beta_start=beta_start,
+            beta_end=beta_end,
+        )
+        self.alphas_cumprod = sched.alphas_cumprod.double()  # (T,)
+        self.num_train_timesteps = num_train_timesteps
+
+    def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor:
+        return rng.randint(self.num_train_timesteps, batch_size)
+
+    def alpha_bar(self, t: torch.Tensor) -> torch.Tensor:
+        return self.alphas_cumprod.to(t.device)[t]
+
+    def model_time(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def build_noise_process(diffusion: Any) -> NoiseProcess:
+    """The training process for a `uvic.config.DiffusionConfig`."""
+    if diffusion.schedule == "vpsde":
+        return VPSDENoise(VPSDE(diffusion.beta_min, diffusion.beta_max, diffusion.time_scale))
+    if diffusion.schedule == "discrete":
+        return DiscreteNoise(
+            diffusion.num_train_timesteps, diffusion.beta_schedule, diffusion.beta_start, diffusion.beta_end
+        )
+    raise ValueError(f"unknown diffusion schedule {diffusion.schedule!r}; expected 'vpsde' or 'discrete'")
+
+
+def eps_prediction_loss(
+    model: torch.nn.Module, x0: torch.Tensor, noise: NoiseProcess, rng: ShardedRNG, **model_kwargs: Any
+) -> torch.Tensor:
+    """U-ViT's `LSimple`: mean over C, H, W of (eps - eps_hat)^2 per sample, then the mean over the batch.
+
+    Args:
+        model: returns an object with `.sample` (B, C, H, W), called as model(x_t, timestep, **model_kwargs).
+        x0: (B, C, H, W) clean data in the model's range.
+        noise: the forward process.
+        rng: the run's sharded generator (time and noise).
+    Returns:
+        A scalar float32 loss.
+    """
+    b = x0.shape[0]
+    t = noise.sample_time(rng, b)
+    eps = rng.randn(*x0.shape).to(x0.dtype)
+    ab = noise.alpha_bar(t).to(torch.float32).view(b, *([1] * (x0.dim() - 1)))
+    x_t = ab.sqrt() * x0 + (1.0 - ab).sqrt() * eps
+    eps_hat = model(x_t, noise.model_time(t), **model_kwargs).sample
+    return (eps - eps_hat.float()).pow(2).flatten(1).mean(1).mean()
