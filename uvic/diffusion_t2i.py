@@ -1,0 +1,248 @@
+"""Discrete-time text-to-image diffusion as U-ViT trains and guides on MS-COCO (reference doc Sec. 2.2).
+
+* Network time: the official model was trained on n in {1, ..., 1000} with `cum_alphas[n] == diffusers
+  alphas_cumprod[n - 1]`, so it is fed `n = t + 1` for a diffusers timestep t (0-based). `network_timestep` is
+  the one place that does this; the loss below and `UViCText2ImagePipeline` both call it.
+* Loss (`t2i_diffusion_loss`, U-ViT `LSimple` + `CFGDataset`): z0 is re-drawn from the stored VAE moments at
+  every step, the whole (77, 768) context is replaced by the empty-caption features with probability p_uncond
+  (0.1), t ~ U{0..999}, x_t = sqrt(abar_t) z0 + sqrt(1 - abar_t) eps, loss = mean((eps - eps_hat)^2).
+* Guidance (`guided_epsilon`): diffusers' convention eps_u + g (eps_c - eps_u). U-ViT's
+  `eps_c + s (eps_c - eps_u)` is the same with g = 1 + s (`official_to_guidance_scale`), so the official
+  `scale=1.0` is `guidance_scale=2.0`.
+* `Text2ImageTask`: the training task (`uvic.training.tasks` interface) for `cfg.task == "t2i"`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from uvic.models.autoencoder import sample_latents
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "NETWORK_TIMESTEP_OFFSET",
+    "network_timestep",
+    "official_to_guidance_scale",
+    "guided_epsilon",
+    "drop_context",
+    "t2i_diffusion_loss",
+    "Text2ImageTask",
+]
+
+# U-ViT MS-COCO index convention: network time n = diffusers timestep + 1 (n = 1..1000).
+NETWORK_TIMESTEP_OFFSET = 1
+
+
+class RNG(Protocol):
+    """What the loss draws from: `uvic.training.rng.ShardedRNG` (per-process slices of one seeded stream)."""
+
+    def rand(self, *shape: int) -> torch.Tensor: ...
+
+    def randn(self, *shape: int) -> torch.Tensor: ...
+
+    def randint(self, high: int, *shape: int) -> torch.Tensor: ...
+
+
+def network_timestep(t: torch.Tensor) -> torch.Tensor:
+    """Diffusers timestep(s) t (0-based, int or fractional) -> what the U-ViT MS-COCO network embeds, t + 1."""
+    return t + NETWORK_TIMESTEP_OFFSET
+
+
+def official_to_guidance_scale(scale: float) -> float:
+    """U-ViT `config.sample.scale` -> diffusers `guidance_scale` (1.0 -> 2.0)."""
+    return 1.0 + scale
+
+
+def guided_epsilon(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance, diffusers convention: eps_u + g (eps_c - eps_u). Shapes (B, C, H, W)."""
+    return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
+
+
+def drop_context(context: torch.Tensor, empty_context: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """Replace the whole context of the samples where `drop` is True by the empty-caption features.
+
+    Args:
+        context: (B, L, D) caption features.
+        empty_context: (L, D) or (1, L, D) features of "" (not zeros, not a learned token).
+        drop: (B,) bool.
+    Returns:
+        (B, L, D).
+    """
+    empty = empty_context.to(device=context.device, dtype=context.dtype).reshape(1, *context.shape[1:])
+    return torch.where(drop.to(context.device)[:, None, None], empty, context)
+
+
+def t2i_diffusion_loss(
+    model: nn.Module,
+    moments: torch.Tensor,
+    context: torch.Tensor,
+    empty_context: torch.Tensor,
+    alphas_cumprod: torch.Tensor,
+    scaling_factor: float,
+    rng: RNG,
+    p_uncond: float = 0.1,
+) -> torch.Tensor:
+    """Epsilon-MSE of a text-conditional U-ViT on one batch of stored features.
+
+    Args:
+        model: called as `model(x_t, n, encoder_hidden_states=context)` returning `.sample` (B, C, h, w).
+        moments: (B, 2C, h, w) stored VAE moments [mean, logvar]; a latent is drawn from them here.
+        context: (B, L, D) caption features.
+        empty_context: (L, D) features of the empty caption (CFG null condition).
+        alphas_cumprod: (T,) discrete schedule, diffusers indexing (e.g. `DDPMScheduler(beta_schedule=
+            "scaled_linear", beta_start=0.00085, beta_end=0.012).alphas_cumprod`).
+        scaling_factor: `vae.config.scaling_factor` (0.23010 for U-ViT MS-COCO).
+        rng: source of every random draw (latent, dropout, time, noise), e.g. the run's `ShardedRNG`.
+        p_uncond: probability of training on the empty context.
+    Returns:
+        Scalar float32 loss: mean over (C, h, w) per sample, then over the batch.
+    """
+    if not 0.0 <= p_uncond <= 1.0:
+        raise ValueError(f"p_uncond must be in [0, 1], got {p_uncond}")
+    B, two_c, h, w = moments.shape
+    device = moments.device
+    z0 = sample_latents(moments.float(), scaling_factor, eps=rng.randn(B, two_c // 2, h, w).to(device))
+    ctx = drop_context(context, empty_context, rng.rand(B).to(device) < p_uncond)
+    t = rng.randint(alphas_cumprod.numel(), B).to(device)
+    eps = rng.randn(B, two_c // 2, h, w).to(device)
+    ab = alphas_cumprod.to(device=device, dtype=torch.float32)[t].view(B, 1, 1, 1)
+    x_t = ab.sqrt() * z0 + (1.0 - ab).sqrt() * eps
+    eps_hat = model(x_t, network_timestep(t), encoder_hidden_states=ctx).sample
+    return (eps - eps_hat.float()).pow(2).flatten(1).mean(1).mean()
+
+
+class Text2ImageTask:
+    """MS-COCO text-to-image training on extracted features (`cfg.task == "t2i"`; `uvic.training.tasks` API).
+
+    Reads: `cfg.model` (a text-conditional UViTConfig), `cfg.diffusion` (discrete, scaled_linear), `cfg.data.root`
+    (the output of `python -m uvic.data.mscoco`, split "train"), `cfg.data.p_uncond`, `cfg.data.latent_scale`,
+    `cfg.data.vae` (autoencoder for sample grids and the exported pipeline; "" skips both), `cfg.sample.sampler`
+    ("uvit_dpm_solver" is the official sampler), `cfg.sample.guidance_scale` and `cfg.sample.num_inference_steps`.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        from diffusers import DDPMScheduler
+
+        if cfg.diffusion.schedule != "discrete":
+            raise ValueError("the t2i task trains the discrete schedule: set diffusion.schedule=discrete")
+        if cfg.model.clip_dim is None:
+            raise ValueError("the t2i task needs a text-conditional model: set model.clip_dim (768 for CLIP ViT-L/14)")
+        self.cfg = cfg
+        d = cfg.diffusion
+        sched = DDPMScheduler(num_train_timesteps=d.num_train_timesteps, beta_schedule=d.beta_schedule,
+                              beta_start=d.beta_start, beta_end=d.beta_end)
+        self.alphas_cumprod = sched.alphas_cumprod
+        self._empty_context: torch.Tensor | None = None
+
+    def build_model(self) -> nn.Module:
+        from uvic.models import UViTModel
+
+        return UViTModel(**dataclasses.asdict(self.cfg.model))
+
+    def build_dataset(self):
+        from uvic.data.mscoco import MSCOCOFeatures
+
+        dataset = MSCOCOFeatures(self.cfg.data.root, "train")
+        m = self.cfg.model
+        item = dataset[0]
+        if tuple(item["x"].shape) != (2 * m.in_chans, m.img_size, m.img_size):
+            raise ValueError(f"features in {self.cfg.data.root} have moments {tuple(item['x'].shape)}, but the "
+                             f"model expects (2 * in_chans, img_size, img_size) = {(2 * m.in_chans, m.img_size, m.img_size)}")
+        if tuple(item["context"].shape) != (m.num_clip_token, m.clip_dim):
+            raise ValueError(f"features in {self.cfg.data.root} have contexts {tuple(item['context'].shape)}, but the "
+                             f"model expects (num_clip_token, clip_dim) = {(m.num_clip_token, m.clip_dim)}")
+        return dataset
+
+    @property
+    def empty_context(self) -> torch.Tensor:
+        if self._empty_context is None:
+            from uvic.data.mscoco import load_empty_context
+
+            self._empty_context = load_empty_context(self.cfg.data.root)
+        return self._empty_context
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: RNG) -> torch.Tensor:
+        return t2i_diffusion_loss(model, batch["x"], batch["context"], self.empty_context, self.alphas_cumprod,
+                                  self.cfg.data.latent_scale, rng, p_uncond=self.cfg.data.p_uncond)
+
+    def load_vae(self):
+        """The autoencoder named by `cfg.data.vae` with `scaling_factor = cfg.data.latent_scale`, or None if unset."""
+        from diffusers import AutoencoderKL
+
+        from uvic.models.autoencoder import load_ldm_autoencoder
+
+        spec = self.cfg.data.vae
+        if not spec:
+            return None
+        if Path(spec).is_dir():
+            return AutoencoderKL.from_pretrained(spec, scaling_factor=self.cfg.data.latent_scale)
+        return load_ldm_autoencoder(spec, scaling_factor=self.cfg.data.latent_scale)
+
+    def build_scheduler(self, sampler: str | None = None):
+        """"uvit_dpm_solver" (official) or any discrete sampler of `uvic.schedulers.build_scheduler`."""
+        from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
+
+        sampler = sampler or self.cfg.sample.sampler
+        d = self.cfg.diffusion
+        if sampler == "uvit_dpm_solver":
+            return UViTDPMSolverScheduler(num_train_timesteps=d.num_train_timesteps, beta_start=d.beta_start,
+                                          beta_end=d.beta_end, beta_schedule=d.beta_schedule)
+        from uvic.schedulers import build_scheduler
+
+        return build_scheduler(sampler, d)
+
+    def pipeline(self, model: nn.Module, vae=None, sampler: str | None = None):
+        from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
+
+        vae = vae if vae is not None else self.load_vae()
+        return UViCText2ImagePipeline(transformer=model, vae=vae, scheduler=self.build_scheduler(sampler))
+
+    def on_sample(self, ema_model: nn.Module, step: int, run_dir: Path) -> None:
+        """A grid for the first `num_images` captions of the val split (train if there is none)."""
+        import numpy as np
+
+        from uvic.data.mscoco import MSCOCOFeatures
+        from uvic.pipelines.sampling import save_grid
+
+        vae = self.load_vae()
+        if vae is None:
+            logger.warning("data.vae is not set: no sample grid at step %d", step)
+            return
+        s, root = self.cfg.sample, Path(self.cfg.data.root)
+        split = "val" if (root / "val" / "meta.json").is_file() else "train"
+        features = MSCOCOFeatures(root, split)
+        rows = np.arange(min(s.num_images, len(features)))
+        device = next(ema_model.parameters()).device
+        pipe = self.pipeline(ema_model, vae=vae.to(device))
+        pipe.set_progress_bar_config(disable=True)
+        images = []
+        for start in range(0, len(rows), 16):
+            chunk = rows[start : start + 16]
+            gens = [torch.Generator().manual_seed(s.seed + int(r)) for r in chunk]
+            out = pipe(prompt_embeds=features.context(chunk), negative_prompt_embeds=self.empty_context,
+                       guidance_scale=s.guidance_scale, num_inference_steps=s.num_inference_steps, generator=gens,
+                       output_type="np").images
+            images.append((out * 255).round().astype(np.uint8))
+        path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
+        save_grid(np.concatenate(images), path)
+        logger.info("wrote %s", path)
+
+    def export(self, ema_model: nn.Module, out_dir: Path) -> None:
+        """The EMA model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`)."""
+        model = copy.deepcopy(ema_model).float().cpu()
+        vae = self.load_vae()
+        if vae is None:
+            model.save_pretrained(Path(out_dir) / "transformer")
+            logger.warning("data.vae is not set: exported only %s/transformer", out_dir)
+            return
+        self.pipeline(model, vae=vae).save_pretrained(str(out_dir))
+        logger.info("exported the EMA model as a UViCText2ImagePipeline to %s", out_dir)
