@@ -73,6 +73,12 @@ class DataConfig:
     random_flip: bool = True
     download: bool = True
     num_workers: int = 2
+    # Text-to-image (task "t2i", MS-COCO features from `python -m uvic.data.mscoco`): the probability of replacing
+    # the whole context by the empty-caption features (classifier-free guidance training), the VAE latent scale
+    # (it becomes `vae.config.scaling_factor`) and the autoencoder (U-ViT's autoencoder_kl.pth or a diffusers dir).
+    p_uncond: float = 0.1
+    latent_scale: float = 0.2301
+    vae: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,8 +118,10 @@ class TrainConfig:
 class SampleConfig:
     """Sampling during training (grids) and the default sampler of the exported pipeline."""
 
-    sampler: Literal["euler_maruyama", "dpm_solver", "ddpm", "ddim"] = "dpm_solver"
+    sampler: Literal["euler_maruyama", "dpm_solver", "ddpm", "ddim", "uvit_dpm_solver"] = "dpm_solver"
     num_inference_steps: int = 50
+    # Text-to-image only; diffusers' convention (1 + the official scale: official 1.0 is 2.0).
+    guidance_scale: float = 2.0
     num_images: int = 64
     seed: int = 0
 

@@ -84,3 +84,43 @@ def test_prompts_and_sampler_switch(setup):
         load_t2i_pipeline(tmp / "nowhere")
     with pytest.raises(ValueError, match="unknown sampler"):
         load_t2i_pipeline(tmp / "pipe", sampler="euler")
+
+
+def test_sample_script_text_to_image(setup):
+    """sample.py on a UViCText2ImagePipeline dir: a grid from prompts, a FID folder from extracted captions."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tmp, pipe = setup
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "sample.py", str(tmp / "pipe"), *args], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    res = run("--grid", str(tmp / "grid.png"), "--num-images", "2", "--steps", "2", "--prompt", "a cat",
+              "--prompt", "a dog", "--seed", "5")
+    assert res.returncode == 0, res.stderr
+    grid = np.asarray(Image.open(tmp / "grid.png"))
+    pipe.set_progress_bar_config(disable=True)
+    expect = generate_t2i(pipe, [5, 6], 2, 2, 2.0, prompts=["a cat", "a dog"])
+    assert grid.ndim == 3 and grid.shape[2] == 3
+    # The first grid cell is image 0 (the grid pads cells; find the exact image somewhere in the grid).
+    h, w = expect.shape[1:3]
+    cells = [grid[y:y + h, x:x + w] for y in range(grid.shape[0] - h + 1) for x in range(grid.shape[1] - w + 1)]
+    assert any(np.abs(c.astype(int) - expect[0].astype(int)).max() <= 1 for c in cells)
+
+    res = run("--out-dir", str(tmp / "script_fid"), "--num-images", "3", "--steps", "2", "--batch-size", "2",
+              "--features", str(tmp / "feat"), "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    direct = tmp / "direct_fid"
+    sample_t2i_to_folder(pipe, tmp / "feat", direct, num_images=3, seed=3, batch_size=2, num_inference_steps=2)
+    for i in range(3):
+        a = np.asarray(Image.open(tmp / "script_fid" / f"{i:06d}.png")).astype(int)
+        assert np.abs(a - np.asarray(Image.open(direct / f"{i:06d}.png")).astype(int)).max() <= 1
+
+    res = run("--grid", str(tmp / "g2.png"))  # no prompts: a clear CLI error, no stack trace
+    assert res.returncode == 2 and "needs --prompt" in res.stderr and "Traceback" not in res.stderr

@@ -1,5 +1,12 @@
 """uvic models: the U-ViT / U-ViC diffusion backbone and the layers shared with the Cogformer LM."""
 
+from uvic.models.cogformer import (
+    COGFORMER_PRESETS,
+    CogformerConfig,
+    CogformerForCausalLM,
+    CogformerModel,
+    cogformer_config,
+)
 from uvic.models.layers import Attention, Mlp, PatchEmbed, patchify, timestep_embedding, unpatchify
 from uvic.models.uvit import (
     UVIT_PRESETS,
@@ -13,6 +20,11 @@ from uvic.models.uvit import (
 
 
 __all__ = [
+    "COGFORMER_PRESETS",
+    "CogformerConfig",
+    "CogformerForCausalLM",
+    "CogformerModel",
+    "cogformer_config",
     "Attention",
     "Mlp",
     "PatchEmbed",

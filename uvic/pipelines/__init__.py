@@ -1,6 +1,7 @@
 """Diffusers pipelines for U-ViT / U-ViC models, and seed-per-image sampling helpers."""
 
 from uvic.pipelines.pipeline_uvic import UViCPipeline
+from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
 
 
-__all__ = ["UViCPipeline"]
+__all__ = ["UViCPipeline", "UViCText2ImagePipeline"]

@@ -13,14 +13,20 @@ from typing import Any
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
+from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 from uvic.schedulers.scheduling_vpsde import VPSDEDPMSolverScheduler, VPSDEEulerMaruyamaScheduler
 from uvic.schedulers.vpsde import VPSDE
 
 
-SAMPLERS = ("euler_maruyama", "dpm_solver", "ddpm", "ddim")
+SAMPLERS = ("euler_maruyama", "dpm_solver", "ddpm", "ddim", "uvit_dpm_solver")
 
 _CONTINUOUS = {"euler_maruyama": VPSDEEulerMaruyamaScheduler, "dpm_solver": VPSDEDPMSolverScheduler}
-_DISCRETE = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler, "dpm_solver": DPMSolverMultistepScheduler}
+_DISCRETE = {
+    "ddpm": DDPMScheduler,
+    "ddim": DDIMScheduler,
+    "dpm_solver": DPMSolverMultistepScheduler,
+    "uvit_dpm_solver": UViTDPMSolverScheduler,  # the official MS-COCO sampler (single-step DPM-Solver++)
+}
 
 
 def build_scheduler(sampler: str, diffusion: Any) -> SchedulerMixin:
@@ -66,6 +72,7 @@ def is_continuous(scheduler: SchedulerMixin) -> bool:
 
 __all__ = [
     "SAMPLERS",
+    "UViTDPMSolverScheduler",
     "VPSDE",
     "VPSDEDPMSolverScheduler",
     "VPSDEEulerMaruyamaScheduler",

@@ -123,6 +123,16 @@ class DiffusionTask:
 TASKS: dict[str, type] = {"diffusion": DiffusionTask}
 
 
+def _register_builtin_tasks() -> None:
+    # Imported here: uvic.diffusion_t2i builds on this module.
+    from uvic.diffusion_t2i import Text2ImageTask
+
+    TASKS["t2i"] = Text2ImageTask
+
+
+_register_builtin_tasks()
+
+
 def build_task(cfg: Config) -> Task:
     """The task named by `cfg.task`."""
     if cfg.task not in TASKS:
