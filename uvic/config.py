@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from uvic.lm.config import LMDataConfig, LMModelConfig
+
 
 @dataclass(frozen=True)
 class UViTConfig:
@@ -145,6 +147,40 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+@dataclass(frozen=True)
+class LMTrainConfig(TrainConfig):
+    """`TrainConfig` with the paper's LM defaults (Sec. 4.1): AdamW betas (0.9, 0.95), wd 0.1, clip 1.0,
+    warm-up then cosine decay to 4% of the peak, bf16-friendly; no EMA (the exported model is the trained one)."""
+
+    run_dir: str = "runs/lm"
+    max_steps: int = 762_940  # 100B tokens / (64 x 2048 tokens per step)
+    batch_size: int = 64
+    lr: float = 2e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 2000
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = 0.04
+    grad_clip: float = 1.0
+    ema_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class LMRunConfig(Config):
+    """A Cogformer language-model run (`task: lm`): `model` is `LMModelConfig` (exactly `CogformerConfig`'s
+    architecture kwargs) and `data` is `LMDataConfig` (token `.bin` or text + tokenizer); `train` has the paper's
+    defaults. `diffusion` and `sample` are unused."""
+
+    task: str = "lm"
+    model: LMModelConfig = field(default_factory=LMModelConfig)
+    data: LMDataConfig = field(default_factory=LMDataConfig)
+    train: LMTrainConfig = field(default_factory=LMTrainConfig)
+
+
+# The config class of each task whose sections differ from the diffusion ones.
+CONFIG_CLASSES: dict[str, type] = {"lm": LMRunConfig}
+
+
 def _plain(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _plain(v) for k, v in obj.items()}
@@ -190,7 +226,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build a `Config` from a (possibly partial) nested dict, checking every key and type."""
-    return _build(Config, data, prefix="")
+    task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
+    return _build(CONFIG_CLASSES.get(task, Config), data, prefix="")
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

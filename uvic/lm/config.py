@@ -39,6 +39,7 @@ class LMDataConfig:
     token_dtype: str = "uint16"  # element type of a .bin file
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
     val_path: str | None = None  # optional held-out data in the same format
+    num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
 
 
 @dataclass(frozen=True)

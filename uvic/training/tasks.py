@@ -120,14 +120,16 @@ class DiffusionTask:
         logger.info("exported the EMA model as a UViCPipeline to %s", out_dir)
 
 
-TASKS: dict[str, type] = {"diffusion": DiffusionTask}
+TASKS: dict[str, Any] = {"diffusion": DiffusionTask}
 
 
 def _register_builtin_tasks() -> None:
     # Imported here: uvic.diffusion_t2i builds on this module.
     from uvic.diffusion_t2i import Text2ImageTask
+    from uvic.lm.task import LMTask
 
     TASKS["t2i"] = Text2ImageTask
+    TASKS["lm"] = lambda cfg: LMTask(cfg.model, cfg.data)
 
 
 _register_builtin_tasks()
