@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint bench demo clean
+.PHONY: install test bench demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ install: $(VENV)/.installed
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The CPU demo: a tiny U-ViC on the built-in digits (resumable: re-running continues or just re-samples).
+demo: install
+	$(BIN)/python train.py configs/demo_digits.yaml --resume
+	$(BIN)/python sample.py runs/demo_digits/pipeline --grid runs/demo_digits/grid.png --num-images 64 --grid-scale 4
 
 bench: install
 	$(BIN)/python -m uvic.kernels.bench

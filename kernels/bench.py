@@ -17,15 +17,14 @@ Implementations (forward + backward):
     sdpa             `F.scaled_dot_product_attention` (CUDA only: on CPU it is "softmax")
 
 Shapes: U-ViT (B=8, nh=8, L=257 and 334, hd=64) and LM (B=1, nh=12, L=2048, hd=64, causal). Memory: the peak
-extra memory of one forward + backward at L=4096 (CUDA: the allocator's peak; CPU: the process's peak RSS,
-each implementation in a fresh subprocess).
+extra memory of one forward + backward at L=4096 (CUDA: the allocator's peak; CPU: the process's peak RSS above its RSS before the call (Linux VmHWM after a
+reset), each implementation in a fresh subprocess).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -112,6 +111,14 @@ def time_fwd_bwd(shape, device, dtype, rounds: int, warmup: int = 2) -> dict[str
     }
 
 
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def _peak_memory_child(name: str, device_type: str) -> None:
     """Run in a fresh process: print the peak extra memory (bytes) of one forward + backward of `name`."""
     device = torch.device(device_type)
@@ -130,9 +137,12 @@ def _peak_memory_child(name: str, device_type: str) -> None:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux: reset the process's peak RSS (VmHWM) to its current RSS, then read the peak after the call.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _proc_status_kib("VmRSS")
         fn(q, k, v, MEMORY_SHAPE[4]).backward(do)
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # ru_maxrss is in KiB
+        peak = (_proc_status_kib("VmHWM") - before) * 1024
     print(json.dumps({"name": name, "peak_bytes": peak}))
 
 
