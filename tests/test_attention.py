@@ -197,6 +197,22 @@ def test_torch_backend_tiles_over_query_blocks(monkeypatch):
     check_backend("torch", q, k, v, do, key_padding_mask=kpm)
 
 
+def test_torch_backend_tiles_over_batch_items(monkeypatch):
+    # Short sequences: a tile holds several whole batch items (5 items, tiles of 2: a ragged last tile), and the
+    # inputs are strided views of one fused qkv projection (B, L, 3, nh, hd), as in the models.
+    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 2 * 3 * 7 * 9)
+    B, nh, L, hd = 5, 3, 9, 16
+    assert [t[0] for t in attn_mod._tiles(B, nh, 7, L, attn_mod._TILE_ELEMENTS)] == [
+        slice(0, 2), slice(2, 4), slice(4, 5)]
+    qkv = torch.randn(B, L, 3, nh, hd, generator=torch.Generator().manual_seed(3)).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0, :, :, :7], qkv[1], qkv[2]
+    do = torch.randn(B, nh, 7, hd, generator=torch.Generator().manual_seed(4))
+    kpm = torch.rand(B, L, generator=torch.Generator().manual_seed(5)) > 0.4
+    kpm[1] = False  # a batch item with no kept key: zeros, never NaN
+    check_backend("torch", q, k, v, do, causal=True, key_padding_mask=kpm)
+    check_backend("torch", q, k, v, do)
+
+
 def test_torch_backend_saves_no_score_matrix():
     """The memory contract: saved for backward are q, k, v, the output and one float per query row."""
     B, nh, L, hd = 2, 4, 300, 32

@@ -179,38 +179,56 @@ def attention_ref(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _tiles(B: int, nh: int, Lq: int, Lk: int, tile_elements: int) -> list[tuple[int, slice, slice]]:
-    """Split the (B, nh, Lq) rows into tiles of about `tile_elements` scores, as (batch item, heads, query rows).
+def _tiles(B: int, nh: int, Lq: int, Lk: int, tile_elements: int) -> list[tuple[slice, slice, slice]]:
+    """Split the (B, nh, Lq) rows into tiles of about `tile_elements` scores, as (batch items, heads, query rows).
 
-    A tile holds several whole heads of one batch item when a head fits, else a block of query rows of one head.
-    Tiles never cross a batch item, so q[b, heads, rows] is a strided view that bmm reads without a copy (also
-    for q, k, v sliced out of a fused qkv projection), and a (B, Lk) padding mask needs no regrouping.
+    A tile holds several whole batch items when one fits (short sequences: few, large matmuls instead of a
+    Python loop over batch items), else several whole heads of one batch item, else a block of query rows of
+    one head. A one-item tile is a strided view that bmm reads without a copy (also for q, k, v sliced out of
+    a fused qkv projection); the out, dk and dv slices a tile writes are always contiguous.
     """
     per_head = Lq * Lk
+    if per_head * nh <= tile_elements:
+        items = max(1, tile_elements // (per_head * nh))
+        return [(slice(b, min(b + items, B)), slice(0, nh), slice(0, Lq)) for b in range(0, B, items)]
     if per_head <= tile_elements:
         heads = max(1, min(nh, tile_elements // per_head))
-        return [(b, slice(h, min(h + heads, nh)), slice(0, Lq)) for b in range(B) for h in range(0, nh, heads)]
+        return [(slice(b, b + 1), slice(h, min(h + heads, nh)), slice(0, Lq))
+                for b in range(B) for h in range(0, nh, heads)]
     rows = max(1, tile_elements // Lk)
-    return [(b, slice(h, h + 1), slice(r, min(r + rows, Lq))) for b in range(B) for h in range(nh)
+    return [(slice(b, b + 1), slice(h, h + 1), slice(r, min(r + rows, Lq))) for b in range(B) for h in range(nh)
             for r in range(0, Lq, rows)]
 
 
 def _tile_keep(
-    b: int, rs: slice, Lq: int, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
+    bs: slice, rs: slice, Lq: int, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:
-    """Keep-mask of one tile, broadcastable to (heads, rows, Lk); None when every key is kept."""
+    """Keep-mask of one tile, broadcastable to (items, heads, rows, Lk); None when every key is kept."""
     keep = None
     if causal and rs.start < Lq - 1:  # otherwise every row of the tile sees all keys (j <= i + Lk - Lq)
         i = torch.arange(rs.start, rs.stop, device=device)
         j = torch.arange(Lk, device=device)
-        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None]  # (1, rows, Lk)
+        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None, None]  # (1, 1, rows, Lk)
     if kpm is not None:
-        keep = kpm[b][None, None] if keep is None else keep & kpm[b][None, None]  # (1, 1, Lk)
+        tile_kpm = kpm[bs][:, None, None, :]  # (items, 1, 1, Lk)
+        keep = tile_kpm if keep is None else keep & tile_kpm
     return keep
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """(items, heads, m, n) -> (items * heads, m, n) for bmm: a view for one-item tiles, else maybe a copy."""
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """p = scale * q k^T for a tile: q (items, h, r, hd), k (items, h, Lk, hd) -> (items, h, r, Lk)."""
+    zero = q.new_zeros(())
+    s = torch.baddbmm(zero, _flat(q), _flat(k).transpose(1, 2), beta=0, alpha=scale)
+    return s.view(*q.shape[:3], k.shape[2])
+
+
 def _signed_exp_(s: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on a score tile s = p (h, r, Lk): returns (e, sign(p)) with e = exp(|p| - m), m the row max of |p|
+    """In place on a score tile s = p (..., r, Lk): returns (e, sign(p)) with e = exp(|p| - m), m the row max of |p|
     over kept keys (0 for rows with none); masked keys give e = 0. Exact zeros p = 0 keep e = exp(-m) (they count
     in the softmax denominator) and sign 0 (no weight)."""
     if keep is not None:
@@ -246,14 +264,13 @@ class _CogAttentionTorch(torch.autograd.Function):
         qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)  # views when already in the compute dtype
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         log_l = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
-        zero = q.new_zeros((), dtype=ct)
-        for b, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
-            s = torch.baddbmm(zero, qc[b, hs, rs], kc[b, hs].transpose(1, 2), beta=0, alpha=scale)  # (h, r, Lk)
-            e, sgn = _signed_exp_(s, _tile_keep(b, rs, Lq, Lk, causal, key_padding_mask, q.device))
+        for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
+            s = _scores(qc[bs, hs, rs], kc[bs, hs], scale)  # (items, h, r, Lk)
+            e, sgn = _signed_exp_(s, _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device))
             l = e.sum(-1, keepdim=True)  # taken before the sign: exact zeros p = 0 count here
-            o = torch.bmm(e.mul_(sgn), vc[b, hs])  # (h, r, hd) = l * O
-            out[b, hs, rs] = o.mul_(_safe_reciprocal(l))  # rows with no kept key: l = 0, O = 0
-            log_l[b, hs, rs] = l.log_()
+            o = torch.bmm(_flat(e.mul_(sgn)), _flat(vc[bs, hs])).view(*s.shape[:3], hd)  # l * O
+            out[bs, hs, rs] = o.mul_(_safe_reciprocal(l))  # rows with no kept key: l = 0, O = 0
+            log_l[bs, hs, rs] = l.log_()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, log_l, key_padding_mask)
         ctx.causal, ctx.scale, ctx.tile_elements = causal, scale, tile_elements
@@ -270,29 +287,32 @@ class _CogAttentionTorch(torch.autograd.Function):
         dq = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         dk = torch.empty(B, nh, Lk, hd, dtype=ct, device=q.device)
         dv = torch.empty(B, nh, Lk, hd, dtype=ct, device=q.device)
-        zero = q.new_zeros((), dtype=ct)
-        for b, hs, rs in _tiles(B, nh, Lq, Lk, ctx.tile_elements):
-            s = torch.baddbmm(zero, qc[b, hs, rs], kc[b, hs].transpose(1, 2), beta=0, alpha=scale)
-            e, sgn = _signed_exp_(s, _tile_keep(b, rs, Lq, Lk, causal, key_padding_mask, q.device))
-            e.mul_(sgn)  # E = l * A, (h, r, Lk)
-            inv_l = _safe_reciprocal(log_l[b, hs, rs].exp())  # (h, r, 1); 0 on rows with no kept key
-            do_t = do[b, hs, rs]
-            D = (do_t * oc[b, hs, rs]).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i)
-            first = rs.start == 0  # the first query block of these heads writes dK, dV; later ones accumulate
-            # dV = E^T (dO / l)
-            if first:
-                torch.bmm(e.transpose(1, 2), do_t * inv_l, out=dv[b, hs])
+        for bs, hs, rs in _tiles(B, nh, Lq, Lk, ctx.tile_elements):
+            s = _scores(qc[bs, hs, rs], kc[bs, hs], scale)
+            e, sgn = _signed_exp_(s, _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device))
+            e = _flat(e.mul_(sgn))  # E = l * A, (items * h, r, Lk)
+            sgn = _flat(sgn)
+            inv_l = _safe_reciprocal(_flat(log_l[bs, hs, rs]).exp())  # (items * h, r, 1); 0 on rows with no key
+            do_t = _flat(do[bs, hs, rs])
+            D = (do_t * _flat(oc[bs, hs, rs])).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i)
+            # The first query block of these heads writes dK, dV; later ones accumulate. The dK/dV slices of a
+            # tile are contiguous, so their 3-d views are written in place.
+            dv_t, dk_t = _flat(dv[bs, hs]), _flat(dk[bs, hs])
+            first = rs.start == 0
+            if first:  # dV = E^T (dO / l)
+                torch.bmm(e.transpose(1, 2), do_t * inv_l, out=dv_t)
             else:
-                dv[b, hs].baddbmm_(e.transpose(1, 2), do_t * inv_l)
-            g = torch.bmm(do_t, vc[b, hs].transpose(1, 2))  # g_ij = dO_i . v_j
+                dv_t.baddbmm_(e.transpose(1, 2), do_t * inv_l)
+            g = torch.bmm(do_t, _flat(vc[bs, hs]).transpose(1, 2))  # g_ij = dO_i . v_j
             dp = torch.addcmul(D.neg_(), g, sgn, out=g).mul_(e)  # l * dP = E * (sign(p) * g - D)
             inv_l.mul_(scale)
-            dq[b, hs, rs] = torch.bmm(dp, kc[b, hs]).mul_(inv_l)  # dQ = scale dP K
-            q_l = qc[b, hs, rs] * inv_l  # dK = scale dP^T Q = (l dP)^T (scale Q / l)
+            kc_t = _flat(kc[bs, hs])
+            dq[bs, hs, rs] = torch.bmm(dp, kc_t).mul_(inv_l).view(*dq[bs, hs, rs].shape)  # dQ = scale dP K
+            q_l = _flat(qc[bs, hs, rs]) * inv_l  # dK = scale dP^T Q = (l dP)^T (scale Q / l)
             if first:
-                torch.bmm(dp.transpose(1, 2), q_l, out=dk[b, hs])
+                torch.bmm(dp.transpose(1, 2), q_l, out=dk_t)
             else:
-                dk[b, hs].baddbmm_(dp.transpose(1, 2), q_l)
+                dk_t.baddbmm_(dp.transpose(1, 2), q_l)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
