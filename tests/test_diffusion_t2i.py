@@ -1,6 +1,5 @@
 """Discrete t2i loss with CFG context dropout, the n = t + 1 convention, guidance, and the t2i training task."""
 
-import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -132,40 +131,26 @@ def _features(tmp_path):
     return tmp_path / "feat", tmp_path / "vae"
 
 
-def test_text2image_task_in_the_training_loop(tmp_path, monkeypatch):
-    """`train(cfg)` with the t2i task: trains, writes a sample grid and checkpoints, exports a t2i pipeline.
-
-    The config schema does not have the t2i fields yet, so they are added by subclassing its dataclasses here,
-    and the task is registered for the test only (the integration steps are in the issue-7 report).
-    """
+def test_text2image_task_in_the_training_loop(tmp_path):
+    """`train(cfg)` with the t2i task from the task registry: trains, writes a sample grid and checkpoints, and
+    exports a t2i pipeline that carries the config's latent scale and sampler."""
     from uvic.config import Config, DataConfig, DiffusionConfig, SampleConfig, TrainConfig, UViTConfig
     from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
-    from uvic.training import tasks
     from uvic.training.loop import train
+    from uvic.training.tasks import TASKS
 
-    @dataclasses.dataclass(frozen=True)
-    class T2IData(DataConfig):
-        p_uncond: float = 0.1
-        latent_scale: float = 0.2301
-        vae: str = ""
-
-    @dataclasses.dataclass(frozen=True)
-    class T2ISample(SampleConfig):
-        sampler: str = "uvit_dpm_solver"
-        guidance_scale: float = 2.0
-
+    assert TASKS["t2i"] is Text2ImageTask
     root, vae_dir = _features(tmp_path)
-    monkeypatch.setitem(tasks.TASKS, "t2i", Text2ImageTask)
     cfg = Config(
         task="t2i",
         model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=32, depth=4, num_heads=2, clip_dim=16,
                          num_clip_token=5, attention="cog", attention_backend="torch"),
         diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
                                   beta_end=0.012),
-        data=T2IData(name="mscoco_features", root=str(root), random_flip=False, num_workers=0, vae=str(vae_dir)),
+        data=DataConfig(name="mscoco_features", root=str(root), random_flip=False, num_workers=0, vae=str(vae_dir)),
         train=TrainConfig(run_dir=str(tmp_path / "run"), max_steps=3, batch_size=4, betas=(0.9, 0.9),
                           warmup_steps=2, log_every=1, sample_every=3, save_every=3, log_with="none"),
-        sample=T2ISample(num_inference_steps=3, num_images=4),
+        sample=SampleConfig(sampler="uvit_dpm_solver", num_inference_steps=3, num_images=4),
     )
     train(cfg)
     run = tmp_path / "run"
