@@ -13,7 +13,7 @@ import torch
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 __all__ = ["SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "fused_attention", "unsupported_reason"]
 

@@ -12,7 +12,8 @@ Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
     - dtypes float16, bfloat16, float32 (q, k, v share one). Accumulation is always fp32. For float32 inputs every
       tl.dot uses input_precision="ieee" (no TF32), so fp32 results match an fp32 reference; this path is for
       parity and has no tensor-core speed.
-    - head dims 16, 32, 64, 128 (q, k, v share one; 256 is not in the envelope).
+    - head dims 16, 32, 64, 128, 256 (q, k, v share one). Head dim 256 runs on small tiles (32-64 rows/keys,
+      8 warps, 1-2 stages; see configs.py) so that every kernel stays spill-free on sm_80 and sm_90.
     - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk; causal is bottom-right aligned (key j is
       masked for query i when j > i + Lk - Lq, as FlashAttention-2); key_padding_mask (B, Lk) bool, True = keep.
     - any finite scale (a negative scale flips the signs of p, as in the reference).

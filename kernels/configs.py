@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 KERNELS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 ARCHS = (80, 90)
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = ("fp16", "bf16", "fp32")
 
 # Shared memory per block (bytes) a kernel may use: A100 164 KB, H100 228 KB (227 KB usable per block).
@@ -38,10 +38,12 @@ class KernelConfig:
 
 _C = KernelConfig
 
-# Preprocess (D = rowsum(dO * O)) is memory-bound and tiny; block_n is unused.
+# Preprocess (D = rowsum(dO * O)) is memory-bound and tiny; block_n is unused. (fp32 hd 256: 230-236 registers.)
 _PRE = [_C(64, 16, 4, 1)]
 
 # 16-bit inputs (fp16 / bf16). Keys: (arch, head dim). Head dims 16 and 32 are cheap at any tile: one config.
+# Head dim 256 holds (rows x 256) fp32 accumulators per program: one small 8-warp tile per kernel, the largest tried
+# that ptxas compiles without spills and below the 255-register cap (tiles noted as spilling or at 255: Cog fp16).
 _FWD_16 = {
     (80, 16): [_C(64, 64, 4, 2)],
     (80, 32): [_C(64, 64, 4, 2)],
@@ -51,6 +53,8 @@ _FWD_16 = {
     (90, 32): [_C(64, 64, 4, 3)],
     (90, 64): [_C(128, 64, 8, 3), _C(128, 128, 8, 3)],
     (90, 128): [_C(128, 64, 8, 3), _C(128, 128, 8, 2)],
+    (80, 256): [_C(64, 64, 8, 1)],  # (64, 32, 4, 2), (128, 32, 8, 2) spill; (64, 64|32, 8, 2) at 255 registers
+    (90, 256): [_C(64, 32, 8, 2)],  # (64, 64, 8, 1) spills; (64, 64, 8, 2), (128, 32, 8, 2) at 247-255 registers
 }
 _DKDV_16 = {
     (80, 16): [_C(64, 64, 4, 2)],
@@ -61,6 +65,8 @@ _DKDV_16 = {
     (90, 32): [_C(64, 64, 4, 3)],
     (90, 64): [_C(64, 128, 8, 3), _C(64, 64, 4, 3)],
     (90, 128): [_C(32, 128, 8, 2)],  # (64, 64, 4|8 warps) and (32, 64, 4, 2) spill
+    (80, 256): [_C(32, 32, 8, 1)],  # (32, 64, 8, 1) spills; (16, 64, 8, 1) at 255 registers
+    (90, 256): [_C(32, 32, 8, 1)],  # (16, 64, 8, 1) and (32, 64, 8, 1) spill 1.7-1.9 KB
 }
 _DQ_16 = {
     (80, 16): [_C(64, 64, 4, 2)],
@@ -71,6 +77,8 @@ _DQ_16 = {
     (90, 32): [_C(64, 64, 4, 3)],
     (90, 64): [_C(128, 64, 8, 3), _C(64, 64, 4, 3)],
     (90, 128): [_C(128, 64, 8, 2), _C(64, 64, 4, 2)],
+    (80, 256): [_C(32, 64, 8, 1)],  # (64, 32, 8, 2) and (64, 64, 8, 1) at 255 registers
+    (90, 256): [_C(64, 32, 8, 2)],  # (64, 64, 8, 1) spills 0.7 KB
 }
 # fp32 inputs: IEEE fp32 dots run on the FMA units (no tensor cores), which hold a whole head-dim row of each
 # operand per thread: every 32-64 wide tile with 4 warps spills (up to 7.6 KB at hd 128, and so does tf32x3), so
@@ -92,7 +100,7 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list
         kernel: one of `KERNELS`.
         arch: compute capability as an int, 80 or 90 (other majors use the nearest: < 90 -> 80, >= 90 -> 90).
         dtype: "fp16", "bf16" or "fp32".
-        head_dim: 16, 32, 64 or 128.
+        head_dim: 16, 32, 64, 128 or 256.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")

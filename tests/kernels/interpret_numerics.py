@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import uvic.kernels.attention as kattn
 from uvic.attention import attention_ref, cog_attention, softmax_attention
 from uvic.kernels import fused_attention, unsupported_reason
-from uvic.kernels.configs import KernelConfig
+from uvic.kernels.configs import HEAD_DIMS, KernelConfig, candidate_configs
 
 
 def _floor(dtype, ref):
@@ -99,6 +99,12 @@ CASES = [
     (1, 2, 65, 65, 32, torch.bfloat16, False, "partial", True, "contiguous"),
     (1, 1, 40, 17, 128, torch.bfloat16, False, None, False, "contiguous"),
     (2, 1, 65, 130, 16, torch.float16, True, "empty_batch", False, "contiguous"),
+    # head dim 256: ragged L, Lq > Lk causal (rows with no key), Lq < Lk, masks, strides, 16-bit and both modes
+    (1, 1, 65, 40, 256, torch.float32, True, "partial", True, "bshd"),
+    (2, 1, 130, 130, 256, torch.float32, False, "empty_batch", True, "gapped"),
+    (1, 2, 33, 70, 256, torch.bfloat16, True, None, True, "contiguous"),
+    (2, 1, 130, 258, 256, torch.float16, True, "partial", True, "contiguous"),
+    (1, 1, 33, 17, 256, torch.float16, False, "partial", False, "contiguous"),
 ]
 
 
@@ -117,6 +123,17 @@ def test_other_block_sizes(monkeypatch, causal):
     monkeypatch.setitem(kattn.INTERPRET_CONFIGS, "bwd_dq", KernelConfig(16, 32, 4, 1))
     q, k, v, do = _inputs(1, 2, 70, 57, 32, torch.float32, seed=3)
     _check(q, k, v, do, torch.float32, causal=causal, kpm=_mask("partial", 1, 57), cog=True)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_head_dim_256_gpu_tiles(monkeypatch, arch):
+    """The kernels run with the very tiles the autotuner may pick for head dim 256 (the interpreter ignores warps
+    and stages): bf16, causal with Lq > Lk, a key padding mask, lengths that are not tile multiples."""
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        for c in candidate_configs(kernel, arch, "bf16", 256):
+            monkeypatch.setitem(kattn.INTERPRET_CONFIGS, kernel, c)
+            q, k, v, do = _inputs(1, 1, 100, 75, 256, torch.bfloat16, seed=8)
+            _check(q, k, v, do, torch.bfloat16, causal=True, kpm=_mask("partial", 1, 75), cog=True)
 
 
 def test_exact_zero_scores_and_negative_scale():
@@ -164,6 +181,9 @@ def test_unsupported_reason(monkeypatch):
     assert unsupported_reason(q, q, q) is None  # CPU is fine under the interpreter
     assert "dtype" in unsupported_reason(q.double(), q.double(), q.double())
     assert "head dim" in unsupported_reason(q[..., :24], q[..., :24], q[..., :24])
+    wide = torch.randn(1, 2, 8, 256)
+    assert unsupported_reason(wide, wide, wide) is None
+    assert "head dim" in unsupported_reason(*(torch.randn(1, 2, 8, 512),) * 3)
     assert "key_padding_mask" in unsupported_reason(q, q, q, torch.ones(1, 8))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "CUDA" in unsupported_reason(q, q, q)
@@ -177,12 +197,10 @@ def test_unsupported_reason(monkeypatch):
 
 def test_autotuner_picks_only_checked_candidates():
     """The prune hook never leaves the candidate list that the AOT test compiles."""
-    from uvic.kernels.configs import candidate_configs
-
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         for arch in (80, 90):
             for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-                for hd in (16, 32, 64, 128):
+                for hd in HEAD_DIMS:
                     allowed = candidate_configs(kernel, arch, name, hd)
                     for bucket in (16, 64, 256, 16384):
                         picked = kattn.pick_candidates(kernel, arch, dtype, hd, bucket)

@@ -24,7 +24,7 @@ def _grads(fn, q, k, v, do, dtype):
 
 
 @pytest.mark.parametrize("L", [64, 258, 1000])
-@pytest.mark.parametrize("hd", [32, 64, 128])
+@pytest.mark.parametrize("hd", [32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("cog", [True, False])
