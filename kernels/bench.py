@@ -10,7 +10,9 @@ stable on a shared machine where absolute times drift.
 
 Implementations (forward + backward):
     softmax          `softmax_attention(backend="auto")`: SDPA on CPU, the fused kernel's softmax mode on CUDA
-    cog              `cog_attention(backend="auto")`: the "torch" backend on CPU, the Triton kernel on CUDA
+    cog              `cog_attention(backend="auto")`: the "torch" backend on CPU (its tile math compiled by
+                     torch.compile at these sizes), the Triton kernel on CUDA
+    cog[eager]       CPU only: the "torch" backend with UVIC_ATTENTION_COMPILE=0 (plain eager PyTorch)
     cog[torch]       `cog_attention(backend="torch")` (CUDA only; it is "cog" on CPU)
     cog[reference]   `cog_attention(backend="reference")`: the dense formula, upcast to float32
     official         the unfused formula of the official U-ViC / Cogformer code, in the input dtype
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -63,12 +66,27 @@ def implementations(device: torch.device) -> dict[str, Callable]:
         "softmax": lambda q, k, v, c: softmax_attention(q, k, v, causal=c),
         "cog": lambda q, k, v, c: cog_attention(q, k, v, causal=c),
     }
+    if device.type == "cpu":
+        impls["cog[eager]"] = lambda q, k, v, c: _eager(cog_attention, q, k, v, causal=c)
     if device.type == "cuda":
         impls["cog[torch]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="torch")
         impls["sdpa"] = lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)
     impls["cog[reference]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="reference")
     impls["official"] = lambda q, k, v, c: official_formula(q, k, v, causal=c)
     return impls
+
+
+def _eager(fn, *args, **kwargs):
+    """Call `fn` with the "torch" backend's torch.compile path switched off (UVIC_ATTENTION_COMPILE=0)."""
+    old = os.environ.get("UVIC_ATTENTION_COMPILE")
+    os.environ["UVIC_ATTENTION_COMPILE"] = "0"
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if old is None:
+            del os.environ["UVIC_ATTENTION_COMPILE"]
+        else:
+            os.environ["UVIC_ATTENTION_COMPILE"] = old
 
 
 def _inputs(shape, device, dtype, seed=0):
@@ -124,8 +142,9 @@ def _peak_memory_child(name: str, device_type: str) -> None:
     device = torch.device(device_type)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fn = implementations(device)[name]
-    # Warm up on a small shape so one-time code loading is not counted.
-    small = (1, 2, 64, MEMORY_SHAPE[3], MEMORY_SHAPE[4])
+    # Warm up on one head of the same length, so one-time code loading (and, for the "torch" backend, the
+    # torch.compile of its tiles, which have the same shapes) is not counted.
+    small = (1, 1, MEMORY_SHAPE[2], MEMORY_SHAPE[3], MEMORY_SHAPE[4])
     q, k, v, do = _inputs(small, device, dtype)
     fn(q, k, v, small[4]).backward(do)
     q, k, v, do = _inputs(MEMORY_SHAPE, device, dtype)
@@ -162,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--what", choices=["all", "time", "memory"], default="all")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), help=f"subset of {list(SHAPES)}")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (CPU); 0 keeps the default")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.memory_child:
@@ -169,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     print(f"device={device} dtype={dtype} torch={torch.__version__} threads={torch.get_num_threads()}")
     if args.what in ("all", "time"):
         for shape_name in args.shapes:

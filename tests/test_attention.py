@@ -213,6 +213,57 @@ def test_torch_backend_tiles_over_batch_items(monkeypatch):
     check_backend("torch", q, k, v, do)
 
 
+@pytest.fixture
+def compile_all_tiles(monkeypatch):
+    """Route every "torch" backend call through the torch.compile'd tile math (normally only large calls)."""
+    monkeypatch.setattr(attn_mod, "_COMPILE_MIN_SCORES", 0)
+    monkeypatch.setattr(attn_mod, "_compile_failed", [])
+    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "1")
+
+
+def test_compiled_tile_math_matches_f64(compile_all_tiles, monkeypatch):
+    # Query-block tiles with causal + padding (rows with no key), then multi-item tiles from a fused qkv.
+    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 7 * 50)
+    q, k, v, do = make_inputs(2, 3, 43, 50, 16, seed=17)
+    kpm = torch.rand(2, 50, generator=torch.Generator().manual_seed(0)) > 0.3
+    kpm[1, :10] = False
+    check_backend("torch", q, k, v, do, causal=True, key_padding_mask=kpm)
+    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 2 ** 20)
+    q, k, v, do = make_inputs(3, 4, 65, 65, 32, seed=5)
+    check_backend("torch", q, k, v, do)
+    assert attn_mod._compile_failed == []
+    assert set(attn_mod._compiled) == {"forward", "backward"}  # the compiled functions ran (no eager fallback)
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
+    monkeypatch.setattr(attn_mod, "_COMPILE_MIN_SCORES", 0)
+    monkeypatch.setattr(attn_mod, "_compiled", {})
+    monkeypatch.setattr(attn_mod, "_compile_failed", [])
+    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "1")
+
+    def no_compiler(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+        return run
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    q, k, v, do = make_inputs(2, 2, 17, 17, 16, seed=2)
+    with caplog.at_level("WARNING", logger="uvic.attention"):
+        check_backend("torch", q, k, v, do, causal=True)
+    assert "no working C++ compiler" in caplog.text and "eager" in caplog.text
+    assert len(attn_mod._compile_failed) == 1  # tried once, then eager for the rest of the process
+
+
+def test_compile_switch_and_threshold(monkeypatch):
+    q = torch.zeros(1, 1, 1, 1)
+    monkeypatch.setattr(attn_mod, "_compile_failed", [])
+    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "1")
+    assert attn_mod._use_compiled(q, attn_mod._COMPILE_MIN_SCORES)
+    assert not attn_mod._use_compiled(q, attn_mod._COMPILE_MIN_SCORES - 1)  # small calls stay eager
+    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "0")
+    assert not attn_mod._use_compiled(q, attn_mod._COMPILE_MIN_SCORES)
+
+
 def test_torch_backend_saves_no_score_matrix():
     """The memory contract: saved for backward are q, k, v, the output and one float per query row."""
     B, nh, L, hd = 2, 4, 300, 32

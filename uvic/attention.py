@@ -14,7 +14,9 @@ Shape letters: B batch, nh heads, Lq / Lk query / key tokens, hd head dim. Every
 Backends (the same semantics in each, tested against `attention_ref` in float64):
     "reference"  the paper's "faster" formula (Fig. 2), dense, upcast to float32; the ground truth.
     "torch"      memory-efficient PyTorch: works over tiles of queries, saves only q, k, v, the output and one
-                 float per row (the log-sum-exp of |p|) and recomputes the weights in backward.
+                 float per row (the log-sum-exp of |p|) and recomputes the weights in backward. On CPU, calls with
+                 at least 2**20 scores run the tile math through torch.compile (fused loops; falls back to eager
+                 with a warning if no compiler works; UVIC_ATTENTION_COMPILE=0 turns it off).
                  For `softmax_attention` this is `F.scaled_dot_product_attention`.
     "triton"     the fused flash-style kernel in `uvic.kernels` (CUDA only).
     "auto"       "triton" for fp16/bf16 CUDA inputs inside the kernel's envelope, else "torch".
@@ -22,7 +24,9 @@ Backends (the same semantics in each, tested against `attention_ref` in float64)
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from typing import Literal
 
 import torch
@@ -32,9 +36,12 @@ import torch.nn.functional as F
 Backend = Literal["auto", "reference", "torch", "triton"]
 BACKENDS = ("auto", "reference", "torch", "triton")
 
-# Elements of one (rows x keys) score tile in the "torch" backend. 2**18 fp32 scores = 1 MiB: the tile and
-# its few same-sized temporaries stay in the L2 cache, which matters more on CPU than the Python loop cost.
-_TILE_ELEMENTS = 2**18
+logger = logging.getLogger(__name__)
+
+# Elements of one (rows x keys) score tile in the "torch" backend: 2**20 fp32 scores = 4 MiB, so a tile and its
+# few temporaries take tens of MiB whatever the sequence length. Measured on CPU (kernels/bench.py): smaller
+# tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
+_TILE_ELEMENTS = 2**20
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -220,26 +227,95 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """p = scale * q k^T for a tile: q (items, h, r, hd), k (items, h, Lk, hd) -> (items, h, r, Lk)."""
-    zero = q.new_zeros(())
-    s = torch.baddbmm(zero, _flat(q), _flat(k).transpose(1, 2), beta=0, alpha=scale)
-    return s.view(*q.shape[:3], k.shape[2])
+def _flat_keep(keep: torch.Tensor | None, hs: slice) -> torch.Tensor | None:
+    """A tile's keep-mask (items | 1, 1, rows | 1, Lk) -> (items * heads | 1, rows | 1, Lk), matching `_flat`."""
+    if keep is None:
+        return None
+    return _flat(keep.expand(-1, hs.stop - hs.start, -1, -1)) if keep.shape[0] > 1 else keep[0]
 
 
-def _signed_exp_(s: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on a score tile s = p (..., r, Lk): returns (e, sign(p)) with e = exp(|p| - m), m the row max of |p|
-    over kept keys (0 for rows with none); masked keys give e = 0. Exact zeros p = 0 keep e = exp(-m) (they count
-    in the softmax denominator) and sign 0 (no weight)."""
+def _tile_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile of the forward: q (G, r, hd), k and v (G, Lk, hd), keep broadcastable to (G, r, Lk) or None.
+
+    Returns (E v, l): E = sign(p) * exp(|p| - m) with m the row max of |p| over kept keys (0 for rows with none),
+    so E v = l * O, (G, r, hd); and l = rowsum(exp(|p| - m)) over kept keys, (G, r, 1). Exact zeros p = 0 count
+    in l and get sign 0 (no weight), as in the reference.
+    """
+    s = torch.bmm(q * scale, k.transpose(1, 2))  # p, (G, r, Lk); q * scale is (r, hd), far smaller than p
     if keep is not None:
-        s.masked_fill_(~keep, 0.0)  # |0| cannot raise the row max, which is >= 0 anyway
+        s = s.masked_fill(~keep, 0.0)  # |0| cannot raise the row max, which is >= 0 anyway
+    a = s.abs()
+    e = torch.exp(a - a.amax(-1, keepdim=True))
+    if keep is not None:
+        e = e.masked_fill(~keep, 0.0)
+    return torch.bmm(e * torch.sign(s), v), e.sum(-1, keepdim=True)
+
+
+def _tile_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    inv_l: torch.Tensor,
+    D: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile of the backward: q, do (G, r, hd); k, v (G, Lk, hd); inv_l = 1/l and D = rowsum(dO * O), (G, r, 1).
+
+    Recomputes E = l * A as `_tile_forward` does and returns this tile's (dQ, dK, dV) contributions, with
+    dV = E^T (dO / l), l dP = E * (sign(p) * (dO v^T) - D), dQ = scale dP K and dK = scale dP^T Q.
+    """
+    s = torch.bmm(q * scale, k.transpose(1, 2))
+    if keep is not None:
+        s = s.masked_fill(~keep, 0.0)
+    a = s.abs()
     sgn = torch.sign(s)
-    # Two plain reductions: much faster on CPU than torch.aminmax over a dim.
-    m = torch.maximum(s.amax(-1, keepdim=True), s.amin(-1, keepdim=True).neg_())
-    e = torch.addcmul(m.neg_(), s, sgn, out=s)  # |p| - m, as s * sign(s) = |s|; exact near the max
+    e = torch.exp(a - a.amax(-1, keepdim=True))
     if keep is not None:
-        e.masked_fill_(~keep, float("-inf"))
-    return e.exp_(), sgn
+        e = e.masked_fill(~keep, 0.0)
+    e = e * sgn  # E = l * A
+    dv = torch.bmm(e.transpose(1, 2), do * inv_l)
+    dp = e * (sgn * torch.bmm(do, v.transpose(1, 2)) - D)  # l * dP
+    inv_l = inv_l * scale
+    return torch.bmm(dp, k) * inv_l, torch.bmm(dp.transpose(1, 2), q * inv_l), dv
+
+
+# The tile math compiled with torch.compile (Inductor fuses the abs/max/exp/sign/sum chain into two loops between
+# the matmuls; eager PyTorch makes ~7 passes over each score tile). Used on CPU for calls with at least
+# _COMPILE_MIN_SCORES scores (smaller ones are dominated by call overhead, and compiling them is not worth it);
+# switched off by UVIC_ATTENTION_COMPILE=0, or for the process when the compiler is missing or fails (a warning).
+_COMPILE_MIN_SCORES = 2**20
+_compiled: dict[str, object] = {}
+_compile_failed: list[str] = []
+
+
+def _use_compiled(q: torch.Tensor, n_scores: int) -> bool:
+    return (
+        q.device.type == "cpu"
+        and n_scores >= _COMPILE_MIN_SCORES
+        and not _compile_failed
+        and os.environ.get("UVIC_ATTENTION_COMPILE", "1") != "0"
+        and not torch.compiler.is_compiling()  # inside a user's torch.compile: the outer graph fuses the tile math
+    )
+
+
+def _run_tile(name: str, compiled: bool, *args):
+    """`_tile_forward` / `_tile_backward`, compiled when asked and possible, else eager."""
+    fn = _tile_forward if name == "forward" else _tile_backward
+    if compiled:
+        if name not in _compiled:
+            _compiled[name] = torch.compile(fn, dynamic=None)
+        try:
+            return _compiled[name](*args)
+        except Exception as err:  # no C++ compiler, or an Inductor failure: eager from now on
+            _compile_failed.append(f"{type(err).__name__}: {err}")
+            logger.warning("uvic.attention: torch.compile of the Cog tile math failed (%s: %s); using eager PyTorch "
+                           "from now on (set UVIC_ATTENTION_COMPILE=0 to skip the attempt)", type(err).__name__,
+                           str(err).splitlines()[0] if str(err) else "")
+    return fn(*args)
 
 
 class _CogAttentionTorch(torch.autograd.Function):
@@ -263,16 +339,16 @@ class _CogAttentionTorch(torch.autograd.Function):
         ct = _compute_dtype(q.dtype)
         qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)  # views when already in the compute dtype
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
-        log_l = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
+        l_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
+        compiled = _use_compiled(q, B * nh * Lq * Lk)
         for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
-            s = _scores(qc[bs, hs, rs], kc[bs, hs], scale)  # (items, h, r, Lk)
-            e, sgn = _signed_exp_(s, _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device))
-            l = e.sum(-1, keepdim=True)  # taken before the sign: exact zeros p = 0 count here
-            o = torch.bmm(_flat(e.mul_(sgn)), _flat(vc[bs, hs])).view(*s.shape[:3], hd)  # l * O
-            out[bs, hs, rs] = o.mul_(_safe_reciprocal(l))  # rows with no kept key: l = 0, O = 0
-            log_l[bs, hs, rs] = l.log_()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, log_l, key_padding_mask)
+            keep = _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device)
+            o, l = _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs]), _flat(vc[bs, hs]),
+                             scale, _flat_keep(keep, hs))
+            out[bs, hs, rs] = o.view(out[bs, hs, rs].shape)
+            l_all[bs, hs, rs] = l.view(l_all[bs, hs, rs].shape)
+        out = out.mul_(_safe_reciprocal(l_all)).to(q.dtype)  # rows with no kept key: l = 0, O = 0
+        ctx.save_for_backward(q, k, v, out, l_all.log_(), key_padding_mask)
         ctx.causal, ctx.scale, ctx.tile_elements = causal, scale, tile_elements
         return out
 
@@ -283,36 +359,29 @@ class _CogAttentionTorch(torch.autograd.Function):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
-        qc, kc, vc, do, oc = q.to(ct), k.to(ct), v.to(ct), dout.to(ct), out.to(ct)
+        qc, kc, vc, do = q.to(ct), k.to(ct), v.to(ct), dout.to(ct)
+        D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
+        inv_l = _safe_reciprocal(log_l.exp())  # 0 on rows with no kept key
+        tiles = _tiles(B, nh, Lq, Lk, ctx.tile_elements)
+        whole_heads = all(rs.stop - rs.start == Lq for _, _, rs in tiles)  # else query blocks accumulate dK, dV
         dq = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
-        dk = torch.empty(B, nh, Lk, hd, dtype=ct, device=q.device)
-        dv = torch.empty(B, nh, Lk, hd, dtype=ct, device=q.device)
-        for bs, hs, rs in _tiles(B, nh, Lq, Lk, ctx.tile_elements):
-            s = _scores(qc[bs, hs, rs], kc[bs, hs], scale)
-            e, sgn = _signed_exp_(s, _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device))
-            e = _flat(e.mul_(sgn))  # E = l * A, (items * h, r, Lk)
-            sgn = _flat(sgn)
-            inv_l = _safe_reciprocal(_flat(log_l[bs, hs, rs]).exp())  # (items * h, r, 1); 0 on rows with no key
-            do_t = _flat(do[bs, hs, rs])
-            D = (do_t * _flat(oc[bs, hs, rs])).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i)
-            # The first query block of these heads writes dK, dV; later ones accumulate. The dK/dV slices of a
-            # tile are contiguous, so their 3-d views are written in place.
-            dv_t, dk_t = _flat(dv[bs, hs]), _flat(dk[bs, hs])
-            first = rs.start == 0
-            if first:  # dV = E^T (dO / l)
-                torch.bmm(e.transpose(1, 2), do_t * inv_l, out=dv_t)
+        dk = dq.new_empty(B, nh, Lk, hd) if whole_heads else dq.new_zeros(B, nh, Lk, hd)
+        dv = torch.empty_like(dk) if whole_heads else torch.zeros_like(dk)
+        compiled = _use_compiled(q, B * nh * Lq * Lk)
+        for bs, hs, rs in tiles:
+            keep = _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device)
+            dq_t, dk_t, dv_t = _run_tile(
+                "backward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs]), _flat(vc[bs, hs]),
+                _flat(do[bs, hs, rs]), _flat(inv_l[bs, hs, rs]), _flat(D[bs, hs, rs]), scale,
+                _flat_keep(keep, hs),
+            )
+            dq[bs, hs, rs] = dq_t.view(dq[bs, hs, rs].shape)
+            if whole_heads:
+                dk[bs, hs] = dk_t.view(dk[bs, hs].shape)
+                dv[bs, hs] = dv_t.view(dv[bs, hs].shape)
             else:
-                dv_t.baddbmm_(e.transpose(1, 2), do_t * inv_l)
-            g = torch.bmm(do_t, _flat(vc[bs, hs]).transpose(1, 2))  # g_ij = dO_i . v_j
-            dp = torch.addcmul(D.neg_(), g, sgn, out=g).mul_(e)  # l * dP = E * (sign(p) * g - D)
-            inv_l.mul_(scale)
-            kc_t = _flat(kc[bs, hs])
-            dq[bs, hs, rs] = torch.bmm(dp, kc_t).mul_(inv_l).view(*dq[bs, hs, rs].shape)  # dQ = scale dP K
-            q_l = _flat(qc[bs, hs, rs]) * inv_l  # dK = scale dP^T Q = (l dP)^T (scale Q / l)
-            if first:
-                torch.bmm(dp.transpose(1, 2), q_l, out=dk_t)
-            else:
-                dk_t.baddbmm_(dp.transpose(1, 2), q_l)
+                dk[bs, hs] += dk_t.view(dk[bs, hs].shape)
+                dv[bs, hs] += dv_t.view(dv[bs, hs].shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
