@@ -193,6 +193,11 @@ def test_torch_backend_tiles_over_query_blocks(monkeypatch):
     q, k, v, do = make_inputs(2, 3, 43, 50, 16, seed=17)
     kpm = torch.rand(2, 50, generator=torch.Generator().manual_seed(0)) > 0.3
     check_backend("torch", q, k, v, do, causal=True, key_padding_mask=kpm)
+    # Causal query blocks skip the key blocks they cannot see; with Lq > Lk the first rows see no key at all.
+    for Lq, Lk in ((50, 43), (43, 50)):
+        q2, k2, v2, do2 = make_inputs(2, 3, Lq, Lk, 16, seed=Lq)
+        check_backend("torch", q2, k2, v2, do2, causal=True)
+        check_backend("torch", q2, k2, v2, do2, causal=True, key_padding_mask=kpm[:, :Lk])
     monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 2 * 43 * 50 + 1)  # two whole heads per tile
     check_backend("torch", q, k, v, do, key_padding_mask=kpm)
 

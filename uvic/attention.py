@@ -208,18 +208,26 @@ def _tiles(B: int, nh: int, Lq: int, Lk: int, tile_elements: int) -> list[tuple[
 
 
 def _tile_keep(
-    bs: slice, rs: slice, Lq: int, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
+    bs: slice, rs: slice, Lq: int, ks: slice, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:
-    """Keep-mask of one tile, broadcastable to (items, heads, rows, Lk); None when every key is kept."""
+    """Keep-mask of one tile over keys `ks`, broadcastable to (items, heads, rows, keys); None when all are kept."""
     keep = None
     if causal and rs.start < Lq - 1:  # otherwise every row of the tile sees all keys (j <= i + Lk - Lq)
         i = torch.arange(rs.start, rs.stop, device=device)
-        j = torch.arange(Lk, device=device)
-        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None, None]  # (1, 1, rows, Lk)
+        j = torch.arange(ks.start, ks.stop, device=device)
+        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None, None]  # (1, 1, rows, keys)
     if kpm is not None:
-        tile_kpm = kpm[bs][:, None, None, :]  # (items, 1, 1, Lk)
+        tile_kpm = kpm[bs, ks][:, None, None, :]  # (items, 1, 1, keys)
         keep = tile_kpm if keep is None else keep & tile_kpm
     return keep
+
+
+def _tile_keys(rs: slice, Lq: int, Lk: int, causal: bool) -> slice:
+    """The keys a tile of query rows can see: causal rows i see j <= i + Lk - Lq, so later key blocks are skipped
+    (at least one key is kept in the slice; rows that see none are masked to zero by the keep-mask)."""
+    if not causal:
+        return slice(0, Lk)
+    return slice(0, max(1, min(Lk, rs.stop + Lk - Lq)))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -342,9 +350,10 @@ class _CogAttentionTorch(torch.autograd.Function):
         l_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
         compiled = _use_compiled(q, B * nh * Lq * Lk)
         for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
-            keep = _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device)
-            o, l = _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs]), _flat(vc[bs, hs]),
-                             scale, _flat_keep(keep, hs))
+            ks = _tile_keys(rs, Lq, Lk, causal)
+            keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
+            o, l = _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]),
+                             _flat(vc[bs, hs, ks]), scale, _flat_keep(keep, hs))
             out[bs, hs, rs] = o.view(out[bs, hs, rs].shape)
             l_all[bs, hs, rs] = l.view(l_all[bs, hs, rs].shape)
         out = out.mul_(_safe_reciprocal(l_all)).to(q.dtype)  # rows with no kept key: l = 0, O = 0
@@ -369,19 +378,20 @@ class _CogAttentionTorch(torch.autograd.Function):
         dv = torch.empty_like(dk) if whole_heads else torch.zeros_like(dk)
         compiled = _use_compiled(q, B * nh * Lq * Lk)
         for bs, hs, rs in tiles:
-            keep = _tile_keep(bs, rs, Lq, Lk, causal, key_padding_mask, q.device)
+            ks = _tile_keys(rs, Lq, Lk, causal)
+            keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
             dq_t, dk_t, dv_t = _run_tile(
-                "backward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs]), _flat(vc[bs, hs]),
+                "backward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
                 _flat(do[bs, hs, rs]), _flat(inv_l[bs, hs, rs]), _flat(D[bs, hs, rs]), scale,
                 _flat_keep(keep, hs),
             )
             dq[bs, hs, rs] = dq_t.view(dq[bs, hs, rs].shape)
-            if whole_heads:
+            if whole_heads:  # then ks covers every key
                 dk[bs, hs] = dk_t.view(dk[bs, hs].shape)
                 dv[bs, hs] = dv_t.view(dv[bs, hs].shape)
             else:
-                dk[bs, hs] += dk_t.view(dk[bs, hs].shape)
-                dv[bs, hs] += dv_t.view(dv[bs, hs].shape)
+                dk[bs, hs, ks] += dk_t.view(dk[bs, hs, ks].shape)
+                dv[bs, hs, ks] += dv_t.view(dv[bs, hs, ks].shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
