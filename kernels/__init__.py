@@ -31,36 +31,24 @@ def unsupported_reason(
     """
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    tensors = (q, k, v) if key_padding_mask is None else (q, k, v, key_padding_mask)
-    if any(not isinstance(t, torch.Tensor) for t in tensors):
-        return "inputs must be torch tensors"
+    from uvic.attention import input_problem  # the checks every backend shares (shapes, dtypes, devices, mask)
+
+    problem = input_problem(q, k, v, key_padding_mask)
+    if problem is not None:
+        return problem
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    for name, t in zip(("q", "k", "v", "key_padding_mask"), tensors):
-        if not (t.is_cuda or (interpret and t.device.type == "cpu")):
-            return f"{name} is on {t.device}; the kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1)"
-    if len({t.device for t in tensors}) != 1:
-        return "q, k, v and key_padding_mask must be on one device"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "q, k, v must be 4-D (B, nh, L, hd)"
-    if not (q.dtype == k.dtype == v.dtype):
-        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.is_cuda or (interpret and q.device.type == "cpu")):
+        return f"the inputs are on {q.device}; the kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1)"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
     hd = q.shape[-1]
-    if k.shape[-1] != hd or v.shape[-1] != hd:
-        return f"q, k, v must share one head dim, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
     if hd not in SUPPORTED_HEAD_DIMS:
         return f"head dim {hd} is not supported (one of {SUPPORTED_HEAD_DIMS})"
     B, nh, Lq = q.shape[:3]
-    if k.shape[:2] != (B, nh) or v.shape[:3] != k.shape[:3]:
-        return f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if Lq == 0 or k.shape[2] == 0 or B * nh == 0:
         return "empty input (a zero-sized dimension)"
     if B * nh > 65535:
         return f"B * nh = {B * nh} is larger than the kernel grid allows (65535)"
-    if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, k.shape[2]):
-            return "key_padding_mask must be a (B, Lk) bool tensor"
     if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 8:
         return "the kernel needs compute capability 8.0 or newer (A100/H100 class)"
     return None

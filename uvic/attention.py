@@ -49,6 +49,45 @@ _TILE_ELEMENTS = 2**20
 # ---------------------------------------------------------------------------------------------------------
 
 
+def input_problem(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+) -> str | None:
+    """What is wrong with these attention inputs, in words (None when nothing is). Shared by every backend and by
+    `uvic.kernels.unsupported_reason`, so a problem is named the same way whichever entry point sees it.
+
+    Args:
+        q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
+        key_padding_mask: (B, Lk) bool (True = the key takes part) or None.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dim() != 4:
+            return f"{name} must have shape (B, nh, L, hd) (4 dims), got {tuple(t.shape)}"
+        if not t.is_floating_point():
+            return f"{name} must be a floating-point tensor, got {t.dtype}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.device == k.device == v.device):
+        return f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+    B, nh, _, hd = q.shape
+    if k.shape[0] != B or k.shape[1] != nh or k.shape[3] != hd:
+        return f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, nh or hd"
+    if v.shape[:3] != k.shape[:3]:
+        return f"v {tuple(v.shape)} must have the (B, nh, Lk) of k {tuple(k.shape)}"
+    if v.shape[3] != hd:
+        return f"v head dim {v.shape[3]} must equal the q/k head dim {hd}"
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask)
+            return f"key_padding_mask must be a bool tensor (True = key takes part), got {got}"
+        if tuple(key_padding_mask.shape) != (B, k.shape[2]):
+            return f"key_padding_mask must have shape (B, Lk) = {(B, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
+        if key_padding_mask.device != q.device:
+            return f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}"
+    return None
+
+
 def _check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,34 +99,9 @@ def _check_inputs(
     """Raise a ValueError that names the problem for anything the op does not accept."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (B, nh, L, hd) (4 dims), got {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    B, nh, _, hd = q.shape
-    if k.shape[0] != B or k.shape[1] != nh or k.shape[3] != hd:
-        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, nh or hd")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v {tuple(v.shape)} must have the (B, nh, Lk) of k {tuple(k.shape)}")
-    if v.shape[3] != hd:
-        raise ValueError(f"v head dim {v.shape[3]} must equal the q/k head dim {hd}")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-            got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask)
-            raise ValueError(f"key_padding_mask must be a bool tensor (True = key takes part), got {got}")
-        if tuple(key_padding_mask.shape) != (B, k.shape[2]):
-            raise ValueError(
-                f"key_padding_mask must have shape (B, Lk) = {(B, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
-            )
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+    problem = input_problem(q, k, v, key_padding_mask)
+    if problem is not None:
+        raise ValueError(problem)
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
 
