@@ -249,6 +249,11 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
+def _flat_out(x: torch.Tensor) -> torch.Tensor:
+    """`_flat` for an output slice that is written in place: always a view (raises rather than copy)."""
+    return x.view(-1, x.shape[-2], x.shape[-1])
+
+
 def _flat_keep(keep: torch.Tensor | None, hs: slice) -> torch.Tensor | None:
     """A tile's keep-mask (items | 1, 1, rows | 1, Lk) -> (items * heads | 1, rows | 1, Lk), matching `_flat`."""
     if keep is None:
@@ -305,6 +310,28 @@ def _tile_backward(
     return torch.bmm(dp, k) * inv_l, torch.bmm(dp.transpose(1, 2), q * inv_l), dv
 
 
+def _tile_forward_into(q, k, v, scale: float, keep, o_out: torch.Tensor, l_out: torch.Tensor) -> None:
+    """`_tile_forward` written into views of the outputs (compiled, the last pointwise loop writes there directly)."""
+    o, l = _tile_forward(q, k, v, scale, keep)
+    o_out.copy_(o)
+    l_out.copy_(l)
+
+
+def _tile_backward_into(
+    q, k, v, do, inv_l, D, scale: float, keep, dq_out: torch.Tensor, dk_out: torch.Tensor, dv_out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """`_tile_backward` written into views of dQ, dK, dV (dK, dV accumulate over query blocks when `accumulate`)."""
+    dq, dk, dv = _tile_backward(q, k, v, do, inv_l, D, scale, keep)
+    dq_out.copy_(dq)
+    if accumulate:
+        dk_out.add_(dk)
+        dv_out.add_(dv)
+    else:
+        dk_out.copy_(dk)
+        dv_out.copy_(dv)
+
+
 # The tile math compiled with torch.compile (Inductor fuses the abs/max/exp/sign/sum chain into two loops between
 # the matmuls; eager PyTorch makes ~7 passes over each score tile). Used on CPU for calls with at least
 # _COMPILE_MIN_SCORES scores (smaller ones are dominated by call overhead, and compiling them is not worth it);
@@ -324,9 +351,9 @@ def _use_compiled(q: torch.Tensor, n_scores: int) -> bool:
     )
 
 
-def _run_tile(name: str, compiled: bool, *args):
-    """`_tile_forward` / `_tile_backward`, compiled when asked and possible, else eager."""
-    fn = _tile_forward if name == "forward" else _tile_backward
+def _run_tile(name: str, compiled: bool, *args) -> None:
+    """`_tile_forward_into` / `_tile_backward_into`, compiled when asked and possible, else eager."""
+    fn = _tile_forward_into if name == "forward" else _tile_backward_into
     if compiled:
         if name not in _compiled:
             _compiled[name] = torch.compile(fn, dynamic=None)
@@ -366,10 +393,9 @@ class _CogAttentionTorch(torch.autograd.Function):
         for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
             ks = _tile_keys(rs, Lq, Lk, causal)
             keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
-            o, l = _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]),
-                             _flat(vc[bs, hs, ks]), scale, _flat_keep(keep, hs))
-            out[bs, hs, rs] = o.view(out[bs, hs, rs].shape)
-            l_all[bs, hs, rs] = l.view(l_all[bs, hs, rs].shape)
+            # The out / l slices of a tile are contiguous, so their 3-d views are written in place.
+            _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
+                      scale, _flat_keep(keep, hs), _flat_out(out[bs, hs, rs]), _flat_out(l_all[bs, hs, rs]))
         out = out.mul_(_safe_reciprocal(l_all)).to(q.dtype)  # rows with no kept key: l = 0, O = 0
         ctx.save_for_backward(q, k, v, out, l_all.log_(), key_padding_mask)
         ctx.causal, ctx.scale, ctx.tile_elements = causal, scale, tile_elements
@@ -394,18 +420,12 @@ class _CogAttentionTorch(torch.autograd.Function):
         for bs, hs, rs in tiles:
             ks = _tile_keys(rs, Lq, Lk, causal)
             keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
-            dq_t, dk_t, dv_t = _run_tile(
+            _run_tile(
                 "backward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
                 _flat(do[bs, hs, rs]), _flat(inv_l[bs, hs, rs]), _flat(D[bs, hs, rs]), scale,
-                _flat_keep(keep, hs),
+                _flat_keep(keep, hs), _flat_out(dq[bs, hs, rs]), _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks]),
+                not whole_heads,  # query blocks of one head accumulate dK, dV (zero-initialised)
             )
-            dq[bs, hs, rs] = dq_t.view(dq[bs, hs, rs].shape)
-            if whole_heads:  # then ks covers every key
-                dk[bs, hs] = dk_t.view(dk[bs, hs].shape)
-                dv[bs, hs] = dv_t.view(dv[bs, hs].shape)
-            else:
-                dk[bs, hs, ks] += dk_t.view(dk[bs, hs, ks].shape)
-                dv[bs, hs, ks] += dv_t.view(dv[bs, hs, ks].shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
