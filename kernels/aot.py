@@ -270,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     results = compile_all(specs, workers=args.workers)
     logger.info(format_report(results))
     bad = [r for r in results if r.spills or not r.smem_ok]
-    logger.info("%d kernels compiled in %.0f s; %d spill or exceed shared memory", len(results),
-                time.perf_counter() - t0, len(bad))  # fmt: skip
+    import triton
+
+    logger.info("%d kernels compiled by triton %s in %.0f s; %d spill or exceed shared memory", len(results),
+                triton.__version__, time.perf_counter() - t0, len(bad))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "config": str(r.spec.config)} for r in results], indent=1))
     return 1 if bad else 0
