@@ -9,14 +9,14 @@ and the reported ratio is the median over rounds of time(impl) / time(softmax) w
 stable on a shared machine where absolute times drift.
 
 Implementations (forward + backward):
-    softmax          `softmax_attention(backend="auto")`: SDPA on CPU, the fused kernel's softmax mode on CUDA
+    softmax          `softmax_attention(backend="auto")`: `F.scaled_dot_product_attention` (flash on CUDA)
+    softmax[triton]  CUDA only: the fused kernel's softmax mode (the like-for-like baseline for cog)
     cog              `cog_attention(backend="auto")`: the "torch" backend on CPU (its tile math compiled by
                      torch.compile at these sizes), the Triton kernel on CUDA
     cog[eager]       CPU only: the "torch" backend with UVIC_ATTENTION_COMPILE=0 (plain eager PyTorch)
     cog[torch]       `cog_attention(backend="torch")` (CUDA only; it is "cog" on CPU)
     cog[reference]   `cog_attention(backend="reference")`: the dense formula, upcast to float32
     official         the unfused formula of the official U-ViC / Cogformer code, in the input dtype
-    sdpa             `F.scaled_dot_product_attention` (CUDA only: on CPU it is "softmax")
 
 Shapes: U-ViT (B=8, nh=8, L=257 and 334, hd=64) and LM (B=1, nh=12, L=2048, hd=64, causal). Memory: the peak
 extra memory of one forward + backward at L=4096 (CUDA: the allocator's peak; CPU: the process's peak RSS above its RSS before the call (Linux VmHWM after a
@@ -70,7 +70,7 @@ def implementations(device: torch.device) -> dict[str, Callable]:
         impls["cog[eager]"] = lambda q, k, v, c: _eager(cog_attention, q, k, v, causal=c)
     if device.type == "cuda":
         impls["cog[torch]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="torch")
-        impls["sdpa"] = lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+        impls["softmax[triton]"] = lambda q, k, v, c: softmax_attention(q, k, v, causal=c, backend="triton")
     impls["cog[reference]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="reference")
     impls["official"] = lambda q, k, v, c: official_formula(q, k, v, causal=c)
     return impls

@@ -318,6 +318,15 @@ def test_softmax_torch_backend_is_sdpa():
     )
 
 
+def test_softmax_auto_is_sdpa_and_never_the_kernel(monkeypatch):
+    """`auto` gives softmax baselines SDPA on every device; only an explicit backend="triton" reaches the kernel."""
+    reached = []
+    monkeypatch.setattr(attn_mod, "triton_unsupported_reason", lambda *a: reached.append(a) or None)
+    q, k, v, _ = make_inputs(2, 2, 16, 16, 32)
+    torch.testing.assert_close(softmax_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert reached == []
+
+
 def test_cog_differs_from_softmax_and_has_negative_weights():
     q, k, v, _ = make_inputs(1, 1, 8, 8, 8, dtype=torch.float64)
     eye = torch.eye(8, dtype=torch.float64)[None, None]

@@ -19,7 +19,10 @@ Backends (the same semantics in each, tested against `attention_ref` in float64)
                  with a warning if no compiler works; UVIC_ATTENTION_COMPILE=0 turns it off).
                  For `softmax_attention` this is `F.scaled_dot_product_attention`.
     "triton"     the fused flash-style kernel in `uvic.kernels` (CUDA only).
-    "auto"       "triton" for fp16/bf16 CUDA inputs inside the kernel's envelope, else "torch".
+    "auto"       cog_attention: "triton" for fp16/bf16 CUDA inputs inside the kernel's envelope, else "torch".
+                 softmax_attention: always "torch", i.e. SDPA (FlashAttention / cuDNN / memory-efficient kernels on
+                 GPUs), so softmax baselines such as U-ViT get PyTorch's fastest attention; the kernel's softmax
+                 mode (backend="triton") is there for like-for-like comparisons with Cog.
 """
 
 from __future__ import annotations
@@ -514,8 +517,8 @@ def softmax_attention(
 ) -> torch.Tensor:
     """Softmax attention with the same signature and masking semantics as `cog_attention`.
 
-    The "torch" backend is `F.scaled_dot_product_attention` (flash / memory-efficient kernels where PyTorch
-    has them); "triton" is the fused kernel in its softmax mode, for like-for-like comparisons.
+    The "torch" backend, and "auto", is `F.scaled_dot_product_attention` (flash / memory-efficient kernels where
+    PyTorch has them); "triton" is the fused kernel in its softmax mode, for like-for-like comparisons with Cog.
 
     Args:
         q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
@@ -528,7 +531,7 @@ def softmax_attention(
     """
     _check_inputs(q, k, v, key_padding_mask, scale, backend)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = _resolve_backend(q, k, v, key_padding_mask, backend)
+    backend = "torch" if backend == "auto" else _resolve_backend(q, k, v, key_padding_mask, backend)
     if backend == "reference":
         with torch.autocast(q.device.type, enabled=False):  # float32 math, as for cog_attention
             return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
