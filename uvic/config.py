@@ -51,7 +51,8 @@ class DiffusionConfig:
 
     `schedule="vpsde"`: continuous VP-SDE, beta(t) = beta_min + t (beta_max - beta_min), t ~ U(0, 1), the
     network sees `time_scale * t` (U-ViT CIFAR-10). `schedule="discrete"`: DDPM with `num_train_timesteps`
-    steps and diffusers' beta schedules; the network sees the diffusers timestep t in [0, T - 1].
+    steps and diffusers' beta schedules; the network sees the diffusers timestep t in [0, T - 1] plus one (U-ViT's
+    1-based n, as for MS-COCO). Both conversions: `uvic.schedulers.timesteps.network_timestep`.
     """
 
     schedule: Literal["vpsde", "discrete"] = "vpsde"

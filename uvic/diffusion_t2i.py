@@ -1,8 +1,9 @@
 """Discrete-time text-to-image diffusion as U-ViT trains and guides on MS-COCO (reference doc Sec. 2.2).
 
 * Network time: the official model was trained on n in {1, ..., 1000} with `cum_alphas[n] == diffusers
-  alphas_cumprod[n - 1]`, so it is fed `n = t + 1` for a diffusers timestep t (0-based). `network_timestep` is
-  the one place that does this; the loss below and `UViCText2ImagePipeline` both call it.
+  alphas_cumprod[n - 1]`, so it is fed `n = t + 1` for a diffusers timestep t (0-based). The conversion lives in
+  `uvic.schedulers.timesteps.network_timestep` (shared with the class/unconditional models); `network_timestep`
+  here is its discrete case, and the loss below and `UViCText2ImagePipeline` both go through it.
 * Loss (`t2i_diffusion_loss`, U-ViT `LSimple` + `CFGDataset`): z0 is re-drawn from the stored VAE moments at
   every step, the whole (77, 768) context is replaced by the empty-caption features with probability p_uncond
   (0.1), t ~ U{0..999}, x_t = sqrt(abar_t) z0 + sqrt(1 - abar_t) eps, loss = mean((eps - eps_hat)^2).
@@ -24,6 +25,8 @@ import torch
 from torch import nn
 
 from uvic.models.autoencoder import sample_latents
+from uvic.schedulers.timesteps import DISCRETE_TIMESTEP_OFFSET
+from uvic.schedulers.timesteps import network_timestep as _network_timestep
 
 
 logger = logging.getLogger(__name__)
@@ -39,7 +42,7 @@ __all__ = [
 ]
 
 # U-ViT MS-COCO index convention: network time n = diffusers timestep + 1 (n = 1..1000).
-NETWORK_TIMESTEP_OFFSET = 1
+NETWORK_TIMESTEP_OFFSET = DISCRETE_TIMESTEP_OFFSET
 
 
 class RNG(Protocol):
@@ -54,7 +57,7 @@ class RNG(Protocol):
 
 def network_timestep(t: torch.Tensor) -> torch.Tensor:
     """Diffusers timestep(s) t (0-based, int or fractional) -> what the U-ViT MS-COCO network embeds, t + 1."""
-    return t + NETWORK_TIMESTEP_OFFSET
+    return _network_timestep(t, "discrete")
 
 
 def official_to_guidance_scale(scale: float) -> float:

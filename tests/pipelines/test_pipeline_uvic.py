@@ -1,13 +1,13 @@
 import numpy as np
 import pytest
 import torch
-from diffusers import DDIMScheduler, DiffusionPipeline, ImagePipelineOutput
+from diffusers import DDIMScheduler, DDPMScheduler, DiffusionPipeline, DPMSolverMultistepScheduler, ImagePipelineOutput
 
 from uvic.config import DiffusionConfig
 from uvic.models import UViTModel
 from uvic.pipelines import UViCPipeline
 from uvic.pipelines.sampling import generate, sample_to_folder, save_grid
-from uvic.schedulers import build_scheduler
+from uvic.schedulers import UViTDPMSolverScheduler, build_scheduler
 
 
 TINY = {"img_size": 8, "patch_size": 2, "in_chans": 3, "embed_dim": 16, "depth": 2, "num_heads": 2, "attention": "cog"}
@@ -113,3 +113,56 @@ def test_folder_sampling_is_sharded_and_resumable(tmp_path):
     assert sample_to_folder(pipe, tmp_path / "one", 5, seed=10, batch_size=5, num_inference_steps=2) == 1
     grid = save_grid(generate(pipe, [0, 1, 2], 2, 2), tmp_path / "g.png")
     assert Image.open(grid).size == (2 * (8 + 2) + 2, 2 * (8 + 2) + 2)
+
+
+def _recorded_timesteps(pipe, steps, **call_kwargs):
+    """The `timestep` argument of every transformer call during one pipeline run."""
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
+    try:
+        pipe(batch_size=2, num_inference_steps=steps, generator=_gens([0, 1]), output_type="pt", **call_kwargs)
+    finally:
+        hook.remove()
+    for t in seen:
+        assert t.shape == (2,) and torch.equal(t, t[:1].expand(2))  # one value per call, broadcast to the batch
+    return torch.stack([t[0] for t in seen])
+
+
+def test_transformer_gets_999t_from_the_continuous_schedulers():
+    # Euler-Maruyama on the official grid: network input 999 t for t = 1, ..., 1e-3 (float32, `t * 999`).
+    seen = _recorded_timesteps(_pipe("euler_maruyama"), 4)
+    grid = torch.tensor(np.linspace(1e-3, 1.0, 4)[::-1].copy()).float()
+    assert seen.dtype == torch.float32 and torch.equal(seen, grid * 999)
+    assert seen[0] == 999.0
+    pipe = _pipe("dpm_solver")
+    seen = _recorded_timesteps(pipe, 3)
+    assert torch.equal(seen, pipe.scheduler.timesteps * 999) and seen[0] == 999.0
+    assert 0 < pipe.scheduler.timesteps.min() and pipe.scheduler.timesteps.max() == 1.0  # continuous t in (0, 1]
+
+
+@pytest.mark.parametrize(
+    "scheduler, expected",
+    [
+        (DDIMScheduler(num_train_timesteps=1000), [667, 334, 1]),  # diffusers t = 666, 333, 0 ("leading")
+        (DDPMScheduler(num_train_timesteps=1000), [667, 334, 1]),
+        (DPMSolverMultistepScheduler(num_train_timesteps=1000), [1000, 667, 334]),  # "linspace": 999, 666, 333
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("num_classes", [-1, 3])
+def test_transformer_gets_t_plus_1_from_discrete_schedulers(scheduler, expected, num_classes):
+    # U-ViT's discrete models are trained on n = diffusers t + 1 (reference doc pitfall 2), as the loss feeds them.
+    torch.manual_seed(0)
+    pipe = UViCPipeline(UViTModel(**{**TINY, "num_classes": num_classes}).eval(), scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    labels = {"class_labels": [0, 2]} if num_classes > 0 else {}
+    seen = _recorded_timesteps(pipe, 3, **labels)
+    assert seen.tolist() == expected
+    assert torch.equal(seen, pipe.scheduler.timesteps + 1)
+
+
+def test_transformer_gets_t_plus_1_from_the_official_dpm_solver():
+    pipe = UViCPipeline(UViTModel(**TINY).eval(), UViTDPMSolverScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    seen = _recorded_timesteps(pipe, 5)
+    assert seen[0] == 1000.0  # official network time 1000 t at t = 1
+    assert torch.equal(seen, pipe.scheduler.timesteps + 1)

@@ -12,6 +12,9 @@ from uvic.schedulers import (
     VPSDEEulerMaruyamaScheduler,
     build_scheduler,
     convert_scheduler,
+    network_timestep,
+    network_timestep_for,
+    schedule_of,
 )
 
 
@@ -23,7 +26,6 @@ def test_vpsde_closed_forms():
     np.testing.assert_allclose(sde.beta(t), 0.1 + 19.9 * t, rtol=1e-12)
     np.testing.assert_allclose(sde.sigma(t) ** 2 + sde.alpha_bar(t), 1.0, rtol=1e-12)
     assert sde.alpha_bar(1.0) == pytest.approx(4.3186e-5, rel=1e-4)  # reference doc: 4.32e-5
-    assert sde.model_time(0.5) == 499.5  # the network sees 999 t
     # lambda = log(alpha / sigma) and the inverses
     lam = sde.lambda_(t[1:])
     np.testing.assert_allclose(lam, 0.5 * np.log(sde.alpha_bar(t[1:]) / (1 - sde.alpha_bar(t[1:]))), rtol=1e-12)
@@ -40,12 +42,12 @@ def test_euler_maruyama_time_grid_is_the_official_one():
     official = np.append(0.0, np.linspace(1e-3, 1, 1000))[::-1]  # sde.euler_maruyama, walked from 1 to 0
     np.testing.assert_array_equal(s.times.numpy(), official)
     assert len(s.timesteps) == 1000
-    np.testing.assert_allclose(s.timesteps.numpy(), 999 * official[:-1], rtol=1e-6)
-    assert s.timesteps[0] == 999.0 and s.timesteps[-1] == pytest.approx(0.999)
+    # timesteps are the continuous times the network is evaluated at (the pipeline feeds it 999 t).
+    np.testing.assert_array_equal(s.timesteps.numpy(), official[:-1].astype(np.float32))
+    assert s.timesteps[0] == 1.0 and s.timesteps[-1] == np.float32(1e-3)
 
 
 def test_euler_maruyama_step_matches_the_formula_and_skips_noise_at_the_end():
-    sde = VPSDE()
     s = VPSDEEulerMaruyamaScheduler()
     s.set_timesteps(4)  # grid 1, 2/3+, 1/3+, 1e-3, 0
     x = torch.randn(2, 1, 3, 3, dtype=torch.float64)
@@ -62,14 +64,12 @@ def test_euler_maruyama_step_matches_the_formula_and_skips_noise_at_the_end():
     assert float(s.times[-1]) == 0.0
     with pytest.raises(ValueError, match="more than num_inference_steps"):
         s.step(eps, 0.0, x)
-    del sde
 
 
 def _gaussian_eps(sde, s2):
     """Exact eps-prediction for data x0 ~ N(0, s2): E[eps | x_t] = sigma x_t / (alpha^2 s2 + sigma^2)."""
 
-    def eps_fn(x, model_t):
-        t = model_t / sde.time_scale
+    def eps_fn(x, t):
         ab = sde.alpha_bar(t)
         return math.sqrt(1 - ab) * x / (ab * s2 + 1 - ab)
 
@@ -145,8 +145,8 @@ def test_samplers_with_the_exact_denoiser_reproduce_the_data(sampler, steps):
     sde = VPSDE()
     data = torch.from_numpy(load_digits().images[:20].reshape(20, 64)).double() / 8 - 1  # (N, 64) in [-1, 1]
 
-    def eps_star(x, model_t):
-        ab = sde.alpha_bar(model_t / sde.time_scale)  # undo the network-time conversion
+    def eps_star(x, t):
+        ab = sde.alpha_bar(t)
         a, s = math.sqrt(ab), math.sqrt(1 - ab)
         w = torch.softmax(-torch.cdist(x, a * data) ** 2 / (2 * s * s), dim=1)
         return (x - a * w @ data) / s
@@ -157,3 +157,21 @@ def test_samplers_with_the_exact_denoiser_reproduce_the_data(sampler, steps):
     nearest = torch.cdist(x, data).min(dim=1).values
     spacing = torch.cdist(data, data).add(torch.eye(20) * 1e9).min().item()
     assert nearest.max().item() < 0.05 * spacing
+
+
+def test_network_timestep_is_999t_for_vpsde_and_t_plus_1_for_discrete():
+    # Reference doc 2.1 (`ScoreModel.predict`: nnet(x, t * 999)) and pitfall 2 (n = diffusers t + 1).
+    t = torch.tensor([1.0, 0.5, 1e-3])
+    torch.testing.assert_close(network_timestep(t, "vpsde"), torch.tensor([999.0, 499.5, 0.999]))
+    assert torch.equal(network_timestep(t, "vpsde"), t * 999)  # in t's dtype, as the official float32 product
+    assert network_timestep(torch.tensor(0.5), "vpsde", time_scale=1000.0) == 500.0
+    n = network_timestep(torch.tensor([0, 499, 999]), "discrete")
+    assert n.dtype == torch.int64 and n.tolist() == [1, 500, 1000]
+    assert network_timestep(torch.tensor(979.02), "discrete") == torch.tensor(980.02)  # fractional DPM-Solver stages
+    with pytest.raises(ValueError, match="unknown diffusion schedule"):
+        network_timestep(t, "edm")
+    # Which conversion a scheduler gets, and its own time scale.
+    em = VPSDEEulerMaruyamaScheduler(time_scale=1000.0)
+    assert schedule_of(em) == "vpsde" and schedule_of(DDIMScheduler()) == "discrete"
+    assert network_timestep_for(em, torch.tensor(0.25)) == 250.0
+    assert network_timestep_for(DPMSolverMultistepScheduler(), torch.tensor(0)) == 1

@@ -69,7 +69,12 @@ def test_discrete_noise_uses_diffusers_alphas_and_timesteps():
     ref = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     t = torch.tensor([0, 499, 999])
     torch.testing.assert_close(noise.alpha_bar(t).float(), ref.alphas_cumprod[t])
-    assert torch.equal(noise.model_time(t), t)  # diffusers timesteps, fed as is
-    x0, model = torch.randn(4, 1, 2, 2), _Recorder()
+    assert torch.equal(noise.model_time(t), t + 1)  # U-ViT's n = diffusers t + 1 (reference doc pitfall 2)
+    # The network sees n = t + 1 for the t whose alpha_bar noised x_0: replay the draws with eps_hat = 0.
+    x0, model = torch.randn(64, 1, 2, 2), _Recorder()
     eps_prediction_loss(model, x0, noise, ShardedRNG(0, 0, 1, "cpu"))
-    assert model.seen[1].dtype == torch.int64 and 0 <= model.seen[1].min() and model.seen[1].max() < 1000
+    rng = ShardedRNG(0, 0, 1, "cpu")
+    t_drawn, eps = rng.randint(1000, 64), rng.randn(64, 1, 2, 2)
+    ab = ref.alphas_cumprod.double()[t_drawn].float().view(-1, 1, 1, 1)
+    torch.testing.assert_close(model.seen[0], ab.sqrt() * x0 + (1 - ab).sqrt() * eps)
+    assert model.seen[1].dtype == torch.int64 and torch.equal(model.seen[1], t_drawn + 1)

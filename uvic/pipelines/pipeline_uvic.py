@@ -13,13 +13,15 @@ from diffusers.utils.torch_utils import randn_tensor
 # that are already imported (it will not import a module named in a config file).
 import uvic.schedulers  # noqa: F401
 from uvic.models import UViTModel
+from uvic.schedulers.timesteps import network_timestep_for
 
 
 class UViCPipeline(DiffusionPipeline):
     """Pixel-space diffusion sampling with a `UViTModel` noise predictor and any scheduler from `uvic.schedulers`.
 
-    The network is fed `scheduler.timesteps` as they are: the VP-SDE schedulers already hold the network time
-    (999 t), diffusers' discrete schedulers hold the DDPM step the model was trained on.
+    Each entry t of `scheduler.timesteps` reaches the network as `network_timestep_for(scheduler, t)`
+    (`uvic.schedulers.timesteps`, shared with the training loss): 999 t for the VP-SDE schedulers (continuous t),
+    t + 1 for diffusers' discrete schedulers (U-ViT's 1-based DDPM step).
 
     Args:
         transformer: the `UViTModel` (eps-prediction).
@@ -91,7 +93,7 @@ class UViCPipeline(DiffusionPipeline):
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         for t in self.progress_bar(self.scheduler.timesteps):
             model_input = self.scheduler.scale_model_input(latents, t)
-            timestep = t.to(device).expand(batch_size)
+            timestep = network_timestep_for(self.scheduler, t.to(device)).expand(batch_size)
             eps = self.transformer(model_input, timestep, class_labels=labels).sample
             latents = self.scheduler.step(eps, t, latents, generator=generator).prev_sample
 

@@ -14,9 +14,10 @@ from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
-from uvic.diffusion_t2i import guided_epsilon, network_timestep
+from uvic.diffusion_t2i import guided_epsilon
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
+from uvic.schedulers.timesteps import network_timestep_for
 
 
 __all__ = ["UViCText2ImagePipeline"]
@@ -25,9 +26,10 @@ __all__ = ["UViCText2ImagePipeline"]
 class UViCText2ImagePipeline(DiffusionPipeline):
     """Text-to-image sampling: CLIP text features -> U-ViT epsilon with classifier-free guidance -> VAE decode.
 
-    The network is fed `network_timestep(t) = t + 1` for every scheduler timestep t (the U-ViT MS-COCO index
-    convention), so `UViTDPMSolverScheduler` (the official sampler, fractional t) and diffusers' discrete
-    schedulers (`DPMSolverMultistepScheduler`, `DDIMScheduler`, ... with the same scaled_linear betas) both work.
+    The network is fed `network_timestep_for(scheduler, t) = t + 1` for every scheduler timestep t (the U-ViT
+    MS-COCO index convention; `uvic.schedulers.timesteps`, shared with the training loss), so
+    `UViTDPMSolverScheduler` (the official sampler, fractional t) and diffusers' discrete schedulers
+    (`DPMSolverMultistepScheduler`, `DDIMScheduler`, ... with the same scaled_linear betas) both work.
 
     Args:
         transformer: a text-conditional `UViTModel` (`clip_dim` set), epsilon prediction.
@@ -191,7 +193,7 @@ class UViCText2ImagePipeline(DiffusionPipeline):
         for t in self.progress_bar(self.scheduler.timesteps):
             model_input = self.scheduler.scale_model_input(latents, t)
             model_input = torch.cat([model_input] * 2) if guided else model_input
-            n = network_timestep(t.to(device)).expand(model_input.shape[0])
+            n = network_timestep_for(self.scheduler, t.to(device)).expand(model_input.shape[0])
             eps = self.transformer(model_input, n, encoder_hidden_states=context).sample
             if guided:
                 eps_cond, eps_uncond = eps.chunk(2)

@@ -1,9 +1,9 @@
 """Noise schedules and samplers.
 
-Continuous VP-SDE models (U-ViT CIFAR-10) use the two schedulers in `scheduling_vpsde`; discrete DDPM models use
-diffusers' stock schedulers unchanged (their timesteps are what the network was trained on). Either way the
-pipeline feeds `scheduler.timesteps` to the network as is: the continuous-time conversion lives in
-`VPSDE.model_time` only.
+Continuous VP-SDE models (U-ViT CIFAR-10) use the two schedulers in `scheduling_vpsde` (timesteps: continuous t);
+discrete DDPM models use diffusers' stock schedulers unchanged (timesteps: 0-based DDPM steps). Either way the
+network input for a scheduler timestep (999 t, or t + 1) comes from `timesteps.network_timestep`, the one place
+that conversion lives; the training losses use the same function.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 from uvic.schedulers.scheduling_vpsde import VPSDEDPMSolverScheduler, VPSDEEulerMaruyamaScheduler
+from uvic.schedulers.timesteps import network_timestep, network_timestep_for, schedule_of
 from uvic.schedulers.vpsde import VPSDE
 
 
@@ -66,8 +67,8 @@ def convert_scheduler(scheduler: SchedulerMixin, sampler: str) -> SchedulerMixin
 
 
 def is_continuous(scheduler: SchedulerMixin) -> bool:
-    """True for the VP-SDE schedulers (network time = 999 t), False for diffusers' discrete ones."""
-    return isinstance(scheduler, tuple(_CONTINUOUS.values()))
+    """True for the VP-SDE schedulers (continuous t, network time 999 t), False for discrete ones."""
+    return schedule_of(scheduler) == "vpsde"
 
 
 __all__ = [
@@ -79,4 +80,7 @@ __all__ = [
     "build_scheduler",
     "convert_scheduler",
     "is_continuous",
+    "network_timestep",
+    "network_timestep_for",
+    "schedule_of",
 ]

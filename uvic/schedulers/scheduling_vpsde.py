@@ -1,7 +1,9 @@
 """Samplers for the continuous VP-SDE, as diffusers schedulers (no stock diffusers scheduler is continuous-time).
 
-Both follow diffusers' contract: `set_timesteps(n)` fills `timesteps` with the values the network embeds
-(`VPSDE.model_time(t)`, i.e. 999 t), and `step(model_output, timestep, sample)` takes one step down the grid.
+Both follow diffusers' contract: `set_timesteps(n)` fills `timesteps` with the continuous times t in (0, 1] at
+which the network is evaluated (the pipeline feeds it `uvic.schedulers.timesteps.network_timestep`, i.e. 999 t,
+like diffusers' continuous `ScoreSdeVeScheduler`), and `step(model_output, timestep, sample)` takes one step down
+the grid.
 Samples are (B, C, H, W); the model output is the noise prediction eps_hat of the same shape.
 
 - `VPSDEEulerMaruyamaScheduler`: U-ViT's `sde.euler_maruyama`, the sampler behind the official CIFAR-10 FID 3.11
@@ -34,12 +36,12 @@ class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
 
     @property
     def sde(self) -> VPSDE:
-        return VPSDE(self.config.beta_min, self.config.beta_max, self.config.time_scale)
+        return VPSDE(self.config.beta_min, self.config.beta_max)
 
     def _set_times(self, times: torch.Tensor, device: str | torch.device | None) -> None:
-        # `times` is float64 and decreasing; steps go from times[i] to times[i + 1].
+        # `times` is decreasing; steps go from times[i] to times[i + 1], and the network is evaluated at times[i].
         self.times = times
-        self.timesteps = self.sde.model_time(times[:-1]).to(device=device, dtype=torch.float32)
+        self.timesteps = times[:-1].to(device=device, dtype=torch.float32)
         self.num_inference_steps = len(times) - 1
         self._step_index = 0
 
@@ -64,7 +66,8 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
     """Euler–Maruyama for the reverse VP-SDE, exactly U-ViT's CIFAR-10 evaluation sampler.
 
     Args:
-        beta_min, beta_max, time_scale: the VP-SDE (see `uvic.schedulers.vpsde.VPSDE`).
+        beta_min, beta_max: the VP-SDE (see `uvic.schedulers.vpsde.VPSDE`).
+        time_scale: network time per unit of t (U-ViT: 999), read by `uvic.schedulers.timesteps`.
         t_eps: the smallest non-zero grid time.
         num_train_timesteps: only reported by `len()`, for diffusers compatibility.
     """
@@ -123,7 +126,8 @@ class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
     """DPM-Solver++(2M) for the VP-SDE probability-flow ODE, deterministic, one network evaluation per step.
 
     Args:
-        beta_min, beta_max, time_scale: the VP-SDE.
+        beta_min, beta_max: the VP-SDE.
+        time_scale: network time per unit of t (U-ViT: 999), read by `uvic.schedulers.timesteps`.
         t_eps: the final time (DPM-Solver's eps; U-ViT's monitor uses 1e-4).
         num_train_timesteps: only reported by `len()`.
     """

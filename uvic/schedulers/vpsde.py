@@ -1,4 +1,4 @@
-"""The continuous-time VP-SDE of U-ViT's CIFAR-10 model, and the ONE place its time becomes the network input.
+"""The continuous-time VP-SDE of U-ViT's CIFAR-10 model.
 
 Song et al. 2021, Eq. 11 with a linear beta(t) (U-ViT `sde.py::VPSDE`, docs/uvit_reference.md Sec. 2.1):
 
@@ -6,9 +6,9 @@ Song et al. 2021, Eq. 11 with a linear beta(t) (U-ViT `sde.py::VPSDE`, docs/uvit
     alpha_bar(t)  = exp(-(beta_min t + (beta_max - beta_min) t^2 / 2))  (= cum_alpha(t) in U-ViT)
     sigma(t)^2    = 1 - alpha_bar(t)
     x_t           = sqrt(alpha_bar(t)) x_0 + sigma(t) eps
-    network input = time_scale * t                                      (U-ViT: 999 t, `ScoreModel.predict`)
 
-Every function takes a float, a numpy array or a tensor of times and returns the same kind.
+Every function takes a float, a numpy array or a tensor of times and returns the same kind. The network input for
+time t (999 t) is `uvic.schedulers.timesteps.network_timestep`.
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ def _expm1(x: Time) -> Time:
 
 @dataclass(frozen=True)
 class VPSDE:
-    """Linear-beta VP-SDE on t in [0, 1]. Defaults are U-ViT's (beta 0.1 -> 20, network time 999 t)."""
+    """Linear-beta VP-SDE on t in [0, 1]. Defaults are U-ViT's (beta 0.1 -> 20)."""
 
     beta_min: float = 0.1
     beta_max: float = 20.0
-    time_scale: float = 999.0
 
     def beta(self, t: Time) -> Time:
         return self.beta_min + t * (self.beta_max - self.beta_min)
@@ -76,10 +75,3 @@ class VPSDE:
         else:
             log_ab = -np.logaddexp(0.0, -2.0 * lam)
         return self.t_from_log_alpha_bar(log_ab)
-
-    def model_time(self, t: Time) -> Time:
-        """The timestep value the network embeds for continuous time t: `time_scale * t`.
-
-        This is the only place the conversion happens; the training loss and every VP-SDE scheduler call it.
-        """
-        return self.time_scale * t

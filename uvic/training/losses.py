@@ -1,9 +1,10 @@
 """Forward diffusion processes for training, and the epsilon-prediction loss.
 
-A noise process picks the time, perturbs x_0 and says which timestep value the network embeds:
-- `VPSDENoise`: continuous VP-SDE (U-ViT CIFAR-10, `sde.LSimple`): t ~ U(0, 1), network time `VPSDE.model_time(t)`.
-- `DiscreteNoise`: DDPM with diffusers' betas (`DDPMScheduler.alphas_cumprod`), t ~ U{0..T-1}, network time t
-  (the diffusers convention, so diffusers' stock samplers drive the trained model unchanged).
+A noise process picks the time, perturbs x_0 and says which timestep value the network embeds (always through
+`uvic.schedulers.timesteps.network_timestep`, which the pipelines use too):
+- `VPSDENoise`: continuous VP-SDE (U-ViT CIFAR-10, `sde.LSimple`): t ~ U(0, 1), network time 999 t.
+- `DiscreteNoise`: DDPM with diffusers' betas (`DDPMScheduler.alphas_cumprod`), t ~ U{0..T-1}, network time t + 1
+  (U-ViT's n in 1..T, as for MS-COCO), so diffusers' stock samplers drive the trained model through the pipeline.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 import torch
 from diffusers import DDPMScheduler
 
+from uvic.schedulers.timesteps import network_timestep
 from uvic.schedulers.vpsde import VPSDE
 from uvic.training.rng import ShardedRNG
 
@@ -28,8 +30,9 @@ class NoiseProcess(Protocol):
 class VPSDENoise:
     """Continuous VP-SDE; `t` is (B,) float in [0, 1)."""
 
-    def __init__(self, sde: VPSDE) -> None:
+    def __init__(self, sde: VPSDE, time_scale: float = 999.0) -> None:
         self.sde = sde
+        self.time_scale = time_scale
 
     def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor:
         return rng.rand(batch_size)
@@ -38,7 +41,7 @@ class VPSDENoise:
         return self.sde.alpha_bar(t)
 
     def model_time(self, t: torch.Tensor) -> torch.Tensor:
-        return self.sde.model_time(t)
+        return network_timestep(t, "vpsde", self.time_scale)
 
 
 class DiscreteNoise:
@@ -61,13 +64,13 @@ class DiscreteNoise:
         return self.alphas_cumprod.to(t.device)[t]
 
     def model_time(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+        return network_timestep(t, "discrete")
 
 
 def build_noise_process(diffusion: Any) -> NoiseProcess:
     """The training process for a `uvic.config.DiffusionConfig`."""
     if diffusion.schedule == "vpsde":
-        return VPSDENoise(VPSDE(diffusion.beta_min, diffusion.beta_max, diffusion.time_scale))
+        return VPSDENoise(VPSDE(diffusion.beta_min, diffusion.beta_max), diffusion.time_scale)
     if diffusion.schedule == "discrete":
         return DiscreteNoise(
             diffusion.num_train_timesteps, diffusion.beta_schedule, diffusion.beta_start, diffusion.beta_end
