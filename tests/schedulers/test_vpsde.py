@@ -39,11 +39,13 @@ def test_vpsde_closed_forms():
 def test_euler_maruyama_time_grid_is_the_official_one():
     s = VPSDEEulerMaruyamaScheduler()
     s.set_timesteps(1000)
-    official = np.append(0.0, np.linspace(1e-3, 1, 1000))[::-1]  # sde.euler_maruyama, walked from 1 to 0
+    # sde.euler_maruyama: `torch.tensor(np.append(0., np.linspace(eps, T, n))).to(x_init)` (float32), walked 1 -> 0.
+    official = torch.tensor(np.append(0.0, np.linspace(1e-3, 1, 1000))).to(torch.randn(1)).flip(0).numpy()
+    assert s.times.dtype == torch.float32
     np.testing.assert_array_equal(s.times.numpy(), official)
     assert len(s.timesteps) == 1000
     # timesteps are the continuous times the network is evaluated at (the pipeline feeds it 999 t).
-    np.testing.assert_array_equal(s.timesteps.numpy(), official[:-1].astype(np.float32))
+    np.testing.assert_array_equal(s.timesteps.numpy(), official[:-1])
     assert s.timesteps[0] == 1.0 and s.timesteps[-1] == np.float32(1e-3)
 
 

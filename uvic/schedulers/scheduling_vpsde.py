@@ -3,12 +3,13 @@
 Both follow diffusers' contract: `set_timesteps(n)` fills `timesteps` with the continuous times t in (0, 1] at
 which the network is evaluated (the pipeline feeds it `uvic.schedulers.timesteps.network_timestep`, i.e. 999 t,
 like diffusers' continuous `ScoreSdeVeScheduler`), and `step(model_output, timestep, sample)` takes one step down
-the grid.
-Samples are (B, C, H, W); the model output is the noise prediction eps_hat of the same shape.
+the grid. Samples are (B, C, H, W); the model output is the noise prediction eps_hat of the same shape.
 
 - `VPSDEEulerMaruyamaScheduler`: U-ViT's `sde.euler_maruyama`, the sampler behind the official CIFAR-10 FID 3.11
   (docs/uvit_reference.md Sec. 2.1): time grid `[0] + linspace(t_eps, 1, n)` walked from 1 down to 0, the drift
-  evaluated at the upper time of each interval, no noise on the last step.
+  evaluated at the upper time of each interval, no noise on the last step. The grid, and so every network time
+  input, is the official float32 one bit for bit; the step coefficients are computed in float64 from those grid
+  values (the official code uses float32 arithmetic), so samples agree to float32 rounding, not bit for bit.
 - `VPSDEDPMSolverScheduler`: DPM-Solver++(2M) (Lu et al. 2022, Alg. 2) in data-prediction form on a
   logSNR-uniform grid from t = 1 to t = t_eps; one network evaluation per step, so 50 steps = 50 NFE. U-ViT's
   training-time monitor used the single-step "fast" DPM-Solver variant instead; both are 50-NFE solvers of the
@@ -63,7 +64,7 @@ class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
 
 
 class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
-    """Euler–Maruyama for the reverse VP-SDE, exactly U-ViT's CIFAR-10 evaluation sampler.
+    """Euler–Maruyama for the reverse VP-SDE, U-ViT's CIFAR-10 evaluation sampler (`sde.euler_maruyama`).
 
     Args:
         beta_min, beta_max: the VP-SDE (see `uvic.schedulers.vpsde.VPSDE`).
@@ -90,9 +91,10 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
         """Grid `append(0, linspace(t_eps, 1, n))`, reversed: n steps, the last one from t_eps to 0."""
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-        # numpy's linspace, bit for bit the official grid (torch.linspace rounds some points differently).
+        # The official grid: numpy's float64 linspace (torch.linspace rounds some points differently), then cast
+        # to float32 (`torch.tensor(timesteps).to(x_init)` in U-ViT's sde.py), so t and 999 t match its values.
         grid = np.append(0.0, np.linspace(self.config.t_eps, 1.0, num_inference_steps))
-        self._set_times(torch.from_numpy(grid[::-1].copy()), device)
+        self._set_times(torch.tensor(grid[::-1].copy()).to(torch.float32), device)
 
     def step(
         self,
@@ -110,7 +112,7 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
             generator: one generator, or one per sample (so each sample's noise is its own).
         """
         i = self._next_index()
-        t, s = float(self.times[i]), float(self.times[i + 1])
+        t, s = float(self.times[i]), float(self.times[i + 1])  # the float32 grid values, coefficients in float64
         sde = self.sde
         beta = sde.beta(t)
         # Reverse drift f(x, t) - g(t)^2 score(x, t), with f = -beta x / 2, g^2 = beta, score = -eps_hat / sigma.
