@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from uvic.pipelines.export import pipeline_class_name
 from uvic.pipelines.sampling import generate, load_pipeline, sample_to_folder, save_grid
 from uvic.pipelines.sampling_t2i import generate_t2i, load_t2i_pipeline, sample_t2i_to_folder
 from uvic.schedulers import SAMPLERS
@@ -28,7 +29,7 @@ from uvic.schedulers import SAMPLERS
 
 def is_text_to_image(source: str) -> bool:
     index = Path(source) / "model_index.json"
-    return index.is_file() and json.loads(index.read_text()).get("_class_name") == "UViCText2ImagePipeline"
+    return index.is_file() and pipeline_class_name(json.loads(index.read_text())) == "UViCText2ImagePipeline"
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

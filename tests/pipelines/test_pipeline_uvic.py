@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +8,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, DiffusionPipeline, DPMSolver
 from uvic.config import DiffusionConfig
 from uvic.models import UViTModel
 from uvic.pipelines import UViCPipeline
-from uvic.pipelines.sampling import generate, sample_to_folder, save_grid
+from uvic.pipelines.sampling import generate, load_pipeline, sample_to_folder, save_grid
 from uvic.schedulers import UViTDPMSolverScheduler, build_scheduler
 
 
@@ -73,8 +75,27 @@ def test_save_load_round_trip(tmp_path):
     a = pipe(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="pt").images
     b = loaded(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="pt").images
     torch.testing.assert_close(a, b, rtol=0, atol=0)
-    generic = DiffusionPipeline.from_pretrained(tmp_path, custom_pipeline="pipeline_uvic", trust_remote_code=True)
-    assert isinstance(generic, UViCPipeline)
+
+
+def test_generic_diffusion_pipeline_loads_the_export(tmp_path):
+    # model_index.json names [module file, class]: diffusers' rule for a class outside diffusers.
+    pipe = _pipe("dpm_solver")
+    pipe.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == ["pipeline_uvic", "UViCPipeline"]
+    generic = DiffusionPipeline.from_pretrained(tmp_path, trust_remote_code=True)
+    assert type(generic) is UViCPipeline  # the installed class (the saved file only re-exports it)
+    generic.set_progress_bar_config(disable=True)
+    a = pipe(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="pt").images
+    b = generic(batch_size=2, num_inference_steps=3, generator=_gens([0, 1]), output_type="pt").images
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # diffusers runs no file from a directory without the flag; the class itself needs none.
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        DiffusionPipeline.from_pretrained(tmp_path)
+    assert type(UViCPipeline.from_pretrained(tmp_path)) is UViCPipeline
+    # The explicit custom-pipeline form keeps working, and sample.py's loader takes the directory.
+    assert type(DiffusionPipeline.from_pretrained(tmp_path, custom_pipeline="pipeline_uvic",
+                                                  trust_remote_code=True)) is UViCPipeline
+    assert type(load_pipeline(tmp_path)) is UViCPipeline
 
 
 def test_stock_discrete_scheduler_and_class_labels():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from diffusers import DPMSolverMultistepScheduler
+from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
 
 from uvic.models import build_preset
 from uvic.models.autoencoder import build_vae
@@ -82,6 +82,10 @@ def test_save_load_round_trip(pipe, tmp_path):
     kw = {"num_inference_steps": 3, "output_type": "np"}
     np.testing.assert_allclose(back(PROMPTS, generator=torch.Generator().manual_seed(0), **kw).images,
                                pipe(PROMPTS, generator=torch.Generator().manual_seed(0), **kw).images, atol=1e-6)
+
+    # diffusers' generic loader finds the class through the saved [module, class] name.
+    generic = DiffusionPipeline.from_pretrained(tmp_path / "pipe", trust_remote_code=True)
+    assert type(generic) is UViCText2ImagePipeline and generic.text_encoder is not None
 
     # Without a text encoder the pipeline runs on stored features (the FID path) and round-trips too.
     bare = _pipe(text_encoder=False)

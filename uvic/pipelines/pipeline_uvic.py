@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from diffusers import DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
@@ -13,15 +11,19 @@ from diffusers.utils.torch_utils import randn_tensor
 # that are already imported (it will not import a module named in a config file).
 import uvic.schedulers  # noqa: F401
 from uvic.models import UViTModel
+from uvic.pipelines.export import ExportedPipelineMixin
 from uvic.schedulers.timesteps import network_timestep_for
 
 
-class UViCPipeline(DiffusionPipeline):
+class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
     """Pixel-space diffusion sampling with a `UViTModel` noise predictor and any scheduler from `uvic.schedulers`.
 
     Each entry t of `scheduler.timesteps` reaches the network as `network_timestep_for(scheduler, t)`
     (`uvic.schedulers.timesteps`, shared with the training loss): 999 t for the VP-SDE schedulers (continuous t),
     t + 1 for diffusers' discrete schedulers (U-ViT's 1-based DDPM step).
+
+    A saved pipeline loads with `UViCPipeline.from_pretrained(dir)`, or with diffusers' generic
+    `DiffusionPipeline.from_pretrained(dir, trust_remote_code=True)` (see `uvic.pipelines.export`).
 
     Args:
         transformer: the `UViTModel` (eps-prediction).
@@ -29,22 +31,11 @@ class UViCPipeline(DiffusionPipeline):
     """
 
     model_cpu_offload_seq = "transformer"
+    _module_file = "pipeline_uvic"
 
     def __init__(self, transformer: UViTModel, scheduler: SchedulerMixin) -> None:
         super().__init__()
         self.register_modules(transformer=transformer, scheduler=scheduler)
-
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """diffusers' `save_pretrained`, plus a one-line `pipeline_uvic.py` that re-exports this class.
-
-        `UViCPipeline.from_pretrained(dir)` needs nothing else. The generic loader finds the class through the
-        file, diffusers' custom-pipeline mechanism: `DiffusionPipeline.from_pretrained(dir,
-        custom_pipeline="pipeline_uvic", trust_remote_code=True)` (the file only imports the installed uvic).
-        """
-        super().save_pretrained(save_directory, **kwargs)
-        with open(os.path.join(save_directory, "pipeline_uvic.py"), "w") as f:
-            f.write('"""Lets DiffusionPipeline.from_pretrained find UViCPipeline (needs `pip install uvic`)."""\n')
-            f.write("from uvic.pipelines.pipeline_uvic import UViCPipeline  # noqa: F401\n")
 
     @torch.no_grad()
     def __call__(

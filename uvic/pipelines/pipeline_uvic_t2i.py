@@ -17,19 +17,23 @@ from diffusers.utils.torch_utils import randn_tensor
 from uvic.diffusion_t2i import guided_epsilon
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
+from uvic.pipelines.export import ExportedPipelineMixin
 from uvic.schedulers.timesteps import network_timestep_for
 
 
 __all__ = ["UViCText2ImagePipeline"]
 
 
-class UViCText2ImagePipeline(DiffusionPipeline):
+class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
     """Text-to-image sampling: CLIP text features -> U-ViT epsilon with classifier-free guidance -> VAE decode.
 
     The network is fed `network_timestep_for(scheduler, t) = t + 1` for every scheduler timestep t (the U-ViT
     MS-COCO index convention; `uvic.schedulers.timesteps`, shared with the training loss), so
     `UViTDPMSolverScheduler` (the official sampler, fractional t) and diffusers' discrete schedulers
     (`DPMSolverMultistepScheduler`, `DDIMScheduler`, ... with the same scaled_linear betas) both work.
+
+    A saved pipeline loads with `UViCText2ImagePipeline.from_pretrained(dir)`, or with diffusers' generic
+    `DiffusionPipeline.from_pretrained(dir, trust_remote_code=True)` (see `uvic.pipelines.export`).
 
     Args:
         transformer: a text-conditional `UViTModel` (`clip_dim` set), epsilon prediction.
@@ -40,6 +44,7 @@ class UViCText2ImagePipeline(DiffusionPipeline):
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _optional_components = ["text_encoder"]
+    _module_file = "pipeline_uvic_t2i"
 
     def __init__(
         self,
@@ -87,14 +92,6 @@ class UViCText2ImagePipeline(DiffusionPipeline):
         transformer = uvit_from_official(nnet, nnet_path, attention_backend=attention_backend).eval()
         vae = load_ldm_autoencoder(autoencoder_path, scaling_factor=UVIT_VAE_SCALE, config=vae_config)
         return cls(transformer=transformer, vae=vae, scheduler=UViTDPMSolverScheduler(), text_encoder=text_encoder)
-
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """diffusers' `save_pretrained`, plus a one-line `pipeline_uvic_t2i.py` so the generic loader finds the class
-        (`DiffusionPipeline.from_pretrained(dir, custom_pipeline="pipeline_uvic_t2i", trust_remote_code=True)`)."""
-        super().save_pretrained(save_directory, **kwargs)
-        with open(os.path.join(save_directory, "pipeline_uvic_t2i.py"), "w") as f:
-            f.write('"""Lets DiffusionPipeline.from_pretrained find UViCText2ImagePipeline (needs uvic installed)."""\n')
-            f.write("from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline  # noqa: F401\n")
 
     def encode_prompt(self, prompt: str | list[str]) -> torch.Tensor:
         """Text -> (B, L, D) context with the pipeline's text encoder (official 77-token EOT padding)."""
