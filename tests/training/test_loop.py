@@ -1,14 +1,17 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from uvic.config import load_config
 from uvic.pipelines import UViCPipeline
 from uvic.training import train
-from uvic.training.checkpoint import list_checkpoints
-from uvic.training.loop import lr_lambda
+from uvic.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from uvic.training.logs import read_metrics
+from uvic.training.loop import _resume_path, lr_lambda
 from uvic.training.tasks import DiffusionTask
 
 
@@ -125,3 +128,54 @@ def test_model_and_data_shape_mismatch_is_a_clear_error(tmp_path, image_dir, tin
     cfg = load_config(None, tiny_overrides(tmp_path / "run", image_dir, **{"model.in_chans": 1}))
     with pytest.raises(ValueError, match=r"images of shape \(3, 8, 8\).*\(1, 8, 8\)"):
         train(cfg)
+
+
+def test_resume_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, image_dir, tiny_overrides):
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.save_every": 1})))
+    assert [s for s, _ in list_checkpoints(run)] == [2, 3, 4]
+    stale_step_3 = _weights(run / "checkpoints" / "step_000000003")[0]
+    # Branch from step 2 (e.g. before a divergence) for one step, keeping 2 checkpoints.
+    branch = {"train.save_every": 1, "train.max_steps": 3, "train.keep_checkpoints": 2,
+              "train.resume": str(run / "checkpoints" / "step_000000002")}
+    train(load_config(None, tiny_overrides(run, image_dir, **branch)))
+    # Only the new branch is rotated: before, the stale step 4 survived (and was "latest") and step 2 was deleted.
+    assert [s for s, _ in list_checkpoints(run)] == [2, 3]
+    assert _resume_path(run, "latest") == latest_checkpoint(run) == run / "checkpoints" / "step_000000003"
+    (abandoned,) = (run / "checkpoints" / "abandoned").iterdir()
+    assert abandoned.name.startswith("after_step_000000002_")
+    assert sorted(p.name for p in abandoned.iterdir()) == ["metrics.jsonl", "step_000000003", "step_000000004"]
+    # Nothing is lost: the abandoned step 3 is the old one, byte for byte; the metrics split the same way.
+    for k, v in _weights(abandoned / "step_000000003")[0].items():
+        torch.testing.assert_close(v, stale_step_3[k], rtol=0, atol=0)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(abandoned / "metrics.jsonl")] == [3, 4]
+
+
+def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
+    """A crash while replacing step N (e.g. the final save after a periodic one) leaves a complete step N."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    save_checkpoint(accelerator, tmp_path, 5, {"save": 1})
+    real_rmtree = shutil.rmtree
+
+    def crash_midway(path, *args, **kwargs):
+        # Dies after deleting part of a checkpoint directory (its meta.json).
+        if (Path(path) / "meta.json").is_file():
+            (Path(path) / "meta.json").unlink()
+            raise KeyboardInterrupt("simulated crash")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", crash_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(accelerator, tmp_path, 5, {"save": 2})
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    # The new copy was in place before the old one was deleted (before: the old was deleted first).
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [5]
+    assert yaml.safe_load((tmp_path / "checkpoints" / "step_000000005" / "config.yaml").read_text()) == {"save": 2}
+    save_checkpoint(accelerator, tmp_path, 5, {"save": 3})  # the leftover old copy is cleaned up
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000005"]

@@ -9,7 +9,12 @@ Layout of one checkpoint, `run_dir/checkpoints/step_000001000/`:
     meta.json           {"step": ...}; written last
 
 A checkpoint is written into `.tmp-step_.../` and renamed into place when complete, so a crash during a save
-leaves the previous checkpoints untouched and the partial directory is never picked up.
+leaves the previous checkpoints untouched and the partial directory is never picked up. Re-saving a step renames
+the old copy aside (`.old-step_...`), renames the new one in, and only then deletes the old one.
+
+Resuming from a checkpoint older than the run's newest (`abandon_newer_checkpoints`) moves the newer ones to
+`checkpoints/abandoned/after_step_.../`: the resumed run is a new branch, and rotation and `--resume latest` must
+only ever see that branch, while the abandoned one stays on disk.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +99,44 @@ def save_checkpoint(
             save_file(state, str(tmp / f"{name}.safetensors"))
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         (tmp / "meta.json").write_text(json.dumps({"step": step}))
-        if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _move_into_place(tmp, final)
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _move_into_place(new: Path, final: Path) -> None:
+    """Rename `new` to `final`; an existing `final` (the same step saved again, e.g. the final save after a periodic
+    one) is renamed aside first and deleted last, so a crash never leaves the step without a complete copy."""
+    old = final.with_name(f".old-{final.name}")
+    shutil.rmtree(old, ignore_errors=True)  # a leftover from a crashed replacement
+    if final.exists():
+        os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def abandon_newer_checkpoints(run_dir: str | Path, step: int) -> Path | None:
+    """Move the checkpoints of `run_dir` newer than `step` to `checkpoints/abandoned/after_step_{step}_{time}/`.
+
+    Call on the main process when a run resumes from `step` while newer checkpoints exist: training continues
+    from `step` as a new branch, so the newer ones must not be rotated in step order with it or picked up by a
+    later `--resume latest`. Nothing is deleted. Returns the folder they went to, or None when there were none.
+    """
+    newer = [p for s, p in list_checkpoints(run_dir) if s > step]
+    if not newer:
+        return None
+    base = checkpoints_dir(run_dir) / "abandoned" / f"after_step_{step:09d}_{time.strftime('%Y%m%d-%H%M%S')}"
+    dest, i = base, 1
+    while dest.exists():
+        dest, i = base.with_name(f"{base.name}-{i}"), i + 1
+    dest.mkdir(parents=True)
+    for p in newer:
+        os.replace(p, dest / p.name)
+    logger.warning("resuming from step %d of %s: moved the %d newer checkpoint(s) %s to %s", step, run_dir,
+                   len(newer), ", ".join(p.name for p in newer), dest)
+    return dest
 
 
 def load_checkpoint(

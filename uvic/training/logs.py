@@ -25,6 +25,25 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def move_metrics_after(path: str | Path, step: int, dest: str | Path) -> int:
+    """Move the records of `path` logged after `step` to the end of `dest` (a run resumed from `step` abandons
+    them with its newer checkpoints); returns how many moved."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            (moved if int(json.loads(line)["step"]) > step else keep).append(line + "\n")
+    if moved:
+        with open(dest, "a") as f:
+            f.writelines(moved)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(path)
+    return len(moved)
+
+
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = "training loss") -> Path | None:
     """Plot `loss` against `step` (log-scale y) to `out_png`; returns None when there is nothing to plot."""
     records = [r for r in read_metrics(metrics_path) if "loss" in r]

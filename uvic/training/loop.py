@@ -18,10 +18,16 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
 from uvic.config import Config
-from uvic.training.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
+from uvic.training.checkpoint import (
+    abandon_newer_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
-from uvic.training.logs import append_metrics, plot_loss_curve
+from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_curve
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import build_task
 
@@ -117,14 +123,20 @@ def train(cfg: Config) -> Path:
     rng = ShardedRNG(tc.seed, accelerator.process_index, world, accelerator.device)
     accelerator.register_for_checkpointing(lr_scheduler, rng)
 
-    # 5. Resume.
+    # 5. Resume. From an older checkpoint than the newest, the newer ones (and their metrics) move to
+    # checkpoints/abandoned/: this run is a new branch, which rotation and a later --resume must only see.
     step = load_checkpoint(accelerator, resume, {"ema": ema.model}) if resume else 0
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume and accelerator.is_main_process:
+        abandoned = abandon_newer_checkpoints(run_dir, step)
+        if abandoned is not None:
+            move_metrics_after(metrics_path, step, abandoned / "metrics.jsonl")
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process and tc.log_with != "none":
         accelerator.init_trackers("train", config=_flat(config))
 
     # 6. The loop. Micro-batches consumed so far fix the epoch and the position inside it.
     epoch, skip = divmod(step * tc.grad_accum_steps, sampler.batches_per_epoch)
-    metrics_path = run_dir / "metrics.jsonl"
     pbar = tqdm(total=tc.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
     loss_sum = torch.zeros((), device=accelerator.device)
     nonfinite = torch.zeros((), device=accelerator.device, dtype=torch.bool)
