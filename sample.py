@@ -8,9 +8,9 @@
     accelerate launch sample.py runs/mscoco_uvic_s2/pipeline --out-dir samples/mscoco --num-images 30000 \\
         --features data/coco256_features --sampler uvit_dpm_solver    # text-to-image FID: random val captions
 
-Image i is generated from seed `--seed + i`, so the images do not depend on --batch-size or the number of
-processes; in --out-dir mode it is saved as {i:06d}.png, the work is split across processes, and files that
-already exist are skipped (re-run to finish an interrupted job).
+Image i is generated from seed `--seed + i` (and, for a class-conditional model, class i % num_classes), so the
+images do not depend on --batch-size or the number of processes; in --out-dir mode it is saved as {i:06d}.png,
+the work is split across processes, and files that already exist are skipped (re-run to finish an interrupted job).
 """
 
 import argparse
@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 
 from uvic.pipelines.export import pipeline_class_name
-from uvic.pipelines.sampling import generate, load_pipeline, sample_to_folder, save_grid
+from uvic.pipelines.sampling import balanced_class_labels, generate, load_pipeline, sample_to_folder, save_grid
 from uvic.pipelines.sampling_t2i import generate_t2i, load_t2i_pipeline, sample_t2i_to_folder
 from uvic.schedulers import SAMPLERS
 
@@ -89,7 +89,8 @@ def main() -> None:
                                           prompts=prompts)
                 else:
                     seeds = list(range(args.seed, args.seed + args.num_images))
-                    images = generate(pipe, seeds, args.batch_size, args.steps)
+                    labels = balanced_class_labels(pipe, range(args.num_images))  # as in --out-dir mode
+                    images = generate(pipe, seeds, args.batch_size, args.steps, class_labels=labels)
                 print(save_grid(images, args.grid, scale=args.grid_scale))
         elif text:
             sample_t2i_to_folder(pipe, args.features, args.out_dir, args.num_images, args.seed, args.batch_size,

@@ -81,6 +81,38 @@ def test_sample_help_and_missing_source(tmp_path):
     assert r.returncode == 2 and "neither a pipeline dir" in r.stderr and "Traceback" not in r.stderr
 
 
+def _class_pipeline(path):
+    """A tiny class-conditional UViCPipeline (3 classes) saved at `path`; returns the pipeline."""
+    from uvic.config import DiffusionConfig
+    from uvic.models import UViTModel
+    from uvic.pipelines import UViCPipeline
+    from uvic.schedulers import build_scheduler
+
+    torch.manual_seed(0)
+    model = UViTModel(img_size=8, patch_size=2, in_chans=3, embed_dim=16, depth=2, num_heads=2, num_classes=3)
+    pipe = UViCPipeline(model.eval(), build_scheduler("dpm_solver", DiffusionConfig()))
+    pipe.save_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_sample_grid_of_a_class_conditional_pipeline(tmp_path):
+    from uvic.pipelines.sampling import generate
+
+    pipe = _class_pipeline(tmp_path / "pipe")
+    r = _run([sys.executable, "sample.py", str(tmp_path / "pipe"), "--grid", str(tmp_path / "grid.png"),
+              "--num-images", "4", "--steps", "2", "--batch-size", "3", "--seed", "5"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    grid = np.asarray(Image.open(tmp_path / "grid.png")).astype(int)
+    # Image i has seed 5 + i and class i % 3, as in --out-dir mode.
+    cells = [grid[2 + r * 10 : 10 + r * 10, 2 + c * 10 : 10 + c * 10] for r in range(2) for c in range(2)]
+    balanced = generate(pipe, [5, 6, 7, 8], 4, 2, class_labels=[0, 1, 2, 0]).astype(int)
+    shifted = generate(pipe, [5, 6, 7, 8], 4, 2, class_labels=[1, 2, 0, 1]).astype(int)
+    assert max(np.abs(cell - want).max() for cell, want in zip(cells, balanced)) <= 1
+    # The labels reach the model (an untrained model's images are mostly saturated, so some cells barely move).
+    assert max(np.abs(cell - other).max() for cell, other in zip(cells, shifted)) > 1
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path, image_dir):
     # The same global batch (4) as 1 x 4 and 2 x 2: same data order, same noise, averaged gradients.

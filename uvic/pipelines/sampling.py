@@ -104,9 +104,8 @@ def sample_to_folder(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     todo = [i for i in range(process_index, num_images, num_processes) if not (out_dir / f"{i:06d}.png").exists()]
-    labels_for = _labels_for(pipe)
-    for chunk, images in _batches(pipe, [seed + i for i in todo], batch_size, num_inference_steps,
-                                  None if labels_for is None else [labels_for(s - seed) for s in todo]):
+    labels = balanced_class_labels(pipe, todo)
+    for chunk, images in _batches(pipe, [seed + i for i in todo], batch_size, num_inference_steps, labels):
         for s, img in zip(chunk, images):
             final = out_dir / f"{s - seed:06d}.png"
             tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
@@ -116,7 +115,7 @@ def sample_to_folder(
     return len(todo)
 
 
-def _labels_for(pipe: UViCPipeline):
-    """Class-conditional models get class i % num_classes for image i (a balanced set)."""
+def balanced_class_labels(pipe: UViCPipeline, indices: list[int] | range) -> list[int] | None:
+    """Class i % num_classes for image i (a balanced set) for a class-conditional transformer, else None."""
     k = pipe.transformer.config.num_classes
-    return (lambda i: i % k) if k is not None and k > 0 else None
+    return [i % k for i in indices] if k is not None and k > 0 else None
