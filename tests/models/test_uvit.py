@@ -241,6 +241,19 @@ def test_cog_flag_changes_the_computation():
         assert (uvit(x, t).sample - uvic(x, t).sample).abs().max() > 1e-3
 
 
+def test_demo_preset_is_the_model_of_the_demo_config():
+    import dataclasses
+    from pathlib import Path
+
+    from uvic.config import UViTConfig, load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_digits.yaml").model
+    assert cfg == UViTConfig(**UVIT_PRESETS["uvic-demo"])  # the config's model is exactly the preset
+    with torch.device("meta"):
+        model = build_preset("uvic-demo")
+    assert sum(p.numel() for p in model.parameters()) == _closed_form_params(**dataclasses.asdict(cfg))
+
+
 def test_official_init_statistics():
     torch.manual_seed(0)
     model = build_preset("uvit-demo")

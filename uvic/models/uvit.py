@@ -447,14 +447,14 @@ _BASE_PRESETS: dict[str, dict[str, Any]] = {
     "h2-imagenet256": {"img_size": 32, "patch_size": 2, "in_chans": 4, **_H, "num_classes": 1001},
     "l4-imagenet512": {"img_size": 64, "patch_size": 4, "in_chans": 4, **_L, "num_classes": 1001},
     "h4-imagenet512": {"img_size": 64, "patch_size": 4, "in_chans": 4, **_H, "num_classes": 1001},
-    # Tiny models for tests (65, 22 and 18 tokens; 5 blocks so U-ViC has both kinds) and the CPU demo
-    # (3x32x32 images, 65 tokens, 7 blocks, 1,505,028 parameters; override in_chans=1 for gray digits).
+    # Tiny models for tests (65, 22 and 18 tokens; 5 blocks so U-ViC has both kinds) and the CPU demo, the model
+    # of configs/demo_digits.yaml (1x8x8 digits in 4x4 patches, 5 tokens, 7 blocks, 2,322,106 parameters).
     "tiny-cifar": {"img_size": 32, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 4, "num_heads": 2},
     "tiny-t2i": {"img_size": 8, "patch_size": 2, "in_chans": 4, "embed_dim": 32, "depth": 4, "num_heads": 2,
                  "clip_dim": 16, "num_clip_token": 5},
     "tiny-class": {"img_size": 8, "patch_size": 2, "in_chans": 3, "embed_dim": 32, "depth": 4, "num_heads": 2,
                    "num_classes": 11},
-    "demo": {"img_size": 32, "patch_size": 4, "in_chans": 3, "embed_dim": 128, "depth": 6, "num_heads": 4},
+    "demo": {"img_size": 8, "patch_size": 4, "in_chans": 1, "embed_dim": 160, "depth": 6, "num_heads": 4},
 }  # fmt: skip
 
 UVIT_PRESETS: dict[str, dict[str, Any]] = {
