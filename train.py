@@ -8,6 +8,7 @@
 """
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -24,11 +25,12 @@ def main() -> None:
     p.add_argument("--export", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="export the EMA weights of a checkpoint (default: the latest) to run_dir/pipeline and exit")
     args = p.parse_args()
-    overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
+    if args.resume:  # set as is: as a YAML override, a path such as "123" or "a: b" would change type
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=args.resume))
     if args.dry_run:
         print(cfg.to_yaml(), end="")
         return

@@ -69,6 +69,14 @@ def test_train_dry_run_prints_the_resolved_config():
     assert cfg["train"]["batch_size"] == 64 and cfg["model"]["attention"] == "cog" and cfg["train"]["lr"] == 2e-4
 
 
+@pytest.mark.parametrize("args, expected", [(["123"], "123"), (["runs/a: b/step_1"], "runs/a: b/step_1"), ([], "latest")])
+def test_resume_path_is_taken_verbatim(args, expected):
+    # Not parsed as YAML: "123" would become an int, "a: b" a mapping; a bare --resume means the latest.
+    r = _run([sys.executable, "train.py", "configs/demo_digits.yaml", "--dry-run", "--resume", *args])
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["train"]["resume"] == expected
+
+
 def test_bad_config_key_exits_with_a_clear_message():
     r = _run([sys.executable, "train.py", "configs/demo_digits.yaml", "train.learning_rate=1", "--dry-run"])
     assert r.returncode == 2 and "unknown config key(s) ['train.learning_rate']" in r.stderr
