@@ -60,6 +60,9 @@ def test_to_yaml_round_trips():
         ("train.lr=fast", "train.lr"),
         ("train=3", "train must be a mapping"),
         ("novalue", "must look like section.key=value"),
+        ("train.log_every=0", r"train.log_every: must be >= 1, got 0"),
+        ("train.grad_accum_steps=-1", r"train.grad_accum_steps: must be >= 1, got -1"),
+        ("train.batch_size=0", r"train.batch_size: must be >= 1, got 0"),
     ],
 )
 def test_bad_keys_and_types_are_errors(override, match):

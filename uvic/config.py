@@ -116,6 +116,13 @@ class TrainConfig:
     # "" starts fresh (and refuses a run_dir that already has checkpoints), "latest" or a checkpoint path.
     resume: str = ""
 
+    def __post_init__(self) -> None:
+        # Intervals and sizes the loop divides by; 0 or less would fail mid-run (ZeroDivisionError) instead of here.
+        for name in ("batch_size", "grad_accum_steps", "log_every"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"config key train.{name}: must be >= 1, got {value}")
+
 
 @dataclass(frozen=True)
 class SampleConfig:

@@ -97,7 +97,11 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, image_dir, ti
     assert not (run / "checkpoints" / ".tmp-step_000000004").exists()
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch):
+@pytest.mark.parametrize("log_every, stops_at", [(1, 3), (100, 4)])
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch,
+                                                          log_every, stops_at):
+    # The loss turns NaN at step 3. Logging every step stops there; logging rarely, the check before the step-4
+    # save still stops the run: the NaN check does not depend on log_every.
     real_loss, calls = DiffusionTask.loss, []
 
     def loss(self, model, batch, rng):
@@ -107,8 +111,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, image_dir, 
 
     monkeypatch.setattr(DiffusionTask, "loss", loss)
     run = tmp_path / "run"
-    with pytest.raises(FloatingPointError, match=r"NaN or Inf at or before step 3.*step_000000002"):
-        train(load_config(None, tiny_overrides(run, image_dir)))
+    with pytest.raises(FloatingPointError, match=rf"NaN or Inf at or before step {stops_at}.*step_000000002"):
+        train(load_config(None, tiny_overrides(run, image_dir, **{"train.log_every": log_every})))
     assert [s for s, _ in list_checkpoints(run)] == [2]
     assert not (run / "pipeline").exists()
 

@@ -143,7 +143,7 @@ def train(cfg: Config) -> Path:
     n_micro, t0, last_good = 0, time.time(), latest_checkpoint(run_dir)
 
     def check_finite() -> None:
-        # A reduce is a sync point, so this runs at log/save/sample intervals only, never every step.
+        # A reduce is a sync point, so this runs only on steps that log, sample or save (never every step).
         if accelerator.reduce(nonfinite.float(), "sum").item() > 0:
             accelerator.end_training()
             raise FloatingPointError(
@@ -174,9 +174,14 @@ def train(cfg: Config) -> Path:
             step += 1
             pbar.update(1)
 
-            # 7. Log, sample and checkpoint at intervals.
-            if step % tc.log_every == 0 or step == tc.max_steps:
+            # 7. Log, sample and checkpoint at intervals. The NaN/Inf check comes first on any of these steps, so
+            # nothing is logged, drawn or saved from a diverged model, whatever the intervals are.
+            log_now = step % tc.log_every == 0 or step == tc.max_steps
+            sample_now = tc.sample_every > 0 and (step % tc.sample_every == 0 or step == tc.max_steps)
+            save_now = (tc.save_every > 0 and step % tc.save_every == 0) or step == tc.max_steps
+            if log_now or sample_now or save_now:
                 check_finite()
+            if log_now:
                 mean_loss = (accelerator.reduce(loss_sum, "mean") / n_micro).item()
                 steps_per_s = n_micro / tc.grad_accum_steps / (time.time() - t0)
                 lr = optimizer.param_groups[0]["lr"]
@@ -186,13 +191,11 @@ def train(cfg: Config) -> Path:
                 logger.info(f"step={step:07d} loss={mean_loss:.4f} lr={lr:.2e} steps/s={steps_per_s:.2f}")
                 loss_sum.zero_()
                 n_micro, t0 = 0, time.time()
-            if tc.sample_every > 0 and (step % tc.sample_every == 0 or step == tc.max_steps):
-                check_finite()
+            if sample_now:
                 if accelerator.is_main_process:
                     task.on_sample(ema.model, step, run_dir)
                 accelerator.wait_for_everyone()
-            if (tc.save_every > 0 and step % tc.save_every == 0) or step == tc.max_steps:
-                check_finite()
+            if save_now:
                 last_good = save_checkpoint(accelerator, run_dir, step, config, {"ema": ema.model},
                                             tc.keep_checkpoints)
             if step >= tc.max_steps:
