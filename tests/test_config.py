@@ -84,5 +84,11 @@ def test_shipped_configs_load():
     assert uvit.model.attention == "softmax" and uvic.model.attention == "cog"
     assert dataclasses.replace(uvit.model, attention="cog") == uvic.model
     demo = load_config(root / "demo_digits.yaml")
-    assert demo.data.name == "digits" and demo.model.in_chans == 1
-    assert typing.get_type_hints(UViTConfig)["attention"] is not None
+    assert demo.data.name == "digits" and demo.model.in_chans == 1 and demo.model.attention == "cog"  # a U-ViC
+
+
+def test_attention_field_lists_exactly_the_model_attention_kinds():
+    kinds = typing.get_args(typing.get_type_hints(UViTConfig)["attention"])
+    assert kinds == ("softmax", "cog")
+    for kind in kinds:  # each one builds a model; anything else is rejected by the config
+        assert UViTModel(img_size=8, patch_size=2, embed_dim=16, depth=2, num_heads=2, attention=kind).config.attention == kind
