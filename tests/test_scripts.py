@@ -1,6 +1,7 @@
 """train.py / sample.py end to end, including real 2-process CPU runs (torchrun + accelerate, gloo)."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -119,6 +120,51 @@ def test_sample_grid_of_a_class_conditional_pipeline(tmp_path):
     assert max(np.abs(cell - want).max() for cell, want in zip(cells, balanced)) <= 1
     # The labels reach the model (an untrained model's images are mostly saturated, so some cells barely move).
     assert max(np.abs(cell - other).max() for cell, other in zip(cells, shifted)) > 1
+
+
+def test_export_writes_the_ema_weights_of_the_checkpoint(tmp_path, image_dir):
+    from uvic.config import load_config
+    from uvic.pipelines import UViCPipeline
+    from uvic.training import train
+
+    run = tmp_path / "run"
+    overrides = _tiny(run, image_dir, **{"train.max_steps": 4, "train.save_every": 2})
+    train(load_config(ROOT / "configs" / "cifar10_uvic_s2.yaml", overrides))
+    for ckpt, arg in [(run / "checkpoints" / "step_000000004", []),  # default: the latest
+                      (run / "checkpoints" / "step_000000002", [str(run / "checkpoints" / "step_000000002")])]:
+        shutil.rmtree(run / "pipeline")
+        r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export", *arg])
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.strip() == f"{run}/pipeline"
+        exported = UViCPipeline.from_pretrained(run / "pipeline").transformer.state_dict()
+        ema, raw = load_file(str(ckpt / "ema.safetensors")), load_file(str(ckpt / "model.safetensors"))
+        assert exported.keys() == ema.keys()
+        for k, v in exported.items():
+            torch.testing.assert_close(v, ema[k], rtol=0, atol=0)
+        assert any(not torch.equal(ema[k], raw[k]) for k in ema)  # the EMA, not the raw weights
+
+
+def _png_files(folder):
+    """{name: (bytes, inode, mtime_ns)} of the PNGs in `folder`."""
+    return {p.name: (p.read_bytes(), p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.glob("*.png"))}
+
+
+def test_sample_out_dir_rerun_keeps_existing_files_and_regenerates_missing_ones(tmp_path):
+    _class_pipeline(tmp_path / "pipe")
+    cmd = [sys.executable, "sample.py", str(tmp_path / "pipe"), "--out-dir", str(tmp_path / "out"), "--num-images",
+           "4", "--steps", "2", "--batch-size", "1", "--seed", "3"]  # batch 1: the same computation on re-run
+    r = _run(cmd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = _png_files(tmp_path / "out")
+    assert list(first) == [f"{i:06d}.png" for i in range(4)]
+    (tmp_path / "out" / "000002.png").unlink()
+    r = _run(cmd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    second = _png_files(tmp_path / "out")
+    for name in ["000000.png", "000001.png", "000003.png"]:
+        assert second[name] == first[name]  # untouched: same bytes, same file, not rewritten
+    assert second["000002.png"][0] == first["000002.png"][0]  # regenerated identically (seed 3 + 2, class 2)
+    assert "wrote 1 images" in r.stderr
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -183,3 +184,27 @@ def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
     assert yaml.safe_load((tmp_path / "checkpoints" / "step_000000005" / "config.yaml").read_text()) == {"save": 2}
     save_checkpoint(accelerator, tmp_path, 5, {"save": 3})  # the leftover old copy is cleaned up
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000005"]
+
+
+@pytest.mark.parametrize("sampler, scheduler_cls", [("ddpm", "DDPMScheduler"), ("dpm_solver", "DPMSolverMultistepScheduler")])
+def test_discrete_schedule_trains_and_samples_with_stock_diffusers_schedulers(tmp_path, image_dir, tiny_overrides,
+                                                                            sampler, scheduler_cls):
+    from uvic.pipelines.sampling import generate, load_pipeline
+
+    run = tmp_path / "run"
+    extra = {"diffusion.schedule": "discrete", "diffusion.beta_schedule": "scaled_linear",
+             "diffusion.beta_start": 0.00085, "diffusion.beta_end": 0.012, "sample.sampler": sampler}
+    train(load_config(None, tiny_overrides(run, image_dir, **extra)))
+    # The export carries the configured stock scheduler on the training betas.
+    pipe = UViCPipeline.from_pretrained(run / "pipeline")
+    assert type(pipe.scheduler).__name__ == scheduler_cls
+    c = pipe.scheduler.config
+    assert (c.beta_schedule, c.beta_start, c.beta_end, c.num_train_timesteps) == ("scaled_linear", 0.00085, 0.012, 1000)
+    # And it samples, from the export and from the run dir (the EMA weights of the last checkpoint).
+    pipe.set_progress_bar_config(disable=True)
+    images = generate(pipe, [0, 1, 2], batch_size=2, num_inference_steps=3)
+    assert images.shape == (3, 8, 8, 3) and images.dtype == np.uint8 and np.unique(images).size > 2
+    from_run = load_pipeline(run, sampler=sampler)
+    from_run.set_progress_bar_config(disable=True)
+    assert type(from_run.scheduler).__name__ == scheduler_cls
+    np.testing.assert_array_equal(generate(from_run, [0, 1, 2], batch_size=2, num_inference_steps=3), images)
