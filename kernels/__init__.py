@@ -11,11 +11,45 @@ import os
 
 import torch
 
+from uvic.kernels.configs import config_arch
+
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 __all__ = ["SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "fused_attention", "unsupported_reason"]
+
+
+_CUDA_DEVICE_INFO: dict[int, tuple[int, int, int, bool]] = {}
+
+
+def cuda_device_info(index: int) -> tuple[int, int, int, bool]:
+    """(major, minor, shared memory a block may opt in to in bytes, is ROCm) of CUDA device `index`, cached.
+
+    Marked as `torch.compiler.assume_constant_result` (below): Dynamo runs it at trace time and uses its result
+    as a constant instead of tracing the device queries inside, so `unsupported_reason` adds no node and no graph
+    break to a compiled graph. That is sound because a graph is guarded on its tensors' devices (another device
+    index gets its own graph) and a device's properties do not change.
+    """
+    info = _CUDA_DEVICE_INFO.get(index)
+    if info is None:
+        if torch.version.hip is not None:
+            info = (0, 0, 0, True)  # refused whatever its properties (ROCm torch may not report the smem opt-in)
+        else:
+            props = torch.cuda.get_device_properties(index)
+            smem = getattr(props, "shared_memory_per_block_optin", None)
+            if smem is None:  # torch 2.4-2.6 lacks it; triton asks the driver for the same attribute
+                from triton.runtime import driver
+
+                smem = driver.active.utils.get_device_properties(index)["max_shared_mem"]
+            info = (props.major, props.minor, int(smem), False)
+        _CUDA_DEVICE_INFO[index] = info
+    return info
+
+
+# What `torch.compiler.assume_constant_result` does, set by hand: the decorator imports torch._dynamo, which imports
+# triton, and importing this package must not (tests/kernels/test_device.py checks the decorator sets this name).
+cuda_device_info._dynamo_marked_constant = True
 
 
 def unsupported_reason(
@@ -49,8 +83,8 @@ def unsupported_reason(
         return "empty input (a zero-sized dimension)"
     if B * nh > 65535:
         return f"B * nh = {B * nh} is larger than the kernel grid allows (65535)"
-    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 8:
-        return "the kernel needs compute capability 8.0 or newer (A100/H100 class)"
+    if q.is_cuda:
+        return config_arch(*cuda_device_info(q.device.index))[1]
     return None
 
 

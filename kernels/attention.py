@@ -8,7 +8,9 @@ preprocessing); the Cog math and its pitfalls are derived in docs/kernel_math.md
     attn = softmax(p)                                                           (COG=False, the same kernels)
 
 Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
-    - q, k, v: (B, nh, Lq|Lk, hd) CUDA tensors with any strides (CPU tensors only under TRITON_INTERPRET=1).
+    - q, k, v: (B, nh, Lq|Lk, hd) CUDA tensors with any strides (CPU tensors only under TRITON_INTERPRET=1), on an
+      NVIDIA GPU of compute capability >= 8.0 with the shared memory its tile table needs (`configs.config_arch`:
+      sm_90 tiles for majors 9-10, sm_80 tiles for the others, e.g. RTX 30xx-50xx); not ROCm.
     - dtypes float16, bfloat16, float32 (q, k, v share one). Accumulation is always fp32. For float32 inputs every
       tl.dot uses input_precision="ieee" (no TF32), so fp32 results match an fp32 reference; this path is for
       parity and has no tensor-core speed.
@@ -51,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from uvic.kernels.configs import KernelConfig, all_configs, candidate_configs, gpu_dot_precision
+from uvic.kernels import cuda_device_info
+from uvic.kernels.configs import KernelConfig, all_configs, candidate_configs, config_arch, gpu_dot_precision
 
 
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 (exp2 is one MUFU op)
@@ -468,7 +471,11 @@ def pick_candidates(kernel: str, arch: int, dtype: torch.dtype, head_dim: int, b
 
 
 def _arch(device: torch.device) -> int:
-    return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
+    """The candidate table (80 or 90) for this GPU; `unsupported_reason` has already refused GPUs with none."""
+    arch, why = config_arch(*cuda_device_info(device.index))
+    if arch is None:
+        raise RuntimeError(f"the fused attention kernel cannot run on {device}: {why}")
+    return arch
 
 
 def _prune(kernel: str):

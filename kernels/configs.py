@@ -21,6 +21,10 @@ DTYPES = ("fp16", "bf16", "fp32")
 
 # Shared memory per block (bytes) a kernel may use: A100 164 KB, H100 228 KB (227 KB usable per block).
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# Shared memory the most demanding candidate of each table needs (triton's metadata.shared, read by
+# `uvic.kernels.aot`; tests/kernels/test_triton_compile.py fails if a candidate needs more). 96 KB fits the 99 KB
+# that sm_86/sm_89 (RTX 30xx/40xx) and sm_120 (RTX 50xx) give a block, so those GPUs can run the sm_80 table.
+SMEM_NEEDED = {80: 96 * 1024, 90: 128 * 1024}
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,8 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list
 
     Args:
         kernel: one of `KERNELS`.
-        arch: compute capability as an int, 80 or 90 (other majors use the nearest: < 90 -> 80, >= 90 -> 90).
+        arch: the candidate table, 80 or 90 (`config_arch` says which one a GPU gets; other values map to the
+            nearest: < 90 -> 80, >= 90 -> 90).
         dtype: "fp16", "bf16" or "fp32".
         head_dim: 16, 32, 64, 128 or 256.
     """
@@ -116,6 +121,41 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list
         return [_C(16, 16, 4, 1)] if (arch, head_dim, kernel) in _FP32_4_WARPS else [_FP32]
     table = {"fwd": _FWD_16, "bwd_dkdv": _DKDV_16, "bwd_dq": _DQ_16}[kernel]
     return list(table[(arch, head_dim)])
+
+
+def config_arch(major: int, minor: int, smem_optin: int, is_hip: bool) -> tuple[int | None, str | None]:
+    """Which candidate table (sm_80 or sm_90) a GPU may use, or why it may use none.
+
+    The sm_90 tiles (checked by `uvic.kernels.aot` against SMEM_LIMIT[90]) need up to 128 KB of shared memory, so
+    they go only to majors 9 and 10 (H100/H200, B200) that grant a block SMEM_LIMIT[90]. Other GPUs of compute
+    capability 8.0 or newer (A100, RTX 30xx/40xx, RTX 50xx = sm_120) get the sm_80 tiles if they grant a block the
+    SMEM_NEEDED[80] those tiles need. ROCm builds of torch report AMD GPUs as CUDA devices, but the kernels use
+    NVIDIA-only settings (tf32 dot precision, tiles tuned with ptxas), so they are refused.
+    Only sm_80 and sm_90 are spill-checked by `uvic.kernels.aot`. Compiled for sm_86/sm_87/sm_89 (triton 3.9), four
+    sm_80 tiles spill 4-8 bytes, and for sm_120 twelve spill 4-64 bytes: correct, but not tuned for those GPUs.
+
+    Args:
+        major, minor: compute capability (`torch.cuda.get_device_capability`).
+        smem_optin: bytes of shared memory a block may opt in to (`shared_memory_per_block_optin`).
+        is_hip: torch is a ROCm build (`torch.version.hip` is set).
+    Returns:
+        (80 or 90, None), or (None, a short reason).
+    """
+    if is_hip:
+        return None, "ROCm (HIP) GPUs are not supported: the kernel's tiles and dot precisions are for NVIDIA GPUs"
+    name = f"sm_{major}{minor}"
+    if major < 8:
+        return None, f"the kernel needs compute capability 8.0 or newer (A100/H100 class); this GPU is {name}"
+    kb = smem_optin // 1024
+    if major in (9, 10):
+        if smem_optin >= SMEM_LIMIT[90]:
+            return 90, None
+        return None, (f"{name} grants a block {kb} KB of shared memory; the sm_90 tiles are checked against "
+                      f"{SMEM_LIMIT[90] // 1024} KB")  # fmt: skip
+    if smem_optin >= SMEM_NEEDED[80]:
+        return 80, None
+    need = SMEM_NEEDED[80] // 1024
+    return None, f"{name} grants a block {kb} KB of shared memory; the sm_80 tiles need up to {need} KB"
 
 
 def all_configs(arch: int) -> dict[str, list[KernelConfig]]:

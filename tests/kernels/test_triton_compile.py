@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from uvic.kernels.aot import all_specs, compile_all, format_report
-from uvic.kernels.configs import ARCHS, DTYPES, HEAD_DIMS, KERNELS, SMEM_LIMIT, candidate_configs
+from uvic.kernels.configs import ARCHS, DTYPES, HEAD_DIMS, KERNELS, SMEM_LIMIT, SMEM_NEEDED, candidate_configs
 
 
 logger = logging.getLogger(__name__)
@@ -54,3 +54,11 @@ def test_shared_memory_within_limits(results):
     assert not over, "configs over the shared memory limit:\n" + format_report(over)
     # the 16-bit configs really use shared memory (the numbers are read, not defaulted)
     assert max(r.shared for r in results if r.spec.kernel == "fwd") > 16 * 1024
+
+
+@pytest.mark.slow
+def test_shared_memory_within_what_config_arch_assumes(results):
+    """`config_arch` gives a GPU a table only if the GPU grants SMEM_NEEDED[arch]: no candidate may need more."""
+    for arch in ARCHS:
+        need = max(r.shared for r in results if r.spec.arch == arch)
+        assert need <= SMEM_NEEDED[arch], f"sm_{arch} candidates need {need} bytes: raise SMEM_NEEDED[{arch}]"
