@@ -47,6 +47,7 @@ Cautions:
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -524,6 +525,12 @@ def _launch(kernel: str, device: torch.device, grid_rows: int, grid_blocks_of: s
     fn[lambda meta: (triton.cdiv(grid_rows, meta[grid_blocks_of]), bh)](*args, **consts)
 
 
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make t's GPU the current one: triton launches (and autotunes) on the current CUDA device, not on the device
+    of the tensors it is given. A no-op for CPU tensors (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _dot_prec(dtype: torch.dtype) -> str:
     # fp32 inputs: full IEEE fp32 products (tl.dot would otherwise use TF32 on GPU and miss fp32 parity).
     if dtype == torch.bfloat16 and _interpreting():
@@ -561,7 +568,8 @@ def attention_forward(
     args = (q, k, v, out, lse, kpm, float(scale), *q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk,
             length_bucket(max(Lq, Lk)))  # fmt: skip
     consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog, "DOT_PREC": _dot_prec(q.dtype)}
-    _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts)
+    with _on_device(q):
+        _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts)
     return out, lse
 
 
@@ -581,18 +589,22 @@ def attention_backward(
     (contiguous, in the dtype of q, k, v)."""
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
+    # The kernels index dO, O and LSE as contiguous (B*nh, Lq[, hd]) arrays.
     do = do.contiguous()
     out = out.contiguous()
+    lse = lse.contiguous()
     delta = torch.empty((B, nh, Lq), dtype=torch.float32, device=q.device)
     bucket = length_bucket(max(Lq, Lk))
-    _launch("bwd_pre", q.device, Lq, "BLOCK_M", B * nh, (out, do, delta, Lq, length_bucket(Lq)), {"HEAD_DIM": hd})
     dq = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, nh, Lk, hd), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, nh, Lk, hd), dtype=v.dtype, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
     strides = (*q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk, bucket)
     consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog, "DOT_PREC": _dot_prec(q.dtype)}
-    _launch("bwd_dkdv", q.device, Lk, "BLOCK_N", B * nh, (q, k, v, do, dk, dv, lse, delta, kpm, float(scale), *strides),
-            consts)  # fmt: skip
-    _launch("bwd_dq", q.device, Lq, "BLOCK_M", B * nh, (q, k, v, do, dq, lse, delta, kpm, float(scale), *strides), consts)
+    with _on_device(q):
+        _launch("bwd_pre", q.device, Lq, "BLOCK_M", B * nh, (out, do, delta, Lq, length_bucket(Lq)), {"HEAD_DIM": hd})
+        _launch("bwd_dkdv", q.device, Lk, "BLOCK_N", B * nh,
+                (q, k, v, do, dk, dv, lse, delta, kpm, float(scale), *strides), consts)  # fmt: skip
+        _launch("bwd_dq", q.device, Lq, "BLOCK_M", B * nh, (q, k, v, do, dq, lse, delta, kpm, float(scale), *strides),
+                consts)  # fmt: skip
     return dq, dk, dv

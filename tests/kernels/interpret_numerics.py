@@ -205,3 +205,16 @@ def test_autotuner_picks_only_checked_candidates():
                     for bucket in (16, 64, 256, 16384):
                         picked = kattn.pick_candidates(kernel, arch, dtype, hd, bucket)
                         assert picked and all(c in allowed for c in picked)
+
+
+def test_backward_accepts_strided_lse():
+    """attention_backward indexes LSE as contiguous (B*nh, Lq): a strided lse (as a compiled graph may hand it
+    back) gives the same gradients, bit for bit."""
+    q, k, v, do = (t.float() for t in _inputs(2, 3, 37, 37, 16, torch.float32, seed=9))
+    out, lse = kattn.attention_forward(q, k, v, None, True, 0.25, True)
+    strided = lse.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous() and torch.equal(strided, lse)
+    want = kattn.attention_backward(do, q, k, v, out, lse, None, True, 0.25, True)
+    got = kattn.attention_backward(do, q, k, v, out, strided, None, True, 0.25, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -1,11 +1,12 @@
 """Which GPUs the fused kernel accepts and which tiles they get, checked on CPU with faked device properties.
 
-The CUDA side of `uvic.kernels.unsupported_reason` and of the launcher (`_arch`) never runs on a
+The CUDA side of `uvic.kernels.unsupported_reason` and of the launcher (`_arch`, `_on_device`) never runs on a
 CPU-only machine; these tests run the same functions on the values a GPU would report, including under
 torch.compile(fullgraph=True) with torch.cuda's internals faked (the public torch.cuda functions stay the real
 ones, so Dynamo applies its real rules to them).
 """
 
+import contextlib
 import operator
 import types
 
@@ -145,3 +146,10 @@ def test_launcher_arch_follows_config_arch(fake_gpu):
     with pytest.raises(RuntimeError, match="cuda:0.*sm_80 tiles need"):
         kattn._arch(torch.device("cuda", 0))
 
+
+def test_launches_happen_on_the_tensors_gpu():
+    """Triton launches on the current CUDA device: the launcher makes q's device current (CPU: nothing to do)."""
+    assert isinstance(kattn._on_device(torch.zeros(1)), contextlib.nullcontext)
+    fake_cuda_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    guard = kattn._on_device(fake_cuda_tensor)
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1

@@ -50,3 +50,34 @@ def test_auto_backend_uses_triton_on_cuda():
     out_auto = cog_attention(q, q, q, backend="auto")
     out_tri = cog_attention(q, q, q, backend="triton")
     assert torch.equal(out_auto, out_tri)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("causal", [False, True])
+def test_runs_on_the_inputs_gpu_not_the_current_one(causal):
+    """Inputs on cuda:1 while cuda:0 is current: forward and backward still match the reference."""
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, do = (torch.randn(2, 3, 300, 64, device=dev, generator=g, dtype=torch.float64) for _ in range(4))
+    dtype = torch.bfloat16
+    exact = _grads(lambda *a: attention_ref(*a, causal=causal), q, k, v, do, torch.float64)
+    plain = _grads(lambda *a: attention_ref(*a, causal=causal, upcast=False), q, k, v, do, dtype)
+    fused = _grads(lambda *a: cog_attention(*a, causal=causal, backend="triton"), q, k, v, do, dtype)
+    for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
+        assert f.device == dev
+        floor = 0.5 * torch.finfo(dtype).eps * e.abs().max().item()
+        err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
+        assert err <= 2 * err_plain + floor, f"{name}: fused err {err:.3g} vs plain err {err_plain:.3g}"
+    assert torch.cuda.current_device() == 0
+
+
+def test_this_gpu_gets_a_tile_table():
+    """The tile table config_arch picks for this GPU (sm_90 on H100/H200, sm_80 on A100 and RTX cards)."""
+    from uvic.kernels import cuda_device_info
+    from uvic.kernels.configs import config_arch
+
+    major, minor, smem, is_hip = cuda_device_info(torch.cuda.current_device())
+    arch, why = config_arch(major, minor, smem, is_hip)
+    assert why is None, why
+    assert arch == (90 if major in (9, 10) else 80)
