@@ -2,7 +2,9 @@
 
 TFLOP/s for forward, backward and forward+backward, bf16, head dims 64 and 128, L from 256 to 16384, causal and
 not, as `triton.testing.perf_report` tables (FLOPs as the Triton tutorial counts them: 4 B nh L^2 hd for the
-forward, halved when causal; backward 2.5x the forward). Needs a CUDA GPU; uvic never imports this module.
+forward, halved when causal; backward 2.5x the forward). Needs a CUDA GPU and pandas (`perf_report` builds its
+tables with it): pip install "uvic[bench]", or pip install -e ".[bench]" in a checkout. uvic never imports
+this module.
 
     python -m uvic.kernels.bench_triton                 # all tables to stdout
     python -m uvic.kernels.bench_triton --save-path out # also CSV + PNG per table
@@ -11,6 +13,7 @@ forward, halved when causal; backward 2.5x the forward). Needs a CUDA GPU; uvic 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +78,8 @@ def bench(L: int, hd: int, nh: int, causal: bool, mode: str, provider: str) -> f
             run = lambda: o.backward(do, retain_graph=True)
         else:
             run = lambda: fn(q, k, v, causal).backward(do)
-    ms = triton.testing.do_bench(run)
+    # Backward accumulates into q/k/v.grad; do_bench resets them before each run, so no accumulation is timed.
+    ms = triton.testing.do_bench(run, grad_to_none=[q, k, v])
     flops = 4.0 * B * nh * L * L * hd * (0.5 if causal else 1.0)
     flops *= {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
     return flops * 1e-12 / (ms * 1e-3)
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--save-path", default="", help="folder for CSV/PNG files (default: print only)")
     args = parser.parse_args(argv)
+    # perf_report's run() imports pandas unconditionally: name the extra rather than fail in triton's code.
+    if importlib.util.find_spec("pandas") is None:
+        raise SystemExit('bench_triton needs pandas for its tables: pip install "uvic[bench]" (from a checkout: '
+                         'pip install -e ".[bench]")')  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("bench_triton needs a CUDA GPU (torch.cuda.is_available() is False)")
     bench.run(print_data=True, save_path=args.save_path)
