@@ -81,6 +81,8 @@ def unsupported_reason(
     B, nh, Lq = q.shape[:3]
     if Lq == 0 or k.shape[2] == 0 or B * nh == 0:
         return "empty input (a zero-sized dimension)"
+    if max(Lq, k.shape[2]) * hd >= 2**31:  # offsets inside one (batch, head) slice are 32-bit in the kernels
+        return f"L * hd = {max(Lq, k.shape[2]) * hd} elements per (batch, head); the kernel allows fewer than 2**31"
     if B * nh > 65535:
         return f"B * nh = {B * nh} is larger than the kernel grid allows (65535)"
     if q.is_cuda:

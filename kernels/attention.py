@@ -16,8 +16,10 @@ Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
       parity and has no tensor-core speed.
     - head dims 16, 32, 64, 128, 256 (q, k, v share one). Head dim 256 runs on small tiles (32-64 rows/keys,
       8 warps, 1-2 stages; see configs.py) so that every kernel stays spill-free on sm_80 and sm_90.
-    - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk; causal is bottom-right aligned (key j is
-      masked for query i when j > i + Lk - Lq, as FlashAttention-2); key_padding_mask (B, Lk) bool, True = keep.
+    - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk, with L * hd < 2**31 (offsets inside one
+      (batch, head) slice are 32-bit; a strided input whose slice spans more is copied first, `_int32_addressable`);
+      causal is bottom-right aligned (key j is masked for query i when j > i + Lk - Lq, as FlashAttention-2);
+      key_padding_mask (B, Lk) bool, True = keep.
     - any finite scale (a negative scale flips the signs of p, as in the reference).
 Known differences from `uvic.attention.attention_ref`:
     - rounding: P and dS are cast to the input dtype before their matmuls (as every flash kernel); fp32 math
@@ -538,6 +540,20 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return gpu_dot_precision(_DTYPE_NAMES[dtype])
 
 
+def _int32_addressable(t: torch.Tensor) -> torch.Tensor:
+    """t (B, nh, L, hd) itself, or a contiguous copy when an element of one (batch, head) slice lies 2**31 or more
+    elements past the slice's start (e.g. a packed qkv layout at very long L).
+
+    The kernels add a 64-bit (batch, head) base to 32-bit row and column offsets (`offs_m * stride_qm + ...`),
+    which would wrap there. 64-bit offsets in the kernels would cost registers in every launch instead: with the
+    variants tried (int64 rows, or int64 block starts plus int32 offsets in the tile), ptxas spilled in 6 to 12 of
+    the 254 sm_80/sm_90 kernels of `uvic.kernels.aot` (triton 3.9). A contiguous slice spans L * hd elements,
+    which `unsupported_reason` keeps below 2**31 (as the contiguous outputs need too).
+    """
+    span = (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
+    return t if span < 2**31 else t.contiguous()
+
+
 def _kpm_arg(q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     if key_padding_mask is None:
         return q.new_empty(1, dtype=torch.int8), 0  # never read (HAS_KPM=False)
@@ -554,7 +570,7 @@ def attention_forward(
     scale: float,
     cog: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel. q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), any strides.
+    """Run the forward kernel. q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), any strides (see `_int32_addressable`).
 
     Returns:
         out: (B, nh, Lq, hd) contiguous, q's dtype; lse: (B, nh, Lq) float32, base-2 log-sum-exp of the
@@ -562,6 +578,7 @@ def attention_forward(
     """
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
+    q, k, v = (_int32_addressable(t) for t in (q, k, v))
     out = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, nh, Lq), dtype=torch.float32, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
@@ -589,6 +606,7 @@ def attention_backward(
     (contiguous, in the dtype of q, k, v)."""
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
+    q, k, v = (_int32_addressable(t) for t in (q, k, v))
     # The kernels index dO, O and LSE as contiguous (B*nh, Lq[, hd]) arrays.
     do = do.contiguous()
     out = out.contiguous()

@@ -218,3 +218,30 @@ def test_backward_accepts_strided_lse():
     got = kattn.attention_backward(do, q, k, v, out, strided, None, True, 0.25, True)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_packed_qkv_beyond_32_bit_offsets(tmp_path):
+    """q, k, v interleaved in one buffer with a row stride of 2**22 elements and L = 520: row offsets inside a
+    (batch, head) slice reach 2.2e9 > 2**31, where 32-bit offsets wrap (the kernels read out of bounds). The buffer
+    is a sparse file mapping, so only the rows used take memory or disk."""
+    L, hd, S, dtype = 520, 16, 2**22, torch.float16
+    n = (L - 1) * S + 3 * hd
+    path = tmp_path / "packed.bin"
+    with open(path, "wb") as f:
+        f.truncate(n * torch.finfo(dtype).bits // 8)
+    big = torch.from_file(str(path), shared=True, size=n, dtype=dtype)
+    q, k, v, do = _inputs(1, 1, L, L, hd, dtype, seed=10)
+    packed = []
+    for j, t in enumerate((q, k, v)):
+        view = big[j * hd :].as_strided((1, 1, L, hd), (0, 0, S, 1))
+        view.copy_(t.to(dtype))
+        packed.append(view.requires_grad_())
+    assert (L - 1) * S >= 2**31
+    out = fused_attention(*packed, causal=True)
+    out.backward(do.to(dtype))
+    fused = [out.detach().double()] + [t.grad.double() for t in packed]
+    exact = _run(lambda *a, **kw: attention_ref(*a, **kw), q, k, v, do, torch.float64, causal=True)
+    plain = _run(lambda *a, **kw: attention_ref(*a, upcast=False, **kw), q, k, v, do, dtype, causal=True)
+    for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
+        err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
+        assert err <= 2 * err_plain + _floor(dtype, e), f"{name}: fused err {err:.3g} vs plain {dtype} err {err_plain:.3g}"
