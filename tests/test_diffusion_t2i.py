@@ -12,11 +12,11 @@ from uvic.diffusion_t2i import (
     Text2ImageTask,
     drop_context,
     guided_epsilon,
-    network_timestep,
     official_to_guidance_scale,
     t2i_diffusion_loss,
 )
 from uvic.models import build_preset
+from uvic.schedulers.timesteps import network_timestep
 from uvic.training.rng import ShardedRNG
 
 
@@ -66,7 +66,7 @@ def test_loss_feeds_t_plus_one_noised_latents_and_drops_context():
     x_t, n, c = spy.calls[0]
     # Network time n = t + 1 in 1..1000, uniform.
     assert n.dtype == torch.int64 and n.min() == 1 and n.max() == 1000 and abs(n.float().mean() - 500.5) < 20
-    assert network_timestep(torch.tensor(999)) == 1000
+    assert network_timestep(torch.tensor(999), "discrete") == 1000
     # z0 = 0 so x_t = sqrt(1 - abar[n - 1]) * eps: per-sample RMS follows the schedule at index n - 1.
     rms = x_t.flatten(1).pow(2).mean(1).sqrt()
     expected = (1 - abar[n - 1]).sqrt()

@@ -2,8 +2,8 @@
 
 * Network time: the official model was trained on n in {1, ..., 1000} with `cum_alphas[n] == diffusers
   alphas_cumprod[n - 1]`, so it is fed `n = t + 1` for a diffusers timestep t (0-based). The conversion lives in
-  `uvic.schedulers.timesteps.network_timestep` (shared with the class/unconditional models); `network_timestep`
-  here is its discrete case, and the loss below and `UViCText2ImagePipeline` both go through it.
+  `uvic.schedulers.timesteps` (shared with the class/unconditional models); the loss below and
+  `UViCText2ImagePipeline` both go through it.
 * Loss (`t2i_diffusion_loss`, U-ViT `LSimple` + `CFGDataset`): z0 is re-drawn from the stored VAE moments at
   every step, the whole (77, 768) context is replaced by the empty-caption features with probability p_uncond
   (0.1), t ~ U{0..999}, x_t = sqrt(abar_t) z0 + sqrt(1 - abar_t) eps, loss = mean((eps - eps_hat)^2).
@@ -25,25 +25,18 @@ import torch
 from torch import nn
 
 from uvic.models.autoencoder import sample_latents
-from uvic.schedulers.timesteps import DISCRETE_TIMESTEP_OFFSET
-from uvic.schedulers.timesteps import network_timestep as _network_timestep
+from uvic.schedulers.timesteps import network_timestep
 
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "NETWORK_TIMESTEP_OFFSET",
-    "network_timestep",
     "official_to_guidance_scale",
     "guided_epsilon",
     "drop_context",
     "t2i_diffusion_loss",
     "Text2ImageTask",
 ]
-
-# U-ViT MS-COCO index convention: network time n = diffusers timestep + 1 (n = 1..1000).
-NETWORK_TIMESTEP_OFFSET = DISCRETE_TIMESTEP_OFFSET
-
 
 class RNG(Protocol):
     """What the loss draws from: `uvic.training.rng.ShardedRNG` (per-process slices of one seeded stream)."""
@@ -53,11 +46,6 @@ class RNG(Protocol):
     def randn(self, *shape: int) -> torch.Tensor: ...
 
     def randint(self, high: int, *shape: int) -> torch.Tensor: ...
-
-
-def network_timestep(t: torch.Tensor) -> torch.Tensor:
-    """Diffusers timestep(s) t (0-based, int or fractional) -> what the U-ViT MS-COCO network embeds, t + 1."""
-    return _network_timestep(t, "discrete")
 
 
 def official_to_guidance_scale(scale: float) -> float:
@@ -119,7 +107,7 @@ def t2i_diffusion_loss(
     eps = rng.randn(B, two_c // 2, h, w).to(device)
     ab = alphas_cumprod.to(device=device, dtype=torch.float32)[t].view(B, 1, 1, 1)
     x_t = ab.sqrt() * z0 + (1.0 - ab).sqrt() * eps
-    eps_hat = model(x_t, network_timestep(t), encoder_hidden_states=ctx).sample
+    eps_hat = model(x_t, network_timestep(t, "discrete"), encoder_hidden_states=ctx).sample
     return (eps - eps_hat.float()).pow(2).flatten(1).mean(1).mean()
 
 

@@ -56,6 +56,6 @@ def schedule_of(scheduler: SchedulerMixin) -> Schedule:
 
 def network_timestep_for(scheduler: SchedulerMixin, t: torch.Tensor) -> torch.Tensor:
     """`network_timestep` for an entry `t` of `scheduler.timesteps` (the schedule and time scale come from it)."""
-    schedule = schedule_of(scheduler)
-    time_scale = scheduler.config.time_scale if schedule == "vpsde" else 999.0
-    return network_timestep(t, schedule, time_scale)
+    if schedule_of(scheduler) == "vpsde":
+        return network_timestep(t, "vpsde", scheduler.config.time_scale)
+    return network_timestep(t, "discrete")
