@@ -22,7 +22,7 @@ def test_probe_values_against_hidden_states():
     torch.manual_seed(0)
     model = CogformerForCausalLM(cogformer_config("tiny")).eval()
     tok = byte_tokenizer()
-    rows = representation_differences(model, tok, "count_ones", ns=(3, 6, 12), prompt="n:")
+    rows = representation_differences(model, tok, "count_ones", ns=(12, 3, 6), prompt="n:", ref_n=6)
     assert [r["n"] for r in rows] == [3, 6, 12]
     for r in rows:
         x1, x2 = probe_pair("count_ones", r["n"], "n:")
@@ -31,14 +31,47 @@ def test_probe_values_against_hidden_states():
         d = y[1] - y[0]
         assert r["linf"] == pytest.approx(d.abs().max().item(), rel=1e-5)
         assert r["head_linf"] == pytest.approx(d.view(4, 16).abs().amax(-1).mean().item(), rel=1e-5)
-        assert r["rel_linf"] == pytest.approx(r["linf"] / rows[-1]["linf"])
-    assert rows[-1]["rel_linf"] == 1.0
+        assert r["rel_linf"] == pytest.approx(r["linf"] / rows[1]["linf"])  # normalised at ref_n = 6
+    assert rows[1]["rel_linf"] == 1.0
+
+
+def _hand_linf(model, tok, task, n, prompt):
+    """||y2 - y1||_inf and its per-head mean for one n, from the causal LM's last hidden state."""
+    x1, x2 = probe_pair(task, n, prompt)
+    with torch.no_grad():
+        y = [model(torch.tensor([tok.encode(x)]), output_hidden_states=True).hidden_states[-1][0, -1] for x in (x1, x2)]
+    d = (y[1] - y[0]).double()
+    return d.abs().max().item(), d.view(4, 16).abs().amax(-1).mean().item()
+
+
+def test_relative_difference_is_normalised_at_n_200():
+    """Paper Sec. 3.2: Delta L_inf(n) = ||y2^n - y1^n||_inf / ||y2^200 - y1^200||_inf, whatever else is probed."""
+    torch.manual_seed(0)
+    model = CogformerForCausalLM(cogformer_config("tiny")).eval()
+    tok = byte_tokenizer()
+    ns = (100, 200, 300)
+    rows = representation_differences(model, tok, "find_a_zero", ns=ns, prompt="z:")
+    hand = {n: _hand_linf(model, tok, "find_a_zero", n, "z:") for n in ns}
+    for r in rows:
+        assert r["rel_linf"] == pytest.approx(hand[r["n"]][0] / hand[200][0], rel=1e-4)
+        assert r["rel_head_linf"] == pytest.approx(hand[r["n"]][1] / hand[200][1], rel=1e-4)
+    # Not the largest n: normalising there would give other numbers.
+    assert abs(rows[0]["rel_linf"] - hand[100][0] / hand[300][0]) > 1e-3
+
+
+def test_probed_range_must_include_the_normalisation_point(tmp_path):
+    model = CogformerForCausalLM(cogformer_config("tiny")).eval()
+    with pytest.raises(ValueError, match="ref_n=200"):
+        representation_differences(model, byte_tokenizer(), "count_ones", ns=(10, 100))
+    with pytest.raises(ValueError, match="ref_n=5"):
+        run_probes(model, byte_tokenizer(), tmp_path / "out", ns=(2, 10), ref_n=5)
+    assert not (tmp_path / "out").exists()
 
 
 def test_run_probes_writes_csv_and_png(tmp_path):
     torch.manual_seed(0)
     model = CogformerForCausalLM(cogformer_config("tiny")).eval()
-    rows = run_probes(model, byte_tokenizer(), tmp_path, ns=(2, 5, 10))
+    rows = run_probes(model, byte_tokenizer(), tmp_path, ns=(2, 5, 10), ref_n=5)
     with open(tmp_path / "probes.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["task"], int(r["n"])) for r in table] == [(t, n) for t in ("find_a_zero", "count_ones") for n in (2, 5, 10)]
@@ -50,9 +83,12 @@ def test_cli_on_saved_model(tmp_path):
     torch.manual_seed(0)
     CogformerForCausalLM(cogformer_config("tiny")).save_pretrained(tmp_path / "model")
     byte_tokenizer().save_pretrained(tmp_path / "model")
-    main(["--model", str(tmp_path / "model"), "--out", str(tmp_path / "p"), "--ns", "4,8", "--tasks", "find_a_zero"])
+    main(["--model", str(tmp_path / "model"), "--out", str(tmp_path / "p"), "--ns", "4,8", "--ref-n", "4",
+          "--tasks", "find_a_zero"])
     with open(tmp_path / "p" / "probes.csv") as f:
         assert [int(r["n"]) for r in csv.DictReader(f)] == [4, 8]
     assert (tmp_path / "p" / "probes.png").is_file()
+    with pytest.raises(SystemExit):  # the default --ref-n 200 is not among --ns
+        main(["--model", str(tmp_path / "model"), "--out", str(tmp_path / "r"), "--ns", "4,8"])
     with pytest.raises(FileNotFoundError, match="not found"):
         main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "q")])

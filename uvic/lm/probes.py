@@ -7,8 +7,9 @@ outputs of the last layer (after the final RMSNorm, as the official `draw_rep_di
   * count_ones:   x1 = prompt + "1" * (n + 1),   x2 = prompt + "1" * n
 
 The reported number is the relative L-infinity difference  ||y2^n - y1^n||_inf / ||y2^ref - y1^ref||_inf
-with ref = the largest n (200 in the paper). The CSV also carries the official script's variant: the L-infinity
-norm per head slice of the vector (D split into nh pieces), averaged over heads, normalised the same way.
+with ref = 200 (paper Sec. 3.2; the official script probes n = 200, 400, 600, 800, 1000, 2000 and divides by its
+value at n = 200). The CSV also carries the official script's variant: the L-infinity norm per head slice of the
+vector (D split into nh pieces), averaged over heads, normalised the same way.
 
     python -m uvic.lm.probes --model runs/tiny_lm --out runs/tiny_lm/probes
     python -m uvic.lm.probes --model cog_ckpt_100.00_Bi.pt --tokenizer llama2_tokenizer_dir --out probes/cog
@@ -36,7 +37,9 @@ DEFAULT_PROMPTS = {
     "find_a_zero": "Is there a zero in the following sequences?",
     "count_ones": "How many ones are in the following sequences?",
 }
-DEFAULT_NS = tuple(range(10, 201, 10))
+# The official script's sequence lengths, and its normalisation point (the paper's n = 200).
+DEFAULT_NS = (200, 400, 600, 800, 1000, 2000)
+REF_N = 200
 
 
 def probe_pair(task: str, n: int, prompt: str = "") -> tuple[str, str]:
@@ -48,6 +51,14 @@ def probe_pair(task: str, n: int, prompt: str = "") -> tuple[str, str]:
     if task == "count_ones":
         return prompt + "1" * (n + 1), prompt + "1" * n
     raise ValueError(f"unknown probe task {task!r}; expected one of {PROBE_TASKS}")
+
+
+def _check_ref_n(ns: tuple[int, ...], ref_n: int) -> None:
+    if ref_n not in ns:
+        raise ValueError(
+            f"the probed lengths ns={sorted(ns)} do not include the normalisation point ref_n={ref_n}; "
+            "add it to ns or pass another ref_n"
+        )
 
 
 @torch.no_grad()
@@ -64,13 +75,16 @@ def representation_differences(
     task: str,
     ns: tuple[int, ...] = DEFAULT_NS,
     prompt: str | None = None,
+    ref_n: int = REF_N,
 ) -> list[dict]:
-    """Rows {task, n, linf, rel_linf, head_linf, rel_head_linf} for each n, normalised at n = max(ns).
+    """Rows {task, n, linf, rel_linf, head_linf, rel_head_linf} for each n in increasing order.
 
-    `prompt` defaults to the official prompt of `task`; pass "" for none.
+    `rel_*` divide by the row at n = `ref_n` (200, as the paper and the official script), which `ns` must
+    contain. `prompt` defaults to the official prompt of `task`; pass "" for none.
     """
     if not ns:
         raise ValueError("ns must contain at least one sequence length")
+    _check_ref_n(ns, ref_n)
     prompt = DEFAULT_PROMPTS[task] if prompt is None else prompt
     nh = model.config.num_attention_heads
     was_training = model.training
@@ -82,7 +96,7 @@ def representation_differences(
         head_linf = d.view(nh, -1).abs().amax(-1).mean() if d.numel() % nh == 0 else torch.tensor(float("nan"))
         rows.append({"task": task, "n": n, "linf": d.abs().max().item(), "head_linf": head_linf.item()})
     model.train(was_training)
-    ref = rows[-1]
+    ref = next(row for row in rows if row["n"] == ref_n)
     for row in rows:
         for key in ("linf", "head_linf"):
             row[f"rel_{key}"] = row[key] / ref[key] if ref[key] > 0 else math.nan
@@ -126,11 +140,14 @@ def run_probes(
     ns: tuple[int, ...] = DEFAULT_NS,
     prompt: str | None = None,
     title: str = "",
+    ref_n: int = REF_N,
 ) -> list[dict]:
-    """Run the probes and write `probes.csv` and `probes.png` into `out_dir`; returns the rows."""
+    """Run the probes and write `probes.csv` and `probes.png` into `out_dir`; returns the rows (normalised at
+    n = `ref_n`, see `representation_differences`)."""
+    _check_ref_n(ns, ref_n)  # before any output is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [row for task in tasks for row in representation_differences(model, tokenizer, task, ns, prompt)]
+    rows = [row for task in tasks for row in representation_differences(model, tokenizer, task, ns, prompt, ref_n)]
     write_csv(rows, out_dir / "probes.csv")
     plot(rows, out_dir / "probes.png", title)
     return rows
@@ -170,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer ('byte', dir, tokenizer.json, .model); default: model dir")
     p.add_argument("--out", required=True, help="output directory for probes.csv and probes.png")
     p.add_argument("--tasks", default=",".join(PROBE_TASKS), help="comma-separated subset of " + ",".join(PROBE_TASKS))
-    p.add_argument("--ns", default=",".join(map(str, DEFAULT_NS)), help="comma-separated n values (largest = ref)")
+    p.add_argument("--ns", default=",".join(map(str, DEFAULT_NS)), help="comma-separated n values")
+    p.add_argument("--ref-n", type=int, default=REF_N, help="the n the relative differences divide by (in --ns)")
     p.add_argument("--prompt", default=None, help="text before the digits (default: the official prompt per task)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -183,9 +201,11 @@ def main(argv: list[str] | None = None) -> None:
         ns = tuple(int(n) for n in args.ns.split(",") if n)
     except ValueError:
         p.error(f"--ns must be comma-separated integers, got {args.ns!r}")
+    if args.ref_n not in ns:
+        p.error(f"--ns {args.ns} does not include the normalisation point --ref-n {args.ref_n}")
     model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer)
     model.to(args.device)
-    rows = run_probes(model, tokenizer, args.out, tasks, ns, args.prompt, title=Path(args.model).name)
+    rows = run_probes(model, tokenizer, args.out, tasks, ns, args.prompt, title=Path(args.model).name, ref_n=args.ref_n)
     for row in rows:
         logger.info("%-12s n=%4d  rel_linf=%.4f  rel_head_linf=%.4f", row["task"], row["n"], row["rel_linf"],
                     row["rel_head_linf"])  # fmt: skip
