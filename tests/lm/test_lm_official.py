@@ -16,6 +16,17 @@ from uvic.lm.official import convert_official_state_dict, load_official_checkpoi
 V, D, NH, HD, FF, NL = 50, 32, 4, 8, 48, 4
 
 
+MAX_SEQ = 64
+
+
+def official_freqs_cis(theta: float = 10000.0, end: int = 2 * MAX_SEQ) -> torch.Tensor:
+    """The official `precompute_freqs_cis(head_dim, 2 * max_seq_length)`: (end, HD/2) complex64,
+    entry (m, i) = exp(1j * m * theta^(-2i/HD))."""
+    freqs = 1.0 / (theta ** (torch.arange(0, HD, 2)[: HD // 2].float() / HD))
+    angles = torch.outer(torch.arange(end), freqs).float()
+    return torch.polar(torch.ones_like(angles), angles)
+
+
 def official_checkpoint(attn_type: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
 
@@ -36,10 +47,10 @@ def official_checkpoint(attn_type: str, seed: int = 0) -> dict:
             p + "attention_norm.weight": 1 + w(D, std=0.1),
             p + "ffn_norm.weight": 1 + w(D, std=0.1),
         }
-    state["freqs_cis"] = torch.zeros(16, HD // 2, dtype=torch.complex64)  # buffers the loader must skip
-    state["shortcut_bar"] = torch.zeros(4095)
+    state["freqs_cis"] = official_freqs_cis()  # checked against the model's RoPE, not loaded
+    state["shortcut_bar"] = torch.zeros(4095)  # unused buffer the loader must skip
     cfg = {
-        "vocab_size": V, "n_layers": NL, "max_seq_length": 64, "dim": D, "n_heads": NH, "head_dim": HD,
+        "vocab_size": V, "n_layers": NL, "max_seq_length": MAX_SEQ, "dim": D, "n_heads": NH, "head_dim": HD,
         "hidden_dim": FF, "norm_eps": 1e-6, "attn_type": attn_type, "shared_expert_recipe": 1,
     }  # fmt: skip
     return {"model_cfg": cfg, "model": state}
@@ -152,3 +163,29 @@ def test_pickled_objects_need_explicit_trust(tmp_path):
     with pytest.raises(ValueError, match="weights_only=False"):
         load_official_checkpoint(tmp_path / "ckpt.pt")
     assert load_official_checkpoint(tmp_path / "ckpt.pt", weights_only=False).config.attention == "softmax"
+
+
+@pytest.mark.parametrize("theta", [500000.0, 1000.0])
+def test_rope_table_with_another_theta_is_refused(tmp_path, theta):
+    ckpt = official_checkpoint("np")
+    path = tmp_path / "ckpt.pt"
+    torch.save(ckpt, path)
+    assert load_official_checkpoint(path).config.rope_theta == 10000.0  # the official table loads
+    ckpt["model"]["freqs_cis"] = official_freqs_cis(theta)
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match=rf"'freqs_cis' is a RoPE table with theta {theta:g}, but this model uses theta 10000"):
+        load_official_checkpoint(path)
+
+
+def test_rope_table_of_another_shape_or_kind_is_refused():
+    ckpt = official_checkpoint("vanilla")
+    short = {**ckpt["model"], "module.freqs_cis": official_freqs_cis(end=MAX_SEQ)}
+    del short["freqs_cis"]
+    with pytest.raises(ValueError, match=r"'freqs_cis' has shape \(64, 4\).*shape \(128, 4\)"):
+        convert_official_state_dict(ckpt["model_cfg"], short)
+    real = {**ckpt["model"], "freqs_cis": torch.view_as_real(official_freqs_cis())}
+    with pytest.raises(ValueError, match="'freqs_cis' should be a complex RoPE table"):
+        convert_official_state_dict(ckpt["model_cfg"], real)
+    # A checkpoint saved without the buffer has nothing to check.
+    bare = {k: v for k, v in ckpt["model"].items() if k != "freqs_cis"}
+    assert convert_official_state_dict(ckpt["model_cfg"], bare)[0].rope_theta == 10000.0

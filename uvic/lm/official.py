@@ -12,7 +12,8 @@ The official files (`cog_ckpt_100.00_Bi.pt`, `vanilla_ckpt_100.00_Bi.pt`) are `t
       layers.{i}.ffn.shared_experts.0.ow                (F, D)
       layers.{i}.attention_norm.weight, layers.{i}.ffn_norm.weight, norm.weight    (D,)
       output.weight                                     (V, D)    an nn.Linear, untied
-      freqs_cis, shortcut_bar                           buffers, not needed
+      freqs_cis                                         (2 * max_seq_length, hd/2) complex64 RoPE table, theta 10000
+      shortcut_bar                                      (4095,) buffer, unused
 The format was read from the official `Cogformer/model.py` and `Cogformer/attention.py`; no official checkpoint
 was available to check against, so the tests build a synthetic one in this format.
 
@@ -24,6 +25,9 @@ Mapping and the assumptions it rests on:
     with theta 10000; this model rotates the pairs (i, i + hd/2). The columns of `qw` and `kw` are permuted within
     each head (even dims first, then odd dims), which makes the two identical: q.k is unchanged because both sides
     get the same permutation, and values/outputs are untouched.
+  * The checkpoint's `freqs_cis` (when present) must equal the RoPE table this model uses (same theta, head dim
+    and length 2 * max_seq_length): a table built with another theta, or of another shape, is refused rather
+    than silently replaced by ours (`check_rope_table`).
   * Attention scale hd**-0.5, RMSNorm in float32 with `norm_eps`, positions from 0: as the official model.
   * Only `shared_experts.0` is used by the official forward, so only it is loaded; its width gives
     intermediate_size.
@@ -36,19 +40,21 @@ Mapping and the assumptions it rests on:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 from pathlib import Path
 
 import torch
 
-from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
+from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM, RotaryEmbedding
 
 
 logger = logging.getLogger(__name__)
 
 _ATTN_TYPES = {"vanilla": ("softmax", 0), "np": ("cog", 1)}
 _IGNORED = ("freqs_cis", "shortcut_bar")
+_ROPE_KEY = "freqs_cis"
 
 
 def interleaved_to_half_permutation(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -94,10 +100,59 @@ def config_from_official(model_cfg: dict, state: dict[str, torch.Tensor]) -> Cog
     )
 
 
+def _theta_of_table(table: torch.Tensor) -> float | None:
+    """The RoPE base a (L, hd/2) complex table was built with, read off position 1 (angle_i = theta^(-2i/hd))."""
+    if table.shape[0] < 2 or table.shape[1] < 2:
+        return None
+    half = table.shape[1]
+    slowest = torch.angle(table[1, -1].to(torch.complex128)).item()  # theta^(-(hd-2)/hd), in (0, 1]
+    if slowest <= 0:
+        return None
+    return math.exp(-math.log(slowest) * half / (half - 1))
+
+
+def check_rope_table(table: torch.Tensor, config: CogformerConfig, key: str = _ROPE_KEY) -> None:
+    """Refuse an official RoPE table that differs from the one `config` builds.
+
+    Args:
+        table: (2 * max_seq_length, head_dim / 2) complex, the official `precompute_freqs_cis(head_dim,
+            2 * max_seq_length, theta)`: entry (m, i) = exp(1j * m * theta^(-2i/head_dim)).
+        config: the converted config; its `RotaryEmbedding(head_dim, rope_theta)` gives the expected angles.
+        key: the checkpoint key, for the error message.
+    Raises:
+        ValueError naming `key`, the expected and found shape, and the expected and found theta.
+    """
+    hd, theta = config.head_dim, config.rope_theta
+    expected_shape = (2 * config.max_position_embeddings, hd // 2)
+    if not torch.is_complex(table):
+        raise ValueError(f"official checkpoint key {key!r} should be a complex RoPE table, got dtype {table.dtype}")
+    if tuple(table.shape) != expected_shape:
+        raise ValueError(
+            f"official checkpoint key {key!r} has shape {tuple(table.shape)}, but head_dim={hd} and "
+            f"max_seq_length={config.max_position_embeddings} give a RoPE table of shape {expected_shape}"
+        )
+    # The model's own table: cos/sin of its rotate-half layout, whose first hd/2 columns are the official pairs.
+    positions = torch.arange(expected_shape[0])[None]
+    cos, sin = RotaryEmbedding(hd, theta)(positions, torch.float32)
+    ours = torch.complex(cos[0, 0, :, : hd // 2], sin[0, 0, :, : hd // 2])
+    # Both are float32 angles m * freq; their rounding grows with the position m.
+    tol = 1e-5 + 8 * torch.finfo(torch.float32).eps * expected_shape[0]
+    err = (table.to(torch.complex64) - ours).abs().max().item()
+    if not err <= tol:
+        found = _theta_of_table(table)
+        found_text = f"{found:.6g}" if found is not None else "unknown"
+        raise ValueError(
+            f"official checkpoint key {key!r} is a RoPE table with theta {found_text}, but this model uses theta "
+            f"{theta:g} (head_dim={hd}, shape {expected_shape}); max |difference| {err:.3g}"
+        )
+
+
 def convert_official_state_dict(model_cfg: dict, state: dict[str, torch.Tensor]) -> tuple[CogformerConfig, dict]:
     """(config, state dict for `CogformerForCausalLM`) from an official `model_cfg` and `model` state dict."""
     state = _strip_prefixes(state)
     config = config_from_official(model_cfg, state)
+    if _ROPE_KEY in state:
+        check_rope_table(state[_ROPE_KEY], config)
     nh, hd = config.num_attention_heads, config.head_dim
     perm = interleaved_to_half_permutation(nh, hd)
     used: set[str] = set()
