@@ -21,7 +21,7 @@ from uvic.schedulers.vpsde import VPSDE
 
 SAMPLERS = ("euler_maruyama", "dpm_solver", "ddpm", "ddim", "uvit_dpm_solver")
 
-_CONTINUOUS = {"euler_maruyama": VPSDEEulerMaruyamaScheduler, "dpm_solver": VPSDEDPMSolverScheduler}
+_CONTINUOUS = {"euler_maruyama": VPSDEEulerMaruyamaScheduler, "dpm_solver": VPSDEDPMSolverScheduler, "uvit_dpm_solver": UViTDPMSolverScheduler}
 _DISCRETE = {
     "ddpm": DDPMScheduler,
     "ddim": DDIMScheduler,

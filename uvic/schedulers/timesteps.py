@@ -11,7 +11,8 @@ The discrete offset exists because U-ViT's `Schedule` prepends beta_0 = 0: its `
 
 The training losses (`uvic.training.losses`, `uvic.diffusion_t2i`) call `network_timestep` on the time they
 sampled; the pipelines call `network_timestep_for(scheduler, t)` on each entry of `scheduler.timesteps`, which
-holds the time t above (the VP-SDE schedulers hold continuous t; diffusers' discrete schedulers their 0-based step).
+holds the time t above (the VP-SDE schedulers hold continuous t; diffusers' discrete schedulers their 0-based step;
+`UViTDPMSolverScheduler` either, following its `schedule`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Literal
 import torch
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
+from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 from uvic.schedulers.scheduling_vpsde import _VPSDESchedulerBase
 
 
@@ -50,7 +52,10 @@ def network_timestep(t: torch.Tensor, schedule: Schedule, time_scale: float = 99
 
 
 def schedule_of(scheduler: SchedulerMixin) -> Schedule:
-    """"vpsde" for the continuous VP-SDE schedulers of `uvic.schedulers`, "discrete" for every other scheduler."""
+    """"vpsde" for the continuous VP-SDE schedulers of `uvic.schedulers` (`UViTDPMSolverScheduler` when its
+    `schedule` is "vpsde"), "discrete" for every other scheduler."""
+    if isinstance(scheduler, UViTDPMSolverScheduler):
+        return scheduler.config.schedule
     return "vpsde" if isinstance(scheduler, _VPSDESchedulerBase) else "discrete"
 
 
