@@ -169,3 +169,233 @@ def test_bad_config_is_clear():
         UViTDPMSolverScheduler(beta_schedule="cosine")
     with pytest.raises(ValueError, match="set_timesteps"):
         UViTDPMSolverScheduler().step(torch.zeros(1), 0, torch.zeros(1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# schedule="vpsde": U-ViT's CIFAR-10 training monitor, DPM_Solver(NoiseScheduleVP("linear")) noise prediction,
+# .sample(steps=nfe, eps=1e-4, adaptive_step_size=False, fast_version=True), the model fed 999 t.
+# ----------------------------------------------------------------------------------------------------------------
+
+B0, B1 = 0.1, 20.0
+
+
+class _LinearVP:
+    """NoiseScheduleVP('linear') from its definition: beta(t) = b0 + t (b1 - b0), float64."""
+
+    @staticmethod
+    def log_alpha(t):
+        return -0.25 * t * t * (B1 - B0) - 0.5 * t * B0  # integral of -beta / 2
+
+    def sigma(self, t):
+        return math.sqrt(1.0 - math.exp(2.0 * self.log_alpha(t)))
+
+    def lam(self, t):
+        return self.log_alpha(t) - math.log(self.sigma(t))
+
+    @staticmethod
+    def inv_lam(lam):
+        # log alpha = -log(1 + e^(-2 lambda)) / 2, then the positive root of (b1-b0)/4 t^2 + b0/2 t + log alpha = 0.
+        log_alpha = -0.5 * math.log1p(math.exp(-2.0 * lam))
+        return (-B0 + math.sqrt(B0 * B0 - 4.0 * (B1 - B0) * log_alpha)) / (B1 - B0)
+
+
+def _reference_fast_noise(eps_fn, x, nfe, eps=1e-4):
+    """DPM-Solver-fast (Lu et al. 2022) with noise prediction: K = nfe // 3 + 1 steps uniform in lambda from
+    t = 1 to t = eps, orders [3]*(K-2)+[2,1] / [3]*(K-1)+[1] / [3]*(K-1)+[2] for nfe % 3 = 0 / 1 / 2, stages at
+    lambda fractions (1/3, 2/3) or 1/2. Returns the sample at t = eps and the list of evaluation times."""
+    ns, calls = _LinearVP(), []
+
+    def model(x, t):
+        t = float(np.float32(t))  # the network sees float32 times (as in the official code)
+        calls.append(t)
+        return eps_fn(x, t)
+
+    k = nfe // 3 + 1
+    orders = {0: [3] * (k - 2) + [2, 1], 1: [3] * (k - 1) + [1], 2: [3] * (k - 1) + [2]}[nfe % 3]
+    lams = np.linspace(ns.lam(1.0), ns.lam(eps), k + 1)
+    times = [ns.inv_lam(v) for v in lams]
+    for i, order in enumerate(orders):
+        s, t = times[i], times[i + 1]
+        h = ns.lam(t) - ns.lam(s)
+
+        def a(u, s=s):  # alpha_u / alpha_s
+            return math.exp(ns.log_alpha(u) - ns.log_alpha(s))
+
+        e_s = model(x, s)
+        if order == 1:
+            x = a(t) * x - ns.sigma(t) * math.expm1(h) * e_s
+        elif order == 2:
+            r1 = 0.5
+            s1 = ns.inv_lam(ns.lam(s) + r1 * h)
+            e_1 = model(a(s1) * x - ns.sigma(s1) * math.expm1(r1 * h) * e_s, s1)
+            x = (a(t) * x - ns.sigma(t) * math.expm1(h) * e_s
+                 - 0.5 / r1 * ns.sigma(t) * math.expm1(h) * (e_1 - e_s))
+        else:
+            r1, r2 = 1.0 / 3.0, 2.0 / 3.0
+            s1, s2 = ns.inv_lam(ns.lam(s) + r1 * h), ns.inv_lam(ns.lam(s) + r2 * h)
+            e_1 = model(a(s1) * x - ns.sigma(s1) * math.expm1(r1 * h) * e_s, s1)
+            phi_22 = math.expm1(r2 * h) / (r2 * h) - 1.0
+            x_2 = a(s2) * x - ns.sigma(s2) * math.expm1(r2 * h) * e_s - r2 / r1 * ns.sigma(s2) * phi_22 * (e_1 - e_s)
+            e_2 = model(x_2, s2)
+            phi_2 = math.expm1(h) / h - 1.0
+            x = a(t) * x - ns.sigma(t) * math.expm1(h) * e_s - 1.0 / r2 * ns.sigma(t) * phi_2 * (e_2 - e_s)
+    assert len(calls) == nfe
+    return x, calls
+
+
+class _GaussianEpsVP:
+    """Exact epsilon for data x0 ~ N(mu, diag(var)) under the linear VP-SDE, and the exact probability-flow map."""
+
+    def __init__(self, mu, var):
+        self.mu, self.var, self.ns = mu, var, _LinearVP()
+
+    def _a_s(self, t):
+        return math.exp(self.ns.log_alpha(t)), self.ns.sigma(t)
+
+    def __call__(self, x, t):
+        a, s = self._a_s(t)
+        return s * (x - a * self.mu) / (a * a * self.var + s * s)
+
+    def exact_flow(self, x_T, t_from, t_to):
+        (a0, s0), (a1, s1) = self._a_s(t_from), self._a_s(t_to)
+        scale = np.sqrt(a1 * a1 * self.var + s1 * s1) / np.sqrt(a0 * a0 * self.var + s0 * s0)
+        return a1 * self.mu + scale * (x_T - a0 * self.mu)
+
+
+def _vpsde_scheduler(**kwargs):
+    from uvic.config import DiffusionConfig
+    from uvic.schedulers import build_scheduler
+
+    if not kwargs:
+        return build_scheduler("uvit_dpm_solver", DiffusionConfig())  # how a VP-SDE model selects it
+    return UViTDPMSolverScheduler(schedule="vpsde", **kwargs)
+
+
+def _run_continuous(sched, eps_fn, x, nfe):
+    sched.set_timesteps(nfe)
+    sample = torch.tensor(x, dtype=torch.float64)
+    for t in sched.timesteps:
+        eps = torch.tensor(eps_fn(sample.numpy(), float(t)), dtype=torch.float64)
+        sample = sched.step(eps, t, sample).prev_sample
+    return sample.numpy()
+
+
+@pytest.mark.parametrize("nfe", [50, 10, 12, 4])
+def test_vpsde_matches_reference_dpm_solver_fast(nfe):
+    """Noise-prediction DPM-Solver-fast on the Gaussian toy: our scheduler against the plain-loop reference."""
+    rng = np.random.default_rng(1)
+    mu, var = rng.normal(size=(2, 3, 4, 4)) * 0.5, rng.uniform(0.05, 1.5, size=(2, 3, 4, 4))
+    model = _GaussianEpsVP(mu, var)
+    x_T = rng.normal(size=(2, 3, 4, 4))
+    ref, calls = _reference_fast_noise(model, x_T, nfe)
+    sched = _vpsde_scheduler()
+    ours = _run_continuous(sched, model, x_T, nfe)
+    assert sched.config.schedule == "vpsde" and sched.config.algorithm_type == "dpmsolver"
+    assert sum(sched.solver_orders) == nfe and len(sched.timesteps) == nfe
+    np.testing.assert_array_equal(sched.timesteps.double().numpy(), calls)
+    np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_vpsde_monitor_grid():
+    """50 NFE: [3] * 16 + [2] over 17 logSNR-uniform intervals from t = 1 to 1e-4; the last evaluation sits at the
+    lambda midpoint of the last interval (t = 1.87e-4, network time 0.187)."""
+    ns = _LinearVP()
+    sched = _vpsde_scheduler()
+    sched.set_timesteps(50)
+    assert sched.solver_orders == [3] * 16 + [2]
+    lams = np.linspace(ns.lam(1.0), ns.lam(1e-4), 18)
+    assert sched.timesteps[0].item() == 1.0
+    np.testing.assert_allclose(sched.timesteps[::3][:17].double().numpy(), [ns.inv_lam(v) for v in lams[:17]],
+                               rtol=1e-6)  # fmt: skip
+    last = ns.inv_lam(0.5 * (lams[16] + lams[17]))
+    assert sched.timesteps[-1].item() == pytest.approx(last, rel=1e-6) and abs(last - 1.87e-4) < 5e-7
+
+
+@pytest.mark.parametrize(
+    "algorithm_type,step_grid,skip_type",
+    [("dpmsolver", None, None), ("dpmsolver++", None, None), ("dpmsolver++", "nfe", "logSNR"),
+     ("dpmsolver", "nfe", "time_uniform"), ("dpmsolver", "solver_steps", "time_uniform")],
+)  # fmt: skip
+def test_vpsde_converges_to_the_exact_flow(algorithm_type, step_grid, skip_type):
+    """Gaussian data: the probability-flow ODE maps x_T affinely to x_eps; every solver variant converges to it
+    as NFE grows, the logSNR-spaced ones at (at least) second order."""
+    rng = np.random.default_rng(2)
+    mu, var = rng.normal(size=(64,)) * 0.5, rng.uniform(0.05, 1.5, size=(64,))
+    model = _GaussianEpsVP(mu, var)
+    x_T = rng.normal(size=(256, 64))
+    kwargs = {"algorithm_type": algorithm_type, "step_grid": step_grid, "skip_type": skip_type}
+    sched = _vpsde_scheduler(**{k: v for k, v in kwargs.items() if v is not None})
+    exact = model.exact_flow(x_T, 1.0, 1e-4)
+    errors = [np.abs(_run_continuous(sched, model, x_T, nfe) - exact).max() for nfe in (12, 24, 48, 96)]
+    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+    if sched.config.skip_type == "logSNR":
+        assert errors[-1] < 1e-3 * np.abs(exact).max() and errors[-2] / errors[-1] > 4.0, errors
+    else:  # time-uniform steps are too coarse near t = 1e-4 on the VP-SDE: slow, but converging
+        assert errors[-1] < 5e-2 * np.abs(exact).max(), errors
+
+
+def test_vpsde_monitor_sampler_reaches_the_data_marginal():
+    """x_T drawn from the exact marginal at t = 1; after 50 NFE the samples have the exact marginal at t = 1e-4,
+    N(alpha mu, alpha^2 var + sigma^2), within the sampling error of 20000 draws."""
+    rng = np.random.default_rng(3)
+    mu, var = np.array([1.5, -0.5, 0.0, 0.8]), np.array([0.04, 0.5, 1.0, 2.0])
+    model, ns = _GaussianEpsVP(mu, var), _LinearVP()
+    n = 20000
+
+    def marginal(t):
+        a, s = math.exp(ns.log_alpha(t)), ns.sigma(t)
+        return a * mu, np.sqrt(a * a * var + s * s)
+
+    m_T, sd_T = marginal(1.0)
+    out = _run_continuous(_vpsde_scheduler(), model, m_T + sd_T * rng.normal(size=(n, 4)), 50)
+    m_eps, sd_eps = marginal(1e-4)
+    np.testing.assert_allclose(out.mean(0), m_eps, atol=4 * sd_eps.max() / math.sqrt(n))
+    np.testing.assert_allclose(out.std(0), sd_eps, rtol=4 * math.sqrt(0.5 / n))
+
+
+def test_vpsde_config_and_selection():
+    from uvic.config import DiffusionConfig
+    from uvic.schedulers import SAMPLERS, VPSDEDPMSolverScheduler, VPSDEEulerMaruyamaScheduler, convert_scheduler
+    from uvic.schedulers.timesteps import network_timestep_for, schedule_of
+
+    assert "uvit_dpm_solver" in SAMPLERS
+    sched = _vpsde_scheduler()
+    cfg = sched.config
+    assert (cfg.schedule, cfg.beta_min, cfg.beta_max, cfg.time_scale) == ("vpsde", 0.1, 20.0, 999.0)
+    assert (cfg.algorithm_type, cfg.skip_type, cfg.step_grid) == ("dpmsolver", "logSNR", "solver_steps")
+    assert schedule_of(sched) == "vpsde" and network_timestep_for(sched, torch.tensor(0.5)) == 499.5
+    assert schedule_of(UViTDPMSolverScheduler()) == "discrete"
+    # from_config from the VP-SDE schedulers' configs, defaulted or not, and back.
+    for other in (VPSDEEulerMaruyamaScheduler(), VPSDEDPMSolverScheduler(beta_max=10.0, time_scale=500.0)):
+        mine = UViTDPMSolverScheduler.from_config(other.config)
+        assert mine.config.schedule == "vpsde"
+        assert (mine.config.beta_max, mine.config.time_scale) == (other.config.beta_max, other.config.time_scale)
+        assert mine.config.t_end is None  # the monitor's 1e-4, not the other solver's t_eps
+    back = convert_scheduler(convert_scheduler(VPSDEDPMSolverScheduler(beta_max=10.0), "uvit_dpm_solver"), "dpm_solver")
+    assert isinstance(back, VPSDEDPMSolverScheduler) and back.config.beta_max == 10.0
+    # A round trip through its own config keeps every resolved field.
+    again = UViTDPMSolverScheduler.from_config(sched.config)
+    assert {k: v for k, v in again.config.items() if not k.startswith("_")} == {
+        k: v for k, v in cfg.items() if not k.startswith("_")
+    }
+    # The discrete default is untouched by the new fields.
+    d = UViTDPMSolverScheduler.from_config(convert_scheduler(
+        __import__("diffusers").DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
+        "uvit_dpm_solver").config)  # fmt: skip
+    assert (d.config.schedule, d.config.algorithm_type, d.config.step_grid) == ("discrete", "dpmsolver++", "nfe")
+    assert DiffusionConfig().schedule == "vpsde"
+
+
+def test_vpsde_add_noise_and_bad_config():
+    sched = _vpsde_scheduler()
+    x0, noise, t = torch.randn(3, 2, 2, 2), torch.randn(3, 2, 2, 2), torch.tensor([0.0, 0.5, 1.0])
+    a = torch.tensor([math.exp(_LinearVP.log_alpha(float(u))) for u in t]).view(-1, 1, 1, 1)
+    torch.testing.assert_close(sched.add_noise(x0, noise, t), a * x0 + (1 - a * a).sqrt() * noise)
+    with pytest.raises(ValueError, match="do not apply to schedule='discrete'"):
+        UViTDPMSolverScheduler(schedule="discrete", beta_min=0.1)
+    with pytest.raises(ValueError, match="algorithm_type"):
+        UViTDPMSolverScheduler(algorithm_type="sde-dpmsolver++")
+    with pytest.raises(ValueError, match="step_grid"):
+        UViTDPMSolverScheduler(step_grid="adaptive")
+    with pytest.raises(ValueError, match="schedule must be"):
+        UViTDPMSolverScheduler(schedule="cosine")
