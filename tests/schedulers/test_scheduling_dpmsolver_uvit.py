@@ -399,3 +399,42 @@ def test_vpsde_add_noise_and_bad_config():
         UViTDPMSolverScheduler(step_grid="adaptive")
     with pytest.raises(ValueError, match="schedule must be"):
         UViTDPMSolverScheduler(schedule="cosine")
+
+
+@pytest.mark.parametrize("nfe", [50, 10])
+def test_uvic_pipeline_reproduces_the_monitor_sampler(nfe):
+    """`UViCPipeline` with a tiny random continuous-time U-ViT and `uvit_dpm_solver`, against the plain reference
+    loop with the same network as its noise model (official `model_wrapper(time_input_type="0")` around
+    `ScoreModel.noise_pred`: the network gets 999 t in float32), from the same x_T: every network input (x, 999 t)
+    and the final images agree. (A random network drives x far outside [-1, 1], where the images clamp, so the
+    inputs of all evaluations are compared too.)"""
+    from uvic.models import UViTModel
+    from uvic.pipelines import UViCPipeline
+
+    torch.manual_seed(0)
+    net = UViTModel(img_size=8, patch_size=2, in_chans=3, embed_dim=16, depth=2, num_heads=2, attention="cog").eval()
+    pipe = UViCPipeline(transformer=net, scheduler=_vpsde_scheduler())
+    pipe.set_progress_bar_config(disable=True)
+    x_T = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    seen = []
+    hook = net.register_forward_pre_hook(lambda m, args: seen.append((args[0].clone(), args[1].clone())))
+    try:
+        got = pipe(latents=x_T, num_inference_steps=nfe, output_type="pt").images.double().numpy()
+    finally:
+        hook.remove()
+
+    ref_inputs = []
+
+    @torch.no_grad()
+    def noise_pred(x, t):
+        time = torch.full((x.shape[0],), t, dtype=torch.float32) * 999
+        ref_inputs.append((x.copy(), time))
+        return net(torch.from_numpy(x).float(), time).sample.double().numpy()
+
+    ref, _ = _reference_fast_noise(noise_pred, x_T.double().numpy(), nfe)
+    assert len(seen) == len(ref_inputs) == nfe
+    for (x_pipe, t_pipe), (x_ref, t_ref) in zip(seen, ref_inputs):
+        assert torch.equal(t_pipe, t_ref)
+        scale = np.abs(x_ref).max()
+        np.testing.assert_allclose(x_pipe.double().numpy(), x_ref, rtol=0, atol=2e-6 * scale)  # float32 round-off
+    np.testing.assert_allclose(got, np.clip(ref / 2 + 0.5, 0.0, 1.0), rtol=0, atol=1e-5)
