@@ -187,3 +187,18 @@ def test_transformer_gets_t_plus_1_from_the_official_dpm_solver():
     seen = _recorded_timesteps(pipe, 5)
     assert seen[0] == 1000.0  # official network time 1000 t at t = 1
     assert torch.equal(seen, pipe.scheduler.timesteps + 1)
+
+
+def test_official_dpm_solver_on_a_vpsde_model_feeds_999t():
+    # `uvit_dpm_solver` for a continuous VP-SDE model is U-ViT's CIFAR-10 monitor sampler (DPM-Solver-fast,
+    # noise prediction): continuous t from 1 down to near 1e-4, reaching the network as 999 t like the other
+    # VP-SDE samplers; it is deterministic, so x_T alone decides the images.
+    pipe = _pipe("uvit_dpm_solver")
+    seen = _recorded_timesteps(pipe, 5)
+    assert len(seen) == 5 and pipe.scheduler.solver_orders == [3, 2]
+    assert torch.equal(seen, pipe.scheduler.timesteps * 999) and seen[0] == 999.0
+    assert 1e-4 < pipe.scheduler.timesteps.min() < pipe.scheduler.timesteps.max() == 1.0
+    x_t = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+    a = pipe(latents=x_t, num_inference_steps=5, generator=_gens([0]), output_type="pt").images
+    b = pipe(latents=x_t, num_inference_steps=5, generator=_gens([1]), output_type="pt").images
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
