@@ -173,7 +173,8 @@ def test_rope_table_with_another_theta_is_refused(tmp_path, theta):
     assert load_official_checkpoint(path).config.rope_theta == 10000.0  # the official table loads
     ckpt["model"]["freqs_cis"] = official_freqs_cis(theta)
     torch.save(ckpt, path)
-    with pytest.raises(ValueError, match=rf"'freqs_cis' is a RoPE table with theta {theta:g}, but this model uses theta 10000"):
+    message = rf"'freqs_cis' is a RoPE table with theta {theta:g}, but this model uses theta 10000"
+    with pytest.raises(ValueError, match=message):
         load_official_checkpoint(path)
 
 

@@ -39,8 +39,8 @@ def _hand_linf(model, tok, task, n, prompt):
     """||y2 - y1||_inf and its per-head mean for one n, from the causal LM's last hidden state."""
     x1, x2 = probe_pair(task, n, prompt)
     with torch.no_grad():
-        y = [model(torch.tensor([tok.encode(x)]), output_hidden_states=True).hidden_states[-1][0, -1] for x in (x1, x2)]
-    d = (y[1] - y[0]).double()
+        out = [model(torch.tensor([tok.encode(x)]), output_hidden_states=True) for x in (x1, x2)]
+    d = (out[1].hidden_states[-1][0, -1] - out[0].hidden_states[-1][0, -1]).double()
     return d.abs().max().item(), d.view(4, 16).abs().amax(-1).mean().item()
 
 

@@ -371,7 +371,8 @@ def test_vpsde_config_and_selection():
         assert mine.config.schedule == "vpsde"
         assert (mine.config.beta_max, mine.config.time_scale) == (other.config.beta_max, other.config.time_scale)
         assert mine.config.t_end is None  # the monitor's 1e-4, not the other solver's t_eps
-    back = convert_scheduler(convert_scheduler(VPSDEDPMSolverScheduler(beta_max=10.0), "uvit_dpm_solver"), "dpm_solver")
+    mine = convert_scheduler(VPSDEDPMSolverScheduler(beta_max=10.0), "uvit_dpm_solver")
+    back = convert_scheduler(mine, "dpm_solver")
     assert isinstance(back, VPSDEDPMSolverScheduler) and back.config.beta_max == 10.0
     # A round trip through its own config keeps every resolved field.
     again = UViTDPMSolverScheduler.from_config(sched.config)

@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--ns {args.ns} does not include the normalisation point --ref-n {args.ref_n}")
     model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer)
     model.to(args.device)
-    rows = run_probes(model, tokenizer, args.out, tasks, ns, args.prompt, title=Path(args.model).name, ref_n=args.ref_n)
+    title = Path(args.model).name
+    rows = run_probes(model, tokenizer, args.out, tasks, ns, args.prompt, title=title, ref_n=args.ref_n)
     for row in rows:
         logger.info("%-12s n=%4d  rel_linf=%.4f  rel_head_linf=%.4f", row["task"], row["n"], row["rel_linf"],
                     row["rel_head_linf"])  # fmt: skip

@@ -16,7 +16,7 @@ U-ViT samples with two versions of the official DPM-Solver code; this one schedu
 
   CIFAR-10 training monitor (U-ViT `train.py::eval_step` + `dpm_solver_pytorch.py`), schedule="vpsde":
 
-    NoiseScheduleVP("linear")                                    # beta 0.1 -> 20: log alpha_t = -t^2 (b1-b0)/4 - t b0/2
+    NoiseScheduleVP("linear")                                    # beta 0.1 -> 20: log alpha = -t^2 (b1-b0)/4 - t b0/2
     DPM_Solver(model_wrapper(noise_pred, time_input_type="0"))   # DPM-Solver (noise prediction)
     .sample(x_T, steps=50, eps=1e-4, adaptive_step_size=False, fast_version=True)
 
@@ -133,7 +133,8 @@ class UViTDPMSolverScheduler(SchedulerMixin, ConfigMixin):
         algorithm_type: str | None = None,
         step_grid: str | None = None,
     ) -> None:
-        vp_given = [k for k, v in (("beta_min", beta_min), ("beta_max", beta_max), ("time_scale", time_scale)) if v is not None]
+        vp_args = {"beta_min": beta_min, "beta_max": beta_max, "time_scale": time_scale}
+        vp_given = [k for k, v in vp_args.items() if v is not None]
         if schedule is None:
             schedule = "vpsde" if vp_given else "discrete"
         if schedule not in _OFFICIAL:
@@ -154,7 +155,9 @@ class UViTDPMSolverScheduler(SchedulerMixin, ConfigMixin):
             raise ValueError(f"step_grid must be 'nfe' or 'solver_steps', got {step_grid!r}")
         if prediction_type != "epsilon":
             raise ValueError(f"only prediction_type='epsilon' is supported, got {prediction_type!r}")
-        resolved = {"schedule": schedule, "algorithm_type": algorithm_type, "skip_type": skip_type, "step_grid": step_grid}
+        resolved = {
+            "schedule": schedule, "algorithm_type": algorithm_type, "skip_type": skip_type, "step_grid": step_grid,
+        }  # fmt: skip
 
         if schedule == "discrete":
             if trained_betas is not None:
@@ -173,8 +176,7 @@ class UViTDPMSolverScheduler(SchedulerMixin, ConfigMixin):
             self._t_knots = torch.linspace(1.0 / n, 1.0, n, dtype=torch.float64)
             self._log_alpha_knots = 0.5 * torch.log(1.0 - betas).cumsum(0)
         else:
-            vp = {"beta_min": beta_min, "beta_max": beta_max, "time_scale": time_scale}
-            vp = {k: _VPSDE_DEFAULTS[k] if v is None else float(v) for k, v in vp.items()}
+            vp = {k: _VPSDE_DEFAULTS[k] if v is None else float(v) for k, v in vp_args.items()}
             if not 0 <= vp["beta_min"] < vp["beta_max"]:
                 raise ValueError(f"need 0 <= beta_min < beta_max, got {vp['beta_min']} and {vp['beta_max']}")
             resolved |= vp
