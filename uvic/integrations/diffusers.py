@@ -1,0 +1,261 @@
+"""Cog attention in diffusers models through diffusers' own attention-processor API.
+
+    from uvic.integrations.diffusers import apply_cog_attention
+    switched = apply_cog_attention(unet, keep_softmax=1)   # names of the attention modules now on Cog
+
+`CogAttnProcessor` computes what diffusers' default `AttnProcessor2_0` computes (spatial norm, group norm, 4-D
+inputs, cross-attention, norm_q / norm_k, residual, rescale), with `uvic.attention.cog_attention` in place of
+`F.scaled_dot_product_attention`; `CogJointAttnProcessor` does the same for `JointAttnProcessor2_0` (the MMDiT
+blocks of `SD3Transformer2DModel`). In `attention="softmax"` mode both make the stock SDPA call, so a kept layer
+gives the stock output. Shapes: B batch, L tokens, C channels, nh heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, JointAttnProcessor2_0
+
+from uvic.attention import AttentionKind, Backend, cog_attention
+
+
+__all__ = ["CogAttnProcessor", "CogJointAttnProcessor", "apply_cog_attention", "key_padding_mask_from"]
+
+# Additive mask entries at or below this remove a key (diffusers builds its masks with -10000.0).
+REMOVED_KEY_BIAS = -10000.0
+
+
+def key_padding_mask_from(attention_mask: torch.Tensor | None, where: str = "attention") -> torch.Tensor | None:
+    """The (B, Lk) key padding mask (True = the key takes part) that a diffusers attention mask stands for.
+
+    Supported: masks that remove keys, the same keys for every head and query. Boolean masks (True = keep, as
+    SDPA reads them) or additive masks whose entries are 0 (keep) or at most REMOVED_KEY_BIAS / -inf (remove).
+
+    Args:
+        attention_mask: (B, nh | 1, Lq | 1, Lk) as the stock processor hands it to SDPA, or None.
+        where: the module's name, for the error message.
+    Returns:
+        (B, Lk) bool, or None when no key is removed.
+    Raises:
+        ValueError: any other mask (a bias, a per-query or per-head pattern), naming `where` and the supported kinds.
+    """
+    if attention_mask is None:
+        return None
+    supported = ("Cog attention supports masks that only remove keys: boolean (True = keep) or additive "
+                 f"(0 = keep, <= {REMOVED_KEY_BIAS:g} or -inf = remove), the same for every head and query")
+    if attention_mask.dim() != 4:
+        raise ValueError(f"{where}: expected a (B, heads, Lq, Lk) mask, got shape {tuple(attention_mask.shape)}; "
+                         f"{supported}")  # fmt: skip
+    if attention_mask.dtype == torch.bool:
+        keep = attention_mask
+    else:
+        keep = attention_mask == 0
+        if not (keep | (attention_mask <= REMOVED_KEY_BIAS)).all():
+            raise ValueError(f"{where}: the additive attention mask has entries other than 0 and "
+                             f"<= {REMOVED_KEY_BIAS:g} (a bias, not a key mask); {supported}")  # fmt: skip
+    if not (keep == keep[:, :1, :1, :]).all():
+        raise ValueError(f"{where}: the attention mask differs between queries or heads; {supported}")
+    kpm = keep[:, 0, 0, :]
+    return None if bool(kpm.all()) else kpm
+
+
+class _Attend:
+    """The attention step shared by the processors: stock SDPA (softmax) or `cog_attention` (cog)."""
+
+    def __init__(self, attention: AttentionKind = "cog", backend: Backend = "auto", name: str = "attention"):
+        if attention not in ("cog", "softmax"):
+            raise ValueError(f"attention must be 'cog' or 'softmax', got {attention!r}")
+        self.attention, self.backend, self.name = attention, backend, name
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), mask as SDPA takes it or None -> (B, nh, Lq, hd)."""
+        if self.attention == "softmax":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+        kpm = key_padding_mask_from(mask, self.name)
+        return cog_attention(q, k, v, key_padding_mask=kpm, backend=self.backend)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(attention={self.attention!r}, backend={self.backend!r}, name={self.name!r})"
+
+
+class CogAttnProcessor(_Attend):
+    """diffusers' `AttnProcessor2_0` with Cog attention (`attention="cog"`) or its own SDPA call ("softmax").
+
+    Like the stock processor it uses the default scale hd ** -0.5 (it does not read `attn.scale`).
+
+    Args:
+        attention: "cog" or "softmax".
+        backend: the `uvic.attention.cog_attention` backend ("auto": the fused kernel on GPUs where it fits).
+        name: the module's name, used in error messages.
+    """
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
+        """hidden_states (B, L, C) or (B, C, H, W); encoder_hidden_states (B, Lk, C_cross) or None; attention_mask
+        as diffusers passes it. Returns a tensor of hidden_states' shape."""
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        batch_size, sequence_length, _ = context.shape
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (t.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        hidden_states = self.attend(query, key, value, attention_mask)
+
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))  # linear projection, dropout
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+class CogJointAttnProcessor(_Attend):
+    """diffusers' `JointAttnProcessor2_0` (SD3's MMDiT blocks: image and context tokens attend jointly) with Cog
+    attention or its own SDPA call. Like the stock processor it takes no attention mask (one passed is ignored,
+    as there). Arguments as `CogAttnProcessor`."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states (B, L, C), encoder_hidden_states (B, Lc, C) or None. Returns (B, L, C), and (B, Lc, C) for
+        the context when it was given."""
+        batch_size, n_image = hidden_states.shape[:2]
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        split = lambda t: t.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # noqa: E731
+        query, key, value = split(query), split(key), split(value)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if encoder_hidden_states is not None:
+            c_query = split(attn.add_q_proj(encoder_hidden_states))
+            c_key = split(attn.add_k_proj(encoder_hidden_states))
+            c_value = split(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                c_query = attn.norm_added_q(c_query)
+            if attn.norm_added_k is not None:
+                c_key = attn.norm_added_k(c_key)
+            query = torch.cat([query, c_query], dim=2)
+            key = torch.cat([key, c_key], dim=2)
+            value = torch.cat([value, c_value], dim=2)
+
+        hidden_states = self.attend(query, key, value, None)
+
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+        if encoder_hidden_states is not None:
+            hidden_states, encoder_hidden_states = hidden_states[:, :n_image], hidden_states[:, n_image:]
+            if not attn.context_pre_only:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        if encoder_hidden_states is not None:
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+# The stock processors each Cog processor reproduces (a Cog processor replaces itself, so the call can be repeated).
+_REPLACEMENTS = {
+    AttnProcessor2_0: CogAttnProcessor,
+    AttnProcessor: CogAttnProcessor,
+    CogAttnProcessor: CogAttnProcessor,
+    JointAttnProcessor2_0: CogJointAttnProcessor,
+    CogJointAttnProcessor: CogJointAttnProcessor,
+}
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """(name, module, block) of every attention module (anything with a diffusers `processor`), in forward order.
+
+    A block is the enclosing `...TransformerBlock` (its self- and cross-attention count as one block), or the
+    attention module itself outside such blocks (e.g. the attention layers of a UNet2DModel). Forward order is
+    module order, except that a UNet runs down_blocks, mid_block, up_blocks (registered as down, up, mid).
+    """
+    modules = dict(model.named_modules())
+    stage = {"down_blocks": 0, "mid_block": 1, "up_blocks": 2}
+    found = []
+    for position, (name, module) in enumerate(modules.items()):
+        if not (hasattr(module, "processor") and hasattr(module, "set_processor")):
+            continue
+        parent = name.rpartition(".")[0]
+        block = parent if type(modules.get(parent)).__name__.endswith("TransformerBlock") else name
+        found.append((stage.get(name.split(".")[0], -1), position, name, module, block))
+    found.sort(key=lambda row: row[:2])
+    return [row[2:] for row in found]
+
+
+def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: Backend = "auto") -> list[str]:
+    """Switch a diffusers model to Cog attention in the paper's placement: every attention block on Cog except the
+    first and last `keep_softmax` blocks in forward order, which keep softmax (the stock computation).
+
+    Blocks: a transformer block's attention layers (self-, cross- or joint attention) form one block; for a
+    UNet2DConditionModel that is each BasicTransformerBlock, in down, mid, up order. Processors are installed
+    with diffusers' `set_processor`; call this again (another `keep_softmax`) to change the placement.
+
+    Args:
+        model: a diffusers model (DiTTransformer2DModel, UNet2DConditionModel, SD3Transformer2DModel, ...).
+        keep_softmax: blocks kept on softmax at each end; 0 switches every block.
+        backend: the `cog_attention` backend of the switched layers.
+    Returns:
+        The names of the attention modules switched to Cog, in forward order.
+    Raises:
+        ValueError: a bad `keep_softmax`, a model without attention modules, or an attention module whose
+            processor has no Cog counterpart (the message names the module and its processor).
+    """
+    if not isinstance(keep_softmax, int) or isinstance(keep_softmax, bool) or keep_softmax < 0:
+        raise ValueError(f"keep_softmax must be an int >= 0, got {keep_softmax!r}")
+    layers = _attention_modules(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no diffusers attention modules to switch")
+    for name, module, _ in layers:
+        if type(module.processor) not in _REPLACEMENTS:
+            known = ", ".join(sorted({c.__name__ for c in _REPLACEMENTS}))
+            raise ValueError(f"attention module {name!r} uses {type(module.processor).__name__}, which uvic cannot "
+                             f"switch to Cog attention (supported processors: {known})")  # fmt: skip
+    blocks = list(dict.fromkeys(block for _, _, block in layers))
+    cog_blocks = set(blocks[keep_softmax : len(blocks) - keep_softmax])
+    switched = []
+    for name, module, block in layers:
+        attention = "cog" if block in cog_blocks else "softmax"
+        module.set_processor(_REPLACEMENTS[type(module.processor)](attention, backend, name))
+        if attention == "cog":
+            switched.append(name)
+    return switched
