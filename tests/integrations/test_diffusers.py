@@ -6,10 +6,12 @@ the layer's own projections; each kept layer against diffusers' stock processor.
 
 import pytest
 import torch
-from diffusers import DiTTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import DiTTransformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor2_0, JointAttnProcessor2_0, SlicedAttnProcessor
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
-from uvic.integrations.diffusers import CogAttnProcessor, apply_cog_attention
+from uvic.integrations.diffusers import apply_cog_attention
 
 
 def paper_attention(q, k, v, key_kept=None, cog=True):
@@ -53,6 +55,25 @@ def paper_joint_layer(attn, x, context):
     return attn.to_out[0](out_x), (out_c if attn.context_pre_only else attn.to_add_out(out_c))
 
 
+def paper_flux_layer(attn, x, context, rotary):
+    """A Flux attention layer with Cog attention: RMS-normed q and k, context tokens first, rotary embedding."""
+    def qkv(to_q, to_k, to_v, norm_q, norm_k, t):
+        q, k, v = (f(t).unflatten(-1, (attn.heads, -1)) for f in (to_q, to_k, to_v))  # (B, L, nh, hd)
+        return norm_q(q), norm_k(k), v
+
+    q, k, v = qkv(attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, x)
+    if context is not None:
+        cq, ck, cv = qkv(attn.add_q_proj, attn.add_k_proj, attn.add_v_proj, attn.norm_added_q, attn.norm_added_k,
+                         context)  # fmt: skip
+        q, k, v = torch.cat([cq, q], 1), torch.cat([ck, k], 1), torch.cat([cv, v], 1)
+    q, k = apply_rotary_emb(q, rotary, sequence_dim=1), apply_rotary_emb(k, rotary, sequence_dim=1)
+    out = merge(paper_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+    if context is None:
+        return out
+    n = context.shape[1]
+    return attn.to_out[0](out[:, n:]), attn.to_add_out(out[:, :n])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Tiny models and their inputs
 # ---------------------------------------------------------------------------------------------------------
@@ -94,7 +115,21 @@ def tiny_sd3():
     return model.eval(), inputs, lambda out: out.sample
 
 
-MODELS = {"dit": tiny_dit, "unet": tiny_unet, "sd3": tiny_sd3}
+def tiny_flux():
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12,
+                                   axes_dims_rope=(4, 6, 6))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
+    inputs = {"hidden_states": torch.randn(2, 16, 4, generator=g), "timestep": torch.tensor([0.1, 0.7]),
+              "encoder_hidden_states": torch.randn(2, 5, 24, generator=g),
+              "pooled_projections": torch.randn(2, 12, generator=g), "img_ids": img_ids.reshape(16, 3),
+              "txt_ids": torch.zeros(5, 3)}  # fmt: skip
+    return model.eval(), inputs, lambda out: out.sample
+
+
+MODELS = {"dit": tiny_dit, "unet": tiny_unet, "sd3": tiny_sd3, "flux": tiny_flux}
 
 # What apply_cog_attention(model, keep_softmax=1) switches: every attention block but the first and last in forward
 # order (UNet: down, mid, up; a BasicTransformerBlock's self- and cross-attention form one block).
@@ -104,6 +139,7 @@ SWITCHED = {
              "up_blocks.1.attentions.0.transformer_blocks.0.attn1",
              "up_blocks.1.attentions.0.transformer_blocks.0.attn2"],
     "sd3": ["transformer_blocks.1.attn"],
+    "flux": ["single_transformer_blocks.0.attn"],  # double-stream blocks run first, then single-stream ones
 }
 
 
@@ -135,7 +171,7 @@ def test_softmax_mode_reproduces_the_stock_model(kind):
     with torch.no_grad():
         stock = sample(model(**inputs))
         assert apply_cog_attention(model, keep_softmax=100) == []  # every block kept: all processors in softmax mode
-        assert all(isinstance(m.processor, CogAttnProcessor) or type(m.processor).__name__ == "CogJointAttnProcessor"
+        assert all(type(m.processor).__name__.startswith("Cog") and m.processor.attention == "softmax"
                    for m in attention_layers(model).values())  # fmt: skip
         torch.testing.assert_close(sample(model(**inputs)), stock, rtol=0, atol=0)
 
@@ -158,7 +194,11 @@ def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
             attn = layers[name]
             x = args[0] if args else kw["hidden_states"]
             context, mask = kw.get("encoder_hidden_states"), kw.get("attention_mask")
-            if kind == "sd3":
+            if kind == "flux":
+                rotary = kw["image_rotary_emb"]
+                expect = paper_flux_layer(attn, x, context, rotary) if name in switched else \
+                    FluxAttnProcessor()(attn, x, context, None, rotary)  # fmt: skip
+            elif kind == "sd3":
                 expect = paper_joint_layer(attn, x, context) if name in switched else \
                     JointAttnProcessor2_0()(attn, x, encoder_hidden_states=context)  # fmt: skip
             else:

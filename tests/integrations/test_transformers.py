@@ -15,8 +15,8 @@ from uvic.integrations.transformers import apply_cog_attention
 def tiny(family, layers=4):
     """A 4-layer model with grouped-query attention (4 query heads, 2 key/value heads)."""
     torch.manual_seed(0)
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+    kw = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0}
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**kw)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()

@@ -6,20 +6,25 @@
 `CogAttnProcessor` computes what diffusers' default `AttnProcessor2_0` computes (spatial norm, group norm, 4-D
 inputs, cross-attention, norm_q / norm_k, residual, rescale), with `uvic.attention.cog_attention` in place of
 `F.scaled_dot_product_attention`; `CogJointAttnProcessor` does the same for `JointAttnProcessor2_0` (the MMDiT
-blocks of `SD3Transformer2DModel`). In `attention="softmax"` mode both make the stock SDPA call, so a kept layer
-gives the stock output. Shapes: B batch, L tokens, C channels, nh heads, hd head dim.
+blocks of `SD3Transformer2DModel`) and `CogFluxAttnProcessor` for `FluxAttnProcessor` (FluxTransformer2DModel's
+double- and single-stream blocks). In `attention="softmax"` mode each makes the stock attention call, so a kept
+layer gives the stock output. Shapes: B batch, L tokens, C channels, nh heads, hd head dim.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, JointAttnProcessor2_0
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from uvic.attention import AttentionKind, Backend, cog_attention
 
 
-__all__ = ["CogAttnProcessor", "CogJointAttnProcessor", "apply_cog_attention", "key_padding_mask_from"]
+__all__ = ["CogAttnProcessor", "CogFluxAttnProcessor", "CogJointAttnProcessor", "apply_cog_attention",
+           "key_padding_mask_from"]
 
 # Additive mask entries at or below this remove a key (diffusers builds its masks with -10000.0).
 REMOVED_KEY_BIAS = -10000.0
@@ -32,7 +37,8 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, where: str = "att
     SDPA reads them) or additive masks whose entries are 0 (keep) or at most REMOVED_KEY_BIAS / -inf (remove).
 
     Args:
-        attention_mask: (B, nh | 1, Lq | 1, Lk) as the stock processor hands it to SDPA, or None.
+        attention_mask: (B, nh | 1, Lq | 1, Lk) as the stock processor hands it to SDPA ((B, Lk) and (B, Lq | 1, Lk)
+            are read as (B, 1, 1, Lk) and (B, 1, Lq | 1, Lk)), or None.
         where: the module's name, for the error message.
     Returns:
         (B, Lk) bool, or None when no key is removed.
@@ -43,6 +49,8 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, where: str = "att
         return None
     supported = ("Cog attention supports masks that only remove keys: boolean (True = keep) or additive "
                  f"(0 = keep, <= {REMOVED_KEY_BIAS:g} or -inf = remove), the same for every head and query")
+    if attention_mask.dim() in (2, 3):
+        attention_mask = attention_mask[:, None, None] if attention_mask.dim() == 2 else attention_mask[:, None]
     if attention_mask.dim() != 4:
         raise ValueError(f"{where}: expected a (B, heads, Lq, Lk) mask, got shape {tuple(attention_mask.shape)}; "
                          f"{supported}")  # fmt: skip
@@ -192,6 +200,64 @@ class CogJointAttnProcessor(_Attend):
         return hidden_states
 
 
+class CogFluxAttnProcessor(_Attend):
+    """diffusers' `FluxAttnProcessor` (FluxTransformer2DModel: joint text-image blocks and single-stream blocks,
+    RMS-normed q and k, rotary embeddings) with Cog attention or the stock attention call. Arguments as
+    `CogAttnProcessor`."""
+
+    # Set by diffusers' `set_attention_backend` on Flux processors; the softmax mode passes them on as the stock does.
+    _attention_backend = None
+    _parallel_config = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (B, Lq, nh, hd), k and v (B, Lk, nh, hd) (Flux's layout) -> (B, Lq, nh, hd)."""
+        if self.attention == "softmax":
+            return dispatch_attention_fn(q, k, v, attn_mask=mask, backend=self._attention_backend,
+                                         parallel_config=self._parallel_config)  # fmt: skip
+        return super().attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states (B, L, C), encoder_hidden_states (B, Lc, C) or None. Returns (B, L, C), and (B, Lc, C) for
+        the context when it was given."""
+        with_context = encoder_hidden_states is not None
+        if attn.fused_projections:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+            if with_context and hasattr(attn, "to_added_qkv"):
+                c_qkv = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+            if with_context and attn.added_kv_proj_dim is not None:
+                c_qkv = (attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states),
+                         attn.add_v_proj(encoder_hidden_states))  # fmt: skip
+        split = lambda t: t.unflatten(-1, (-1, attn.head_dim))  # noqa: E731  (B, L, nh, hd)
+        query, key, value = attn.norm_q(split(query)), attn.norm_k(split(key)), split(value)
+        if with_context and attn.added_kv_proj_dim is not None:
+            c_query, c_key, c_value = (split(t) for t in c_qkv)
+            query = torch.cat([attn.norm_added_q(c_query), query], dim=1)
+            key = torch.cat([attn.norm_added_k(c_key), key], dim=1)
+            value = torch.cat([c_value, value], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+
+        hidden_states = self.attend(query, key, value, attention_mask)
+
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        if not with_context:
+            return hidden_states
+        n_context = encoder_hidden_states.shape[1]
+        encoder_hidden_states, hidden_states = hidden_states[:, :n_context], hidden_states[:, n_context:]
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+        return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
+
+
 # The stock processors each Cog processor reproduces (a Cog processor replaces itself, so the call can be repeated).
 _REPLACEMENTS = {
     AttnProcessor2_0: CogAttnProcessor,
@@ -199,6 +265,8 @@ _REPLACEMENTS = {
     CogAttnProcessor: CogAttnProcessor,
     JointAttnProcessor2_0: CogJointAttnProcessor,
     CogJointAttnProcessor: CogJointAttnProcessor,
+    FluxAttnProcessor: CogFluxAttnProcessor,
+    CogFluxAttnProcessor: CogFluxAttnProcessor,
 }
 
 
