@@ -67,6 +67,19 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, where: str = "att
     return None if bool(kpm.all()) else kpm
 
 
+def _qkv_heads(attn, to_q, to_k, to_v, norm_q, norm_k, x: torch.Tensor, context: torch.Tensor):
+    """Queries from x (B, Lq, C), keys and values from context (B, Lk, C'), split into heads (B, nh, L, hd), with
+    the optional q and k norms applied."""
+    heads = lambda t: t.unflatten(-1, (attn.heads, -1)).transpose(1, 2)  # noqa: E731
+    q, k, v = heads(to_q(x)), heads(to_k(context)), heads(to_v(context))
+    return (q if norm_q is None else norm_q(q)), (k if norm_k is None else norm_k(k)), v
+
+
+def _merge_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, nh, L, hd) -> (B, L, nh * hd) in `dtype`."""
+    return x.transpose(1, 2).flatten(2).to(dtype)
+
+
 class _Attend:
     """The attention step shared by the processors: stock SDPA (softmax) or `cog_attention` (cog)."""
 
@@ -123,24 +136,14 @@ class CogAttnProcessor(_Attend):
             attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
         if attn.group_norm is not None:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
-        query = attn.to_q(hidden_states)
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
         elif attn.norm_cross:
             encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        query, key, value = (t.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = _qkv_heads(attn, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, hidden_states,
+                                       encoder_hidden_states)  # fmt: skip
 
-        hidden_states = self.attend(query, key, value, attention_mask)
-
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = _merge_heads(self.attend(query, key, value, attention_mask), query.dtype)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))  # linear projection, dropout
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
@@ -165,31 +168,18 @@ class CogJointAttnProcessor(_Attend):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden_states (B, L, C), encoder_hidden_states (B, Lc, C) or None. Returns (B, L, C), and (B, Lc, C) for
         the context when it was given."""
-        batch_size, n_image = hidden_states.shape[:2]
-        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        split = lambda t: t.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # noqa: E731
-        query, key, value = split(query), split(key), split(value)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        n_image = hidden_states.shape[1]
+        query, key, value = _qkv_heads(attn, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, hidden_states,
+                                       hidden_states)  # fmt: skip
         if encoder_hidden_states is not None:
-            c_query = split(attn.add_q_proj(encoder_hidden_states))
-            c_key = split(attn.add_k_proj(encoder_hidden_states))
-            c_value = split(attn.add_v_proj(encoder_hidden_states))
-            if attn.norm_added_q is not None:
-                c_query = attn.norm_added_q(c_query)
-            if attn.norm_added_k is not None:
-                c_key = attn.norm_added_k(c_key)
+            c_query, c_key, c_value = _qkv_heads(attn, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj,
+                                                 attn.norm_added_q, attn.norm_added_k, encoder_hidden_states,
+                                                 encoder_hidden_states)  # fmt: skip
             query = torch.cat([query, c_query], dim=2)
             key = torch.cat([key, c_key], dim=2)
             value = torch.cat([value, c_value], dim=2)
 
-        hidden_states = self.attend(query, key, value, None)
-
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = _merge_heads(self.attend(query, key, value, None), query.dtype)
         if encoder_hidden_states is not None:
             hidden_states, encoder_hidden_states = hidden_states[:, :n_image], hidden_states[:, n_image:]
             if not attn.context_pre_only:
