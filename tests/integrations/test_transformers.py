@@ -6,19 +6,30 @@ from the layer's own projections and transformers' rotary embedding.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from uvic.integrations.transformers import apply_cog_attention
 
 
-def tiny(family, layers=4):
-    """A 4-layer model with grouped-query attention (4 query heads, 2 key/value heads)."""
+def tiny(family, layers=4, sliding_window=4096):
+    """A 4-layer model with grouped-query attention (4 query heads, 2 key/value heads). Mistral's sliding window
+    (4096 by default) is longer than these sequences, so its pattern is the causal one."""
     torch.manual_seed(0)
     kw = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0}
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**kw, sliding_window=sliding_window)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
 
 
@@ -62,7 +73,7 @@ def record_attention(model):
     return calls, handles
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_layers_follow_the_placement_rule_and_the_formula(family):
     model = tiny(family)
     ids, mask = batch()
@@ -107,7 +118,7 @@ def test_padding_does_not_change_the_real_tokens(family):
     torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_generate_gives_the_same_tokens_with_and_without_the_cache(family):
     model = tiny(family)
     apply_cog_attention(model, keep_softmax=1)
@@ -162,6 +173,10 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
     cache = StaticCache(config=model.config, max_cache_len=32)
     with pytest.raises(ValueError, match="keys that end at the current token"):
         model(ids, past_key_values=cache, use_cache=True)
+    short_window = tiny("mistral", sliding_window=4)
+    apply_cog_attention(short_window)
+    with pytest.raises(ValueError, match="a sliding window shorter than the sequence"):
+        short_window(ids)
     for bad in (-1, 2.0):
         with pytest.raises(ValueError, match="keep_softmax"):
             apply_cog_attention(model, keep_softmax=bad)
