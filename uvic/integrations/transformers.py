@@ -64,9 +64,9 @@ def cog_mask(
     """
     q_offset = int(q_offset)
     if kv_offset != 0 or q_offset + q_length != kv_length:
-        raise ValueError(f"Cog attention needs keys that end at the current token (no cache or a DynamicCache); got "
-                         f"{kv_length} keys for queries {q_offset}..{q_offset + q_length - 1} at key offset "
-                         f"{kv_offset} (a static or sliding cache)")  # fmt: skip
+        raise ValueError(f"Cog attention needs keys that end at the current token (self-attention with no cache or a "
+                         f"DynamicCache); got {kv_length} keys at offset {kv_offset} for the {q_length} queries at "
+                         f"{q_offset} (a static or sliding cache, or cross-attention)")  # fmt: skip
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         # Any other pattern (e.g. a sliding window longer than the sequence) is accepted only if it is the causal one.
         device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
