@@ -1,8 +1,8 @@
 """Cog attention in transformers models through transformers' public attention interfaces.
 
 Importing this module registers the attention implementation "cog" with `transformers.AttentionInterface` and
-its mask with `transformers.masking_utils.AttentionMaskInterface`, so every model that dispatches attention through
-the interface (Llama, Qwen2/3, Mistral, Gemma, ...) accepts it:
+its mask with `transformers.masking_utils.AttentionMaskInterface`, so decoder-only models that dispatch attention
+through the interface (Llama, Qwen2/3, Mistral, ...) accept it:
 
     import uvic.integrations.transformers  # registers "cog"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cog")
