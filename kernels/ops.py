@@ -2,13 +2,11 @@
 
 `torch.compile` traces models that call `uvic::fused_attention_fwd` without graph breaks: the ops are opaque
 to Dynamo, their fake implementations give the output shapes, and `register_autograd` wires the backward op
-(docs/kernel_math.md Sec. 3(c): `triton_op` fails under the interpreter and opcheck's fake-tensor test, `custom_op`
-passes both). The kernels themselves live in `uvic.kernels.attention`.
+(docs/kernel_math.md, section "torch.library: custom_op, not triton_op"). The kernels themselves live in
+`uvic.kernels.attention`.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -77,7 +75,7 @@ def _backward(ctx, dout, dlse):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_attention_impl(
+def fused_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -85,11 +83,22 @@ def fused_attention_impl(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
-    cog: bool = True,
+    attention: str = "cog",
 ) -> torch.Tensor:
-    """Differentiable fused attention through the `uvic::fused_attention_fwd` op. See `uvic.kernels.fused_attention`."""
+    """The fused kernel as a differentiable op (`uvic::fused_attention_fwd`), unchecked.
+
+    The inputs must be inside the kernel's envelope: `uvic.attention.cog_attention(..., backend="triton")` (and
+    `softmax_attention`) check that with `uvic.attention.unsupported_reason` and then call this.
+
+    Args:
+        q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd); any strides, float16/bfloat16/float32.
+        causal, key_padding_mask, scale: as `uvic.attention.cog_attention`.
+        attention: "cog" (`sign(p) * softmax(|p|)`) or "softmax" (`softmax(p)`), from the same kernel.
+    Returns:
+        (B, nh, Lq, hd) in the input dtype.
+    """
+    if attention not in ("cog", "softmax"):
+        raise ValueError(f"unknown attention {attention!r}; expected 'cog' or 'softmax'")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    out, _ = _fwd_op(q, k, v, key_padding_mask, bool(causal), scale, bool(cog))
+    out, _ = _fwd_op(q, k, v, key_padding_mask, bool(causal), scale, attention == "cog")
     return out

@@ -1,13 +1,22 @@
 """uvic.attention: every CPU backend against an independent float64 implementation of the paper's formula."""
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import uvic.attention as attn_mod
-from uvic.attention import attention_ref, cog_attention, softmax_attention
+from uvic.attention import (
+    COMPILE_MIN_SCORES,
+    attention_ref,
+    cog_attention,
+    softmax_attention,
+    tiled_cog_attention,
+    unsupported_reason,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -75,15 +84,20 @@ def max_err(a, b):
 
 def plain_formula(q, k, v, causal=False, key_padding_mask=None, scale=None, cog=True):
     """The paper's 'faster' formula computed in the input dtype (no upcast): the error baseline."""
-    return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=cog, upcast=False)
+    return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                         attention="cog" if cog else "softmax", upcast=False)
 
 
 def check_backend(backend, q, k, v, do, cog=True, factor=4.0, floor=1e-6, **kw):
-    """FlashAttention's rule: error vs float64 at most `factor` x that of the plain formula (plus a tiny floor)."""
-    op = cog_attention if cog else softmax_attention
+    """FlashAttention's rule: error vs float64 at most `factor` x that of the plain formula (plus a tiny floor).
+    `backend` is a backend name, or a function with cog_attention's signature less `backend`."""
+    if callable(backend):
+        op, backend_kw = backend, {}
+    else:
+        op, backend_kw = (cog_attention if cog else softmax_attention), {"backend": backend}
     truth = fwd_bwd(lambda *a, **k_: cog_f64(*a, cog=cog, **k_), q.double(), k.double(), v.double(), do.double(),
                     causal=kw.get("causal", False), kpm=kw.get("key_padding_mask"), scale=kw.get("scale"))
-    got = fwd_bwd(lambda *a, **k_: op(*a, backend=backend, **k_), q, k, v, do, **kw)
+    got = fwd_bwd(lambda *a, **k_: op(*a, **backend_kw, **k_), q, k, v, do, **kw)
     base = fwd_bwd(lambda *a, **k_: plain_formula(*a, cog=cog, **k_), q, k, v, do, **kw)
     for t in got:
         assert t.dtype == q.dtype
@@ -187,86 +201,89 @@ def test_naive_formula_of_fig2_agrees():
         torch.testing.assert_close(cog_attention(q, k, v, backend=backend), expect, rtol=1e-12, atol=1e-12)
 
 
-def test_torch_backend_tiles_over_query_blocks(monkeypatch):
+def tiled(tile_elements, compile=False):
+    """The "torch" backend with a given tile budget (and compile choice), as a `check_backend` op."""
+    return lambda *a, **kw: tiled_cog_attention(*a, tile_elements=tile_elements, compile=compile, **kw)
+
+
+def test_torch_backend_tiles_over_query_blocks():
     # A tile budget smaller than one head forces query blocks (and ragged last blocks) in both passes.
-    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 7 * 50)
     q, k, v, do = make_inputs(2, 3, 43, 50, 16, seed=17)
     kpm = torch.rand(2, 50, generator=torch.Generator().manual_seed(0)) > 0.3
-    check_backend("torch", q, k, v, do, causal=True, key_padding_mask=kpm)
+    check_backend(tiled(7 * 50), q, k, v, do, causal=True, key_padding_mask=kpm)
     # Causal query blocks skip the key blocks they cannot see; with Lq > Lk the first rows see no key at all.
     for Lq, Lk in ((50, 43), (43, 50)):
         q2, k2, v2, do2 = make_inputs(2, 3, Lq, Lk, 16, seed=Lq)
-        check_backend("torch", q2, k2, v2, do2, causal=True)
-        check_backend("torch", q2, k2, v2, do2, causal=True, key_padding_mask=kpm[:, :Lk])
-    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 2 * 43 * 50 + 1)  # two whole heads per tile
-    check_backend("torch", q, k, v, do, key_padding_mask=kpm)
+        check_backend(tiled(7 * 50), q2, k2, v2, do2, causal=True)
+        check_backend(tiled(7 * 50), q2, k2, v2, do2, causal=True, key_padding_mask=kpm[:, :Lk])
+    check_backend(tiled(2 * 43 * 50 + 1), q, k, v, do, key_padding_mask=kpm)  # two whole heads per tile
 
 
-def test_torch_backend_tiles_over_batch_items(monkeypatch):
+def test_torch_backend_tiles_over_batch_items():
     # Short sequences: a tile holds several whole batch items (5 items, tiles of 2: a ragged last tile), and the
     # inputs are strided views of one fused qkv projection (B, L, 3, nh, hd), as in the models.
-    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 2 * 3 * 7 * 9)
     B, nh, L, hd = 5, 3, 9, 16
-    assert [t[0] for t in attn_mod._tiles(B, nh, 7, L, attn_mod._TILE_ELEMENTS)] == [
-        slice(0, 2), slice(2, 4), slice(4, 5)]
     qkv = torch.randn(B, L, 3, nh, hd, generator=torch.Generator().manual_seed(3)).permute(2, 0, 3, 1, 4)
     q, k, v = qkv[0, :, :, :7], qkv[1], qkv[2]
     do = torch.randn(B, nh, 7, hd, generator=torch.Generator().manual_seed(4))
     kpm = torch.rand(B, L, generator=torch.Generator().manual_seed(5)) > 0.4
     kpm[1] = False  # a batch item with no kept key: zeros, never NaN
+    check_backend(tiled(2 * 3 * 7 * 9), q, k, v, do, causal=True, key_padding_mask=kpm)
+    check_backend(tiled(2 * 3 * 7 * 9), q, k, v, do)
+
+
+def test_torch_backend_default_tiles_split_long_sequences():
+    # Through cog_attention itself: one head of 1100 x 1000 scores is more than a default tile (query blocks).
+    q, k, v, do = make_inputs(1, 1, 1100, 1000, 16, seed=29)
+    assert 1100 * 1000 > 2**20
+    kpm = torch.ones(1, 1000, dtype=torch.bool)
+    kpm[0, 990:] = False
     check_backend("torch", q, k, v, do, causal=True, key_padding_mask=kpm)
-    check_backend("torch", q, k, v, do)
 
 
-@pytest.fixture
-def compile_all_tiles(monkeypatch):
-    """Route every "torch" backend call through the torch.compile'd tile math (normally only large calls)."""
-    monkeypatch.setattr(attn_mod, "_COMPILE_MIN_SCORES", 0)
-    monkeypatch.setattr(attn_mod, "_compile_failed", [])
-    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "1")
-
-
-def test_compiled_tile_math_matches_f64(compile_all_tiles, monkeypatch):
+def test_compiled_tile_math_matches_f64(caplog):
     # Query-block tiles with causal + padding (rows with no key), then multi-item tiles from a fused qkv.
-    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 7 * 50)
     q, k, v, do = make_inputs(2, 3, 43, 50, 16, seed=17)
     kpm = torch.rand(2, 50, generator=torch.Generator().manual_seed(0)) > 0.3
     kpm[1, :10] = False
-    check_backend("torch", q, k, v, do, causal=True, key_padding_mask=kpm)
-    monkeypatch.setattr(attn_mod, "_TILE_ELEMENTS", 2 ** 20)
-    q, k, v, do = make_inputs(3, 4, 65, 65, 32, seed=5)
-    check_backend("torch", q, k, v, do)
-    assert attn_mod._compile_failed == []
-    assert set(attn_mod._compiled) == {"forward", "backward"}  # the compiled functions ran (no eager fallback)
-
-
-def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
-    monkeypatch.setattr(attn_mod, "_COMPILE_MIN_SCORES", 0)
-    monkeypatch.setattr(attn_mod, "_compiled", {})
-    monkeypatch.setattr(attn_mod, "_compile_failed", [])
-    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "1")
-
-    def no_compiler(fn, **kwargs):
-        def run(*args):
-            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
-        return run
-
-    monkeypatch.setattr(torch, "compile", no_compiler)
-    q, k, v, do = make_inputs(2, 2, 17, 17, 16, seed=2)
     with caplog.at_level("WARNING", logger="uvic.attention"):
-        check_backend("torch", q, k, v, do, causal=True)
-    assert "no working C++ compiler" in caplog.text and "eager" in caplog.text
-    assert len(attn_mod._compile_failed) == 1  # tried once, then eager for the rest of the process
+        check_backend(tiled(7 * 50, compile=True), q, k, v, do, causal=True, key_padding_mask=kpm)
+        q, k, v, do = make_inputs(3, 4, 65, 65, 32, seed=5)
+        check_backend(tiled(2**20, compile=True), q, k, v, do)
+    assert "torch.compile" not in caplog.text  # the compiled functions ran (no eager fallback)
 
 
-def test_compile_switch_and_threshold(monkeypatch):
-    q = torch.zeros(1, 1, 1, 1)
-    monkeypatch.setattr(attn_mod, "_compile_failed", [])
-    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "1")
-    assert attn_mod._use_compiled(q, attn_mod._COMPILE_MIN_SCORES)
-    assert not attn_mod._use_compiled(q, attn_mod._COMPILE_MIN_SCORES - 1)  # small calls stay eager
-    monkeypatch.setenv("UVIC_ATTENTION_COMPILE", "0")
-    assert not attn_mod._use_compiled(q, attn_mod._COMPILE_MIN_SCORES)
+def test_compile_failure_falls_back_to_eager(tmp_path):
+    """A process whose torch.compile cannot build code: one warning, then eager results (a subprocess, since the
+    fallback lasts for the rest of the process)."""
+    script = textwrap.dedent("""
+        import logging, torch
+        def no_compiler(fn, **kwargs):
+            def run(*args):
+                raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+            return run
+        torch.compile = no_compiler
+        logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
+        from uvic.attention import cog_attention, tiled_cog_attention
+        q, k, v = torch.randn(3, 2, 2, 17, 16, generator=torch.Generator().manual_seed(2))
+        for _ in range(2):
+            out = tiled_cog_attention(q, k, v, causal=True, compile=True)
+            torch.testing.assert_close(out, cog_attention(q, k, v, causal=True, backend="reference"))
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok"
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("uvic.attention")]
+    assert len(warnings) == 1, res.stderr  # tried once, then eager for the rest of the process
+    assert "no working C++ compiler" in warnings[0] and "eager" in warnings[0]
+
+
+def test_compile_threshold_is_one_default_tile():
+    assert COMPILE_MIN_SCORES == 2**20
+    q = torch.zeros(1, 1, 1, 16)
+    with pytest.raises(ValueError, match="tile_elements"):
+        tiled_cog_attention(q, q, q, tile_elements=0)
 
 
 def test_torch_backend_saves_no_score_matrix():
@@ -318,13 +335,9 @@ def test_softmax_torch_backend_is_sdpa():
     )
 
 
-def test_softmax_auto_is_sdpa_and_never_the_kernel(monkeypatch):
-    """`auto` gives softmax baselines SDPA on every device; only an explicit backend="triton" reaches the kernel."""
-    reached = []
-    monkeypatch.setattr(attn_mod, "triton_unsupported_reason", lambda *a: reached.append(a) or None)
+def test_softmax_auto_is_sdpa():
     q, k, v, _ = make_inputs(2, 2, 16, 16, 32)
     torch.testing.assert_close(softmax_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
-    assert reached == []
 
 
 def test_cog_differs_from_softmax_and_has_negative_weights():
@@ -342,6 +355,75 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     q, k, v, _ = make_inputs(1, 2, 10, 10, 64, dtype=torch.float64)
     torch.testing.assert_close(cog_attention(q, k, v), cog_attention(q, k, v, scale=1 / math.sqrt(64)))
     assert not torch.allclose(cog_attention(q, k, v), cog_attention(q, k, v, scale=1.0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Empty inputs and non-finite values in padded keys
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [cog_attention, softmax_attention])
+@pytest.mark.parametrize("backend", ["auto", "reference", "torch"])
+@pytest.mark.parametrize("B,Lq,Lk", [(2, 0, 5), (2, 4, 0), (2, 0, 0), (0, 4, 5)])
+@pytest.mark.parametrize("causal,pad", [(False, False), (True, True)])
+def test_empty_inputs(op, backend, B, Lq, Lk, causal, pad):
+    """Lq = 0 gives an empty output, Lk = 0 zeros (every row has no key); gradients are zeros of the inputs' shapes."""
+    q, k, v, do = make_inputs(B, 2, Lq, Lk, 16)
+    kpm = torch.ones(B, Lk, dtype=torch.bool) if pad else None
+    out, dq, dk, dv = fwd_bwd(lambda *a: op(*a, causal=causal, key_padding_mask=kpm, backend=backend), q, k, v, do)
+    assert out.shape == (B, 2, Lq, 16) and (out == 0).all()
+    for g, t in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == t.shape and (g == 0).all()
+
+
+def tiles_of_rows(*a, **kw):
+    """The "torch" backend over query blocks of 3 rows, eager."""
+    return tiled_cog_attention(*a, tile_elements=3 * a[1].shape[2], compile=False, **kw)
+
+
+@pytest.mark.parametrize("op", [
+    cog_attention,
+    softmax_attention,
+    tiles_of_rows,
+])
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_are_never_read(op, backend, causal):
+    """NaN and Inf in the k and v rows of padded keys reach no output and no gradient: the results equal those
+    with finite rows, and the padded rows' gradients are zero."""
+    q, k, v, do = make_inputs(2, 2, 7, 9, 16, seed=31)
+    kpm = torch.ones(2, 9, dtype=torch.bool)
+    kpm[0, 6:] = False
+    kpm[1, :2] = False
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[0, :, 6] = float("nan")
+    bad_k[1, :, 0] = float("inf")
+    bad_v[0, :, 7] = float("nan")
+    bad_v[1, :, 1] = float("-inf")
+    kw = {"causal": causal, "key_padding_mask": kpm}
+    if op is not tiles_of_rows:
+        kw["backend"] = backend
+    clean = fwd_bwd(op, q, k, v, do, **kw)
+    dirty = fwd_bwd(op, q, bad_k, bad_v, do, **kw)
+    for a, b in zip(dirty, clean):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _, _, dk, dv = dirty
+    assert (dk[0, :, 6:] == 0).all() and (dv[1, :, :2] == 0).all()
+    expect = cog_f64(q, k, v, causal=causal, kpm=kpm, cog=op is not softmax_attention)
+    assert (dirty[0].double() - expect).abs().max() < 1e-5
+
+
+def test_causally_masked_keys_are_ordinary_values():
+    """Only key padding drops a key's rows: a NaN in a key that the causal mask hides from rows 0 and 1 is an
+    ordinary value (it is read, as by SDPA) and reaches the output."""
+    q, k, v, _ = make_inputs(1, 1, 4, 4, 16)
+    v[0, 0, 2] = float("nan")
+    for backend in ("reference", "torch"):
+        out = cog_attention(q, k, v, causal=True, backend=backend)
+        assert torch.isnan(out[0, 0, 2:]).all()
+        out = cog_attention(q, k, v, causal=True, backend=backend, key_padding_mask=torch.arange(4)[None] != 2)
+        assert torch.isfinite(out).all()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -371,11 +453,15 @@ def test_bad_inputs(op):
         assert msg in str(info.value), (msg, str(info.value))
 
 
-def test_triton_backend_on_cpu_is_a_clear_error(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_triton_backend_on_cpu_is_a_clear_error():
     q, k, v, _ = make_inputs(1, 1, 4, 4, 16)
-    with pytest.raises(ValueError, match="backend='triton' cannot run"):
+    why = unsupported_reason(q, k, v, backend="triton")
+    assert why is not None and ("CUDA" in why or "triton is not installed" in why)
+    with pytest.raises(ValueError, match="backend='triton' cannot run on these inputs: " + why.split(";")[0]):
         cog_attention(q, k, v, backend="triton")
+    for backend in ("auto", "reference", "torch"):
+        assert unsupported_reason(q, k, v, backend=backend) is None
+    assert "unknown attention backend" in unsupported_reason(q, k, v, backend="flash")
     # "auto" falls back to the torch backend on CPU.
     torch.testing.assert_close(cog_attention(q, k, v), cog_attention(q, k, v, backend="torch"))
 

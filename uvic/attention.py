@@ -5,28 +5,30 @@ softmax weights with signed ones:
 
     p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v
 
-so a query can subtract a value vector as well as add it. Masked keys (causal or key padding) are left out of
-the max and the sum and get weight 0; a query row with no kept key returns zeros (and zero gradients).
+so a query can subtract a value vector as well as add it. The semantics every backend shares (masks, empty
+inputs, rows with no kept key, non-finite values in masked keys) are written out in docs/attention.md.
 
 Shape letters: B batch, nh heads, Lq / Lk query / key tokens, hd head dim. Every tensor is in the
 `F.scaled_dot_product_attention` layout (B, nh, L, hd).
 
 Backends (the same semantics in each, tested against `attention_ref` in float64):
     "reference"  the paper's "faster" formula (Fig. 2), dense, upcast to float32; the ground truth.
-    "torch"      memory-efficient PyTorch: works over tiles of queries, saves only q, k, v, the output and one
-                 float per row (the log-sum-exp of |p|) and recomputes the weights in backward. On CPU, calls with
-                 at least 2**20 scores run the tile math through torch.compile (fused loops; falls back to eager
-                 with a warning if no compiler works; UVIC_ATTENTION_COMPILE=0 turns it off).
+    "torch"      `tiled_cog_attention`: memory-efficient PyTorch that works over tiles of queries, saves only
+                 q, k, v, the output and one float per row and recomputes the weights in backward.
                  For `softmax_attention` this is `F.scaled_dot_product_attention`.
     "triton"     the fused flash-style kernel in `uvic.kernels` (CUDA only).
     "auto"       cog_attention: "triton" for fp16/bf16 CUDA inputs inside the kernel's envelope, else "torch".
                  softmax_attention: always "torch", i.e. SDPA (FlashAttention / cuDNN / memory-efficient kernels on
                  GPUs), so softmax baselines such as U-ViT get PyTorch's fastest attention; the kernel's softmax
                  mode (backend="triton") is there for like-for-like comparisons with Cog.
+
+`unsupported_reason` is the one place that says why a backend cannot run on given inputs; this module is the only
+one in uvic that imports `uvic.kernels`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -35,16 +37,27 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from uvic.kernels import (
+    MAX_BATCH_HEADS,
+    MAX_SLICE_ELEMENTS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    cuda_device_info,
+)
+from uvic.kernels.configs import config_arch
+
 
 Backend = Literal["auto", "reference", "torch", "triton"]
+AttentionKind = Literal["cog", "softmax"]
 BACKENDS = ("auto", "reference", "torch", "triton")
+ATTENTIONS = ("cog", "softmax")
 
 logger = logging.getLogger(__name__)
 
 # Elements of one (rows x keys) score tile in the "torch" backend: 2**20 fp32 scores = 4 MiB, so a tile and its
 # few temporaries take tens of MiB whatever the sequence length. Measured on CPU (kernels/bench.py): smaller
 # tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
-_TILE_ELEMENTS = 2**20
+TILE_ELEMENTS = 2**20
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -52,16 +65,30 @@ _TILE_ELEMENTS = 2**20
 # ---------------------------------------------------------------------------------------------------------
 
 
-def input_problem(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+def unsupported_reason(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    *,
+    backend: Backend = "torch",
 ) -> str | None:
-    """What is wrong with these attention inputs, in words (None when nothing is). Shared by every backend and by
-    `uvic.kernels.unsupported_reason`, so a problem is named the same way whichever entry point sees it.
+    """Why `backend` cannot run on these inputs, in words; None when it can.
+
+    The one home of every input check: `cog_attention` and `softmax_attention` raise a ValueError with this text,
+    and "auto" uses it to decide whether the fused kernel takes a call. For "reference", "torch" and "auto" only
+    the shapes, dtypes, devices and mask are checked; for "triton" also the kernel's envelope (triton installed,
+    CUDA tensors or CPU under TRITON_INTERPRET=1, dtype, head dim, sizes, GPU architecture).
 
     Args:
         q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
         key_padding_mask: (B, Lk) bool (True = the key takes part) or None.
+        backend: "auto", "reference", "torch" or "triton".
+    Returns:
+        A short reason, or None.
     """
+    if backend not in BACKENDS:
+        return f"unknown attention backend {backend!r}; expected one of {BACKENDS}"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -73,7 +100,8 @@ def input_problem(
         return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.device == k.device == v.device):
         return f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
-    B, nh, _, hd = q.shape
+    B, nh, Lq, hd = q.shape
+    Lk = k.shape[2]
     if k.shape[0] != B or k.shape[1] != nh or k.shape[3] != hd:
         return f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, nh or hd"
     if v.shape[:3] != k.shape[:3]:
@@ -84,55 +112,71 @@ def input_problem(
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask)
             return f"key_padding_mask must be a bool tensor (True = key takes part), got {got}"
-        if tuple(key_padding_mask.shape) != (B, k.shape[2]):
-            return f"key_padding_mask must have shape (B, Lk) = {(B, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
+        if tuple(key_padding_mask.shape) != (B, Lk):
+            return f"key_padding_mask must have shape (B, Lk) = {(B, Lk)}, got {tuple(key_padding_mask.shape)}"
         if key_padding_mask.device != q.device:
             return f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}"
+    if backend != "triton":
+        return None
+    # The fused kernel's envelope (the header of kernels/attention.py).
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not (q.is_cuda or (interpret and q.device.type == "cpu")):
+        return f"the inputs are on {q.device}; the kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1)"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
+    if hd not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {hd} is not supported (one of {SUPPORTED_HEAD_DIMS})"
+    if max(Lq, Lk) * hd >= MAX_SLICE_ELEMENTS:  # offsets inside one (batch, head) slice are 32-bit in the kernels
+        return f"L * hd = {max(Lq, Lk) * hd} elements per (batch, head); the kernel allows fewer than 2**31"
+    if B * nh > MAX_BATCH_HEADS:
+        return f"B * nh = {B * nh} is larger than the kernel grid allows ({MAX_BATCH_HEADS})"
+    if q.is_cuda:
+        return config_arch(*cuda_device_info(q.device.index))[1]
     return None
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    scale: float | None,
-    backend: str,
-) -> None:
+def _check_inputs(q, k, v, key_padding_mask, scale, backend: str, attention: str) -> None:
     """Raise a ValueError that names the problem for anything the op does not accept."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    problem = input_problem(q, k, v, key_padding_mask)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTIONS}")
+    # "auto" checks what every backend needs; it falls back from the kernel rather than fail.
+    problem = unsupported_reason(q, k, v, key_padding_mask, backend=backend)
     if problem is not None:
-        raise ValueError(problem)
+        raise ValueError(problem if backend != "triton" else f"backend='triton' cannot run on these inputs: {problem}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
 
 
 def _keep_mask(
-    Lq: int,
-    Lk: int,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    device: torch.device,
-    rows: slice | None = None,
+    Lq: int, Lk: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:
     """Boolean keep-mask broadcastable to (B, 1, Lq, Lk) (True = the key takes part), or None when all keys do.
 
     `causal` keeps key j for query i when j <= i + Lk - Lq (bottom-right aligned, as FlashAttention-2).
-    `rows` restricts the query rows to a slice (used by the tiled backend).
     """
     keep = None
     if causal:
         i = torch.arange(Lq, device=device)
-        if rows is not None:
-            i = i[rows]
         j = torch.arange(Lk, device=device)
         keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None, None]  # (1, 1, Lq, Lk)
     if key_padding_mask is not None:
         kpm = key_padding_mask[:, None, None, :]  # (B, 1, 1, Lk)
         keep = kpm if keep is None else keep & kpm
     return keep
+
+
+def _drop_padded_keys(
+    k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (B, nh, Lk, hd) with the rows of padded keys replaced by zeros (selected, not multiplied), so whatever
+    a padded row holds (NaN, Inf) reaches no output and no gradient; the padded rows' gradients are zero."""
+    if key_padding_mask is None:
+        return k, v
+    kept = key_padding_mask[:, None, :, None]  # (B, 1, Lk, 1)
+    zero = k.new_zeros(())
+    return torch.where(kept, k, zero), torch.where(kept, v, zero)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -153,20 +197,21 @@ def attention_ref(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
-    cog: bool = True,
+    attention: AttentionKind = "cog",
     upcast: bool = True,
 ) -> torch.Tensor:
     """Dense attention by the paper's formula; the ground truth every other backend is tested against.
 
     Cog: `sign(p) * softmax(|p|.masked_fill(~keep, -inf))` (paper Fig. 2, "faster"); softmax: `softmax(p)`.
-    Query rows with no kept key return zeros with zero gradients (no NaN).
+    Query rows with no kept key return zeros with zero gradients (no NaN). Inputs are not checked (call
+    `unsupported_reason` first, as `cog_attention` does).
 
     Args:
         q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
         causal: bottom-right aligned causal mask.
         key_padding_mask: (B, Lk) bool, True = the key takes part.
         scale: multiplies q k^T; defaults to hd ** -0.5.
-        cog: Cog weights if True, softmax weights if False.
+        attention: "cog" (signed weights) or "softmax".
         upcast: compute in float32 (float64 stays float64) and cast the result back.
     Returns:
         (B, nh, Lq, hd) in q's dtype.
@@ -175,6 +220,7 @@ def attention_ref(
     if upcast:
         ct = _compute_dtype(dtype)
         q, k, v = q.to(ct), k.to(ct), v.to(ct)
+    k, v = _drop_padded_keys(k, v, key_padding_mask)
     Lq, Lk = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = scale * (q @ k.transpose(-2, -1))  # (B, nh, Lq, Lk)
@@ -185,7 +231,7 @@ def attention_ref(
         # A row with no kept key keeps all keys here and is zeroed below: a finite softmax, so no NaN
         # reaches the gradients through the weights.
         keep = keep | ~has_key
-    if cog:
+    if attention == "cog":
         scores = p.abs()
         if keep is not None:
             scores = scores.masked_fill(~keep, float("-inf"))
@@ -336,21 +382,24 @@ def _tile_backward_into(
 
 
 # The tile math compiled with torch.compile (Inductor fuses the abs/max/exp/sign/sum chain into two loops between
-# the matmuls; eager PyTorch makes ~7 passes over each score tile). Used on CPU for calls with at least
-# _COMPILE_MIN_SCORES scores (smaller ones are dominated by call overhead, and compiling them is not worth it);
+# the matmuls; eager PyTorch makes ~7 passes over each score tile). By default used on CPU for calls with at least
+# COMPILE_MIN_SCORES scores (smaller ones are dominated by call overhead, and compiling them is not worth it);
 # switched off by UVIC_ATTENTION_COMPILE=0, or for the process when the compiler is missing or fails (a warning).
-_COMPILE_MIN_SCORES = 2**20
+COMPILE_MIN_SCORES = 2**20
 _compiled: dict[str, object] = {}
 _compile_failed: list[str] = []
 
 
-def _use_compiled(q: torch.Tensor, n_scores: int) -> bool:
+def _use_compiled(q: torch.Tensor, n_scores: int, compile: bool | None) -> bool:
+    if torch.compiler.is_compiling():  # inside a user's torch.compile: the outer graph fuses the tile math
+        return False
+    if compile is not None:
+        return compile and not _compile_failed
     return (
         q.device.type == "cpu"
-        and n_scores >= _COMPILE_MIN_SCORES
+        and n_scores >= COMPILE_MIN_SCORES
         and not _compile_failed
         and os.environ.get("UVIC_ATTENTION_COMPILE", "1") != "0"
-        and not torch.compiler.is_compiling()  # inside a user's torch.compile: the outer graph fuses the tile math
     )
 
 
@@ -371,7 +420,7 @@ def _run_tile(name: str, compiled: bool, *args) -> None:
 
 
 class _CogAttentionTorch(torch.autograd.Function):
-    """Tiled Cog attention with the FlashAttention memory contract (see docs/kernel_math.md Sec. 2).
+    """Tiled Cog attention with the FlashAttention memory contract (docs/attention.md, "The torch backend").
 
     Tiles (see `_tiles`) hold complete query rows, so the transient memory is a few tiles of `tile_elements`
     scores whatever the sequence length.
@@ -385,14 +434,15 @@ class _CogAttentionTorch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, key_padding_mask, scale, tile_elements):
+    def forward(ctx, q, k, v, causal, key_padding_mask, scale, tile_elements, compile):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
-        qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)  # views when already in the compute dtype
+        qc = q.to(ct)  # a view when already in the compute dtype
+        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         l_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
-        compiled = _use_compiled(q, B * nh * Lq * Lk)
+        compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
         for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
             ks = _tile_keys(rs, Lq, Lk, causal)
             keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
@@ -401,7 +451,7 @@ class _CogAttentionTorch(torch.autograd.Function):
                       scale, _flat_keep(keep, hs), _flat_out(out[bs, hs, rs]), _flat_out(l_all[bs, hs, rs]))
         out = out.mul_(_safe_reciprocal(l_all)).to(q.dtype)  # rows with no kept key: l = 0, O = 0
         ctx.save_for_backward(q, k, v, out, l_all.log_(), key_padding_mask)
-        ctx.causal, ctx.scale, ctx.tile_elements = causal, scale, tile_elements
+        ctx.causal, ctx.scale, ctx.tile_elements, ctx.compile = causal, scale, tile_elements, compile
         return out
 
     @staticmethod
@@ -411,7 +461,8 @@ class _CogAttentionTorch(torch.autograd.Function):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
-        qc, kc, vc, do = q.to(ct), k.to(ct), v.to(ct), dout.to(ct)
+        qc, do = q.to(ct), dout.to(ct)
+        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
         inv_l = _safe_reciprocal(log_l.exp())  # 0 on rows with no kept key
         tiles = _tiles(B, nh, Lq, Lk, ctx.tile_elements)
@@ -419,7 +470,7 @@ class _CogAttentionTorch(torch.autograd.Function):
         dq = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         dk = dq.new_empty(B, nh, Lk, hd) if whole_heads else dq.new_zeros(B, nh, Lk, hd)
         dv = torch.empty_like(dk) if whole_heads else torch.zeros_like(dk)
-        compiled = _use_compiled(q, B * nh * Lq * Lk)
+        compiled = _use_compiled(q, B * nh * Lq * Lk, ctx.compile)
         for bs, hs, rs in tiles:
             ks = _tile_keys(rs, Lq, Lk, causal)
             keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
@@ -429,7 +480,7 @@ class _CogAttentionTorch(torch.autograd.Function):
                 _flat_keep(keep, hs), _flat_out(dq[bs, hs, rs]), _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks]),
                 not whole_heads,  # query blocks of one head accumulate dK, dV (zero-initialised)
             )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
@@ -437,34 +488,85 @@ def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, x.reciprocal(), torch.zeros_like(x))
 
 
+def tiled_cog_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    tile_elements: int = TILE_ELEMENTS,
+    compile: bool | None = None,
+) -> torch.Tensor:
+    """Cog attention's "torch" backend with its two tuning knobs exposed; `cog_attention(..., backend="torch")`
+    is this function with the defaults.
+
+    Args:
+        q, k, v, causal, key_padding_mask, scale: as `cog_attention`.
+        tile_elements: scores per tile. A tile holds several whole batch items when they fit, else several whole
+            heads of one item, else a block of query rows of one head (the transient memory is a few tiles).
+        compile: run the tile math through `torch.compile` (True), in eager PyTorch (False), or decide per call
+            (None: CPU calls with at least COMPILE_MIN_SCORES scores, unless UVIC_ATTENTION_COMPILE=0). A compiler
+            that fails is reported once (a warning) and eager PyTorch is used from then on.
+    Returns:
+        (B, nh, Lq, hd) in the input dtype.
+    """
+    _check_inputs(q, k, v, key_padding_mask, scale, "torch", "cog")
+    if not (isinstance(tile_elements, int) and tile_elements >= 1):
+        raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.numel() == 0 or k.shape[2] == 0:
+        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    with torch.autocast(q.device.type, enabled=False):
+        return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, tile_elements, compile)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Backend selection and the public ops
 # ---------------------------------------------------------------------------------------------------------
 
 
-def triton_unsupported_reason(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None = None
-) -> str | None:
-    """Why the fused Triton kernel cannot run on these inputs (None when it can)."""
-    try:
-        from uvic.kernels import unsupported_reason
-    except ImportError as err:  # triton missing, or the kernel package not importable
-        return f"the Triton kernel is not available ({err})"
-    return unsupported_reason(q, k, v, key_padding_mask)
+def _attention(q, k, v, causal: bool, key_padding_mask, scale, backend: str, attention: str) -> torch.Tensor:
+    """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
+    _check_inputs(q, k, v, key_padding_mask, scale, backend, attention)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.numel() == 0 or k.shape[2] == 0:
+        # Nothing to attend with or to: an empty output, or zeros (a row with no key), and zero gradients.
+        backend = "reference"
+    elif backend == "auto":
+        # cog: the kernel for 16-bit CUDA inputs inside its envelope (fp32 runs on the kernel only with small IEEE
+        # tiles, so "auto" gives it to the torch backend). softmax: SDPA, PyTorch's fastest kernels.
+        use_kernel = (attention == "cog" and q.is_cuda and q.dtype != torch.float32
+                      and unsupported_reason(q, k, v, key_padding_mask, backend="triton") is None)  # fmt: skip
+        backend = "triton" if use_kernel else "torch"
+    kw = {"causal": causal, "key_padding_mask": key_padding_mask, "scale": scale}
+    if backend == "torch" and attention == "softmax":
+        return _sdpa(q, k, v, **kw)
+    # The op chooses its own compute precision (float32 math on q, k, v as given), so autocast is off inside it:
+    # under autocast q, k, v already carry the low-precision dtype, and the output comes back in that dtype.
+    with torch.autocast(q.device.type, enabled=False):
+        if backend == "reference":
+            return attention_ref(q, k, v, attention=attention, **kw)
+        if backend == "triton":
+            from uvic.kernels import fused_attention
+
+            return fused_attention(q, k, v, attention=attention, **kw)
+        return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None)
 
 
-def _resolve_backend(q, k, v, key_padding_mask, backend: str) -> str:
-    if backend == "auto":
-        # fp32 runs on the kernel only with small IEEE tiles (larger ones spill registers), so on CUDA "auto"
-        # gives fp32 to the torch backend; an explicit backend="triton" still accepts it.
-        if q.is_cuda and q.dtype != torch.float32 and triton_unsupported_reason(q, k, v, key_padding_mask) is None:
-            return "triton"
-        return "torch"
-    if backend == "triton":
-        why = triton_unsupported_reason(q, k, v, key_padding_mask)
-        if why is not None:
-            raise ValueError(f"backend='triton' cannot run on these inputs: {why}")
-    return backend
+def _sdpa(q, k, v, *, causal: bool, key_padding_mask, scale: float) -> torch.Tensor:
+    """softmax_attention's "torch" backend: `F.scaled_dot_product_attention` with the op's mask semantics."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    if key_padding_mask is None and (not causal or Lq == Lk):
+        # The fast path: no explicit mask, so SDPA can use its fused kernels.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device)
+    has_key = keep.any(-1, keepdim=True)
+    k, v = _drop_padded_keys(k, v, key_padding_mask)
+    # Rows with no kept key attend to everything (finite) and are zeroed afterwards, so no NaN anywhere.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | ~has_key, scale=scale)
+    return out * has_key.to(out.dtype)
 
 
 def cog_attention(
@@ -484,25 +586,15 @@ def cog_attention(
         k: (B, nh, Lk, hd) keys.
         v: (B, nh, Lk, hd) values.
         causal: mask key j for query i when j > i + Lk - Lq (bottom-right aligned, KV-cache friendly).
-        key_padding_mask: (B, Lk) bool, True = the key takes part.
+        key_padding_mask: (B, Lk) bool, True = the key takes part; padded keys' k and v rows are never read.
         scale: multiplies q k^T; defaults to hd ** -0.5.
         backend: "auto", "reference", "torch" or "triton" (see the module docstring).
     Returns:
         (B, nh, Lq, hd) in the input dtype; rows with no kept key are zeros.
+    Raises:
+        ValueError: the inputs are malformed, or `backend` cannot run on them (the message says why).
     """
-    _check_inputs(q, k, v, key_padding_mask, scale, backend)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = _resolve_backend(q, k, v, key_padding_mask, backend)
-    # The op chooses its own compute precision (float32 math on q, k, v as given), so autocast is off inside it:
-    # under autocast q, k, v already carry the low-precision dtype, and the output comes back in that dtype.
-    with torch.autocast(q.device.type, enabled=False):
-        if backend == "reference":
-            return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
-        if backend == "triton":
-            from uvic.kernels import fused_attention
-
-            return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=True)
-        return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, _TILE_ELEMENTS)
+    return _attention(q, k, v, causal, key_padding_mask, scale, backend, "cog")
 
 
 def softmax_attention(
@@ -515,37 +607,9 @@ def softmax_attention(
     scale: float | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """Softmax attention with the same signature and masking semantics as `cog_attention`.
+    """Softmax attention `softmax(p) @ v`, with the signature, shapes and mask semantics of `cog_attention`.
 
     The "torch" backend, and "auto", is `F.scaled_dot_product_attention` (flash / memory-efficient kernels where
     PyTorch has them); "triton" is the fused kernel in its softmax mode, for like-for-like comparisons with Cog.
-
-    Args:
-        q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
-        causal: bottom-right aligned causal mask.
-        key_padding_mask: (B, Lk) bool, True = the key takes part.
-        scale: defaults to hd ** -0.5.
-        backend: "auto", "reference", "torch" or "triton".
-    Returns:
-        (B, nh, Lq, hd) in the input dtype; rows with no kept key are zeros.
     """
-    _check_inputs(q, k, v, key_padding_mask, scale, backend)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = "torch" if backend == "auto" else _resolve_backend(q, k, v, key_padding_mask, backend)
-    if backend == "reference":
-        with torch.autocast(q.device.type, enabled=False):  # float32 math, as for cog_attention
-            return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
-    if backend == "triton":
-        from uvic.kernels import fused_attention
-
-        with torch.autocast(q.device.type, enabled=False):
-            return fused_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, cog=False)
-    Lq, Lk = q.shape[2], k.shape[2]
-    if key_padding_mask is None and (not causal or Lq == Lk):
-        # The fast path: no explicit mask, so SDPA can use its fused kernels.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device)
-    has_key = keep.any(-1, keepdim=True)
-    # Rows with no kept key attend to everything (finite) and are zeroed afterwards, so no NaN anywhere.
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | ~has_key, scale=scale)
-    return out * has_key.to(out.dtype)
+    return _attention(q, k, v, causal, key_padding_mask, scale, backend, "softmax")

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from uvic.attention import attention_ref, cog_attention
+from uvic.attention import attention_ref, cog_attention, softmax_attention, unsupported_reason
 from uvic.kernels import fused_attention
 from uvic.kernels.ops import _bwd_op, _fwd_op
 
@@ -93,3 +93,30 @@ def test_torch_compile_inductor_calls_the_op_as_extern_kernel():
 
     for a, b in zip(got, value_and_grads(reference, (q, k, v))):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_reason_names_the_kernels_limits():
+    q = torch.randn(1, 2, 8, 32)
+    assert unsupported_reason(q, q, q, backend="triton") is None  # CPU is fine under the interpreter
+    assert "dtype" in unsupported_reason(q.double(), q.double(), q.double(), backend="triton")
+    assert "head dim" in unsupported_reason(q[..., :24], q[..., :24], q[..., :24], backend="triton")
+    assert unsupported_reason(q[..., :24], q[..., :24], q[..., :24], backend="torch") is None
+    assert "key_padding_mask" in unsupported_reason(q, q, q, torch.ones(1, 8), backend="triton")
+    long = torch.zeros(1, 1, 1, 16).expand(1, 1, 2**27, 16)  # stride-0 rows: no memory
+    assert "2**31" in unsupported_reason(long, long, long, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' cannot run on these inputs: head dim 24"):
+        cog_attention(q[..., :24], q[..., :24], q[..., :24], backend="triton")
+
+
+@pytest.mark.parametrize("op", [cog_attention, softmax_attention])
+@pytest.mark.parametrize("B,Lq,Lk", [(1, 0, 5), (1, 4, 0), (0, 4, 5)])
+def test_empty_inputs_agree_with_the_other_backends(op, B, Lq, Lk):
+    """Lq = 0: an empty output; Lk = 0: zeros; zero gradients, as the reference and torch backends give."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, 2, L, 16, generator=g).requires_grad_() for L in (Lq, Lk, Lk))
+    kpm = torch.ones(B, Lk, dtype=torch.bool)
+    out = op(q, k, v, causal=True, key_padding_mask=kpm, backend="triton")
+    out.sum().backward()
+    assert out.shape == (B, 2, Lq, 16) and (out == 0).all()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and (t.grad == 0).all()

@@ -1,0 +1,267 @@
+"""uvic.integrations.diffusers on tiny configs of diffusers' own model classes (CPU, no downloads).
+
+Each switched layer is checked against the paper's formula written out here, sign(p) * softmax(|p|), applied to
+the layer's own projections; each kept layer against diffusers' stock processor.
+"""
+
+import pytest
+import torch
+from diffusers import DiTTransformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers.models.attention_processor import AttnProcessor2_0, JointAttnProcessor2_0, SlicedAttnProcessor
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+from uvic.integrations.diffusers import apply_cog_attention
+
+
+def paper_attention(q, k, v, key_kept=None, cog=True):
+    """(B, nh, Lq, hd) x (B, nh, Lk, hd): sign(p) * softmax(|p|) @ v (or softmax(p) @ v), p = q k^T / sqrt(hd)."""
+    p = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    scores = p.abs() if cog else p
+    if key_kept is not None:
+        scores = scores.masked_fill(~key_kept[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return (torch.sign(p) * weights if cog else weights) @ v
+
+
+def heads(t, n):
+    """(B, L, n * hd) -> (B, n, L, hd)."""
+    return t.view(t.shape[0], t.shape[1], n, -1).transpose(1, 2)
+
+
+def merge(t):
+    """(B, n, L, hd) -> (B, L, n * hd)."""
+    return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
+
+
+def paper_layer(attn, x, context=None, mask=None):
+    """A self- or cross-attention layer of these tiny models with Cog attention, from its weights."""
+    assert attn.spatial_norm is None and attn.group_norm is None and attn.norm_q is None and attn.norm_k is None
+    assert not attn.residual_connection and attn.rescale_output_factor == 1.0 and not attn.norm_cross
+    context = x if context is None else context
+    key_kept = None if mask is None else mask.reshape(mask.shape[0], -1) == 0  # diffusers' additive (B, 1, Lk)
+    q, k, v = (heads(f(t), attn.heads) for f, t in ((attn.to_q, x), (attn.to_k, context), (attn.to_v, context)))
+    return attn.to_out[0](merge(paper_attention(q, k, v, key_kept)))
+
+
+def paper_joint_layer(attn, x, context):
+    """An SD3 joint-attention layer with Cog attention over the concatenated image and context tokens."""
+    assert attn.norm_q is None and attn.norm_added_q is None
+    q = torch.cat([heads(attn.to_q(x), attn.heads), heads(attn.add_q_proj(context), attn.heads)], dim=2)
+    k = torch.cat([heads(attn.to_k(x), attn.heads), heads(attn.add_k_proj(context), attn.heads)], dim=2)
+    v = torch.cat([heads(attn.to_v(x), attn.heads), heads(attn.add_v_proj(context), attn.heads)], dim=2)
+    out = merge(paper_attention(q, k, v))
+    out_x, out_c = out[:, : x.shape[1]], out[:, x.shape[1] :]
+    return attn.to_out[0](out_x), (out_c if attn.context_pre_only else attn.to_add_out(out_c))
+
+
+def paper_flux_layer(attn, x, context, rotary):
+    """A Flux attention layer with Cog attention: RMS-normed q and k, context tokens first, rotary embedding."""
+    def qkv(to_q, to_k, to_v, norm_q, norm_k, t):
+        q, k, v = (f(t).unflatten(-1, (attn.heads, -1)) for f in (to_q, to_k, to_v))  # (B, L, nh, hd)
+        return norm_q(q), norm_k(k), v
+
+    q, k, v = qkv(attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, x)
+    if context is not None:
+        cq, ck, cv = qkv(attn.add_q_proj, attn.add_k_proj, attn.add_v_proj, attn.norm_added_q, attn.norm_added_k,
+                         context)  # fmt: skip
+        q, k, v = torch.cat([cq, q], 1), torch.cat([ck, k], 1), torch.cat([cv, v], 1)
+    q, k = apply_rotary_emb(q, rotary, sequence_dim=1), apply_rotary_emb(k, rotary, sequence_dim=1)
+    out = merge(paper_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+    if context is None:
+        return out
+    n = context.shape[1]
+    return attn.to_out[0](out[:, n:]), attn.to_add_out(out[:, :n])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny models and their inputs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tiny_dit():
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                                  num_layers=4, sample_size=8, patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([3, 700]),
+              "class_labels": torch.tensor([1, 4])}  # fmt: skip
+    return model.eval(), inputs, lambda out: out.sample
+
+
+def tiny_unet():
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64),
+                                 layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=24,
+                                 attention_head_dim=8, norm_num_groups=8)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    text_kept = torch.ones(2, 7, dtype=torch.bool)
+    text_kept[1, 4:] = False  # a padded caption: its last 3 tokens are masked in every cross-attention
+    inputs = {"sample": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([10, 500]),
+              "encoder_hidden_states": torch.randn(2, 7, 24, generator=g), "encoder_attention_mask": text_kept}
+    return model.eval(), inputs, lambda out: out.sample
+
+
+def tiny_sd3():
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
+                                  num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=32,
+                                  pooled_projection_dim=12, out_channels=4, pos_embed_max_size=8)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([10.0, 500.0]),
+              "encoder_hidden_states": torch.randn(2, 5, 24, generator=g),
+              "pooled_projections": torch.randn(2, 12, generator=g)}  # fmt: skip
+    return model.eval(), inputs, lambda out: out.sample
+
+
+def tiny_flux():
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12,
+                                   axes_dims_rope=(4, 6, 6))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
+    inputs = {"hidden_states": torch.randn(2, 16, 4, generator=g), "timestep": torch.tensor([0.1, 0.7]),
+              "encoder_hidden_states": torch.randn(2, 5, 24, generator=g),
+              "pooled_projections": torch.randn(2, 12, generator=g), "img_ids": img_ids.reshape(16, 3),
+              "txt_ids": torch.zeros(5, 3)}  # fmt: skip
+    return model.eval(), inputs, lambda out: out.sample
+
+
+MODELS = {"dit": tiny_dit, "unet": tiny_unet, "sd3": tiny_sd3, "flux": tiny_flux}
+
+# What apply_cog_attention(model, keep_softmax=1) switches: every attention block but the first and last in forward
+# order (UNet: down, mid, up; a BasicTransformerBlock's self- and cross-attention form one block).
+SWITCHED = {
+    "dit": ["transformer_blocks.1.attn1", "transformer_blocks.2.attn1"],
+    "unet": ["mid_block.attentions.0.transformer_blocks.0.attn1", "mid_block.attentions.0.transformer_blocks.0.attn2",
+             "up_blocks.1.attentions.0.transformer_blocks.0.attn1",
+             "up_blocks.1.attentions.0.transformer_blocks.0.attn2"],
+    "sd3": ["transformer_blocks.1.attn"],
+    "flux": ["single_transformer_blocks.0.attn"],  # double-stream blocks run first, then single-stream ones
+}
+
+
+def attention_layers(model):
+    return {name: m for name, m in model.named_modules() if hasattr(m, "processor") and hasattr(m, "set_processor")}
+
+
+def record_layers(model):
+    """Forward hooks that store each attention layer's (args, kwargs, output)."""
+    calls = {}
+
+    def hook(name):
+        def record(module, args, kwargs, output):
+            calls[name] = (args, kwargs, output)  # returns None: the output is left as it is
+        return record
+
+    handles = [m.register_forward_hook(hook(name), with_kwargs=True) for name, m in attention_layers(model).items()]
+    return calls, handles
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_softmax_mode_reproduces_the_stock_model(kind):
+    model, inputs, sample = MODELS[kind]()
+    with torch.no_grad():
+        stock = sample(model(**inputs))
+        assert apply_cog_attention(model, keep_softmax=100) == []  # every block kept: all processors in softmax mode
+        assert all(type(m.processor).__name__.startswith("Cog") and m.processor.attention == "softmax"
+                   for m in attention_layers(model).values())  # fmt: skip
+        torch.testing.assert_close(sample(model(**inputs)), stock, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
+    model, inputs, sample = MODELS[kind]()
+    with torch.no_grad():
+        stock = sample(model(**inputs))
+        switched = apply_cog_attention(model, keep_softmax=1)
+        assert switched == SWITCHED[kind]
+        calls, handles = record_layers(model)
+        cog = sample(model(**inputs))
+        for h in handles:
+            h.remove()
+        assert not torch.allclose(cog, stock, atol=1e-3)
+        layers = attention_layers(model)
+        assert set(calls) == set(layers)
+        for name, (args, kw, out) in calls.items():
+            attn = layers[name]
+            x = args[0] if args else kw["hidden_states"]
+            context, mask = kw.get("encoder_hidden_states"), kw.get("attention_mask")
+            if kind == "flux":
+                rotary = kw["image_rotary_emb"]
+                expect = paper_flux_layer(attn, x, context, rotary) if name in switched else \
+                    FluxAttnProcessor()(attn, x, context, None, rotary)  # fmt: skip
+            elif kind == "sd3":
+                expect = paper_joint_layer(attn, x, context) if name in switched else \
+                    JointAttnProcessor2_0()(attn, x, encoder_hidden_states=context)  # fmt: skip
+            else:
+                expect = paper_layer(attn, x, context, mask) if name in switched else \
+                    AttnProcessor2_0()(attn, x, encoder_hidden_states=context, attention_mask=mask)  # fmt: skip
+            for got, want in zip(out if isinstance(out, tuple) else (out,), expect if isinstance(expect, tuple)
+                                 else (expect,)):  # fmt: skip
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if kind == "unet":  # the padded caption reached the cross-attention as a mask
+            assert calls[SWITCHED["unet"][1]][1]["attention_mask"] is not None
+
+
+def test_keep_softmax_zero_switches_every_layer():
+    model, inputs, _ = tiny_unet()
+    assert apply_cog_attention(model, keep_softmax=0) == list(attention_layers_in_forward_order(model))
+    assert apply_cog_attention(model, keep_softmax=1) == SWITCHED["unet"]  # a second call re-places the rule
+
+
+def attention_layers_in_forward_order(model):
+    names = list(attention_layers(model))
+    order = {"down_blocks": 0, "mid_block": 1, "up_blocks": 2}
+    return sorted(names, key=lambda n: order[n.split(".")[0]])  # stable: module order inside each stage
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_training_step_has_finite_gradients(kind):
+    model, inputs, sample = MODELS[kind]()
+    switched = apply_cog_attention(model.train(), keep_softmax=1)
+    loss = sample(model(**inputs)).square().mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    layers = attention_layers(model)
+    assert all(layers[name].to_q.weight.grad.abs().sum() > 0 for name in switched)
+
+
+def test_masks_that_are_not_key_masks_are_refused_with_the_module_name():
+    model, inputs, _ = tiny_unet()
+    apply_cog_attention(model, keep_softmax=0)
+    name = "mid_block.attentions.0.transformer_blocks.0.attn2"
+    attn = attention_layers(model)[name]
+    x, context = torch.randn(2, 4, 64), torch.randn(2, 7, 24)
+    bias = torch.randn(2, 1, 7)  # an additive bias, not a key mask
+    with pytest.raises(ValueError, match=f"{name}: the additive attention mask has entries other than 0"):
+        attn(x, encoder_hidden_states=context, attention_mask=bias)
+    per_query = torch.zeros(2, 4, 7)
+    per_query[:, 0, 3] = -10000.0  # removes a key for one query only
+    with pytest.raises(ValueError, match=f"{name}: the attention mask differs between queries or heads"):
+        attn(x, encoder_hidden_states=context, attention_mask=per_query)
+    kept = torch.zeros(2, 1, 7)
+    kept[0, 0, 5:] = float("-inf")  # a key mask (with -inf): the paper formula without keys 5 and 6 of item 0
+    expect = paper_layer(attn, x, context, mask=torch.where(kept == 0, 0.0, -1.0))
+    torch.testing.assert_close(attn(x, encoder_hidden_states=context, attention_mask=kept), expect)
+
+
+def test_unsupported_processors_and_arguments_are_refused():
+    model, _, _ = tiny_dit()
+    layer = attention_layers(model)["transformer_blocks.2.attn1"]
+    layer.set_processor(SlicedAttnProcessor(slice_size=1))
+    with pytest.raises(ValueError, match="'transformer_blocks.2.attn1' uses SlicedAttnProcessor"):
+        apply_cog_attention(model)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="keep_softmax"):
+            apply_cog_attention(model, keep_softmax=bad)
+    with pytest.raises(ValueError, match="no diffusers attention modules"):
+        apply_cog_attention(torch.nn.Linear(2, 2))
