@@ -20,8 +20,8 @@ def test_regular_install_maps_kernels_and_fid_into_uvic(tmp_path):
     assert (target / "uvic" / "fid" / "metric.py").is_file()
     assert not (target / "kernels").exists() and not (target / "fid").exists()  # no top-level `kernels` / `fid`
     code = (
-        "import uvic, uvic.kernels, uvic.fid, uvic.kernels.bench;"
-        "from uvic.kernels import unsupported_reason;"
+        "import uvic, uvic.kernels, uvic.fid, uvic.kernels.bench, uvic.integrations;"
+        "from uvic.attention import unsupported_reason;"
         "print(uvic.__file__); print(uvic.kernels.__file__); print(uvic.fid.__file__)"
     )
     # Run from an empty directory with only the install target on the path (not the checkout).
