@@ -18,15 +18,18 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
 from uvic.config import Config
+from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     abandon_newer_checkpoints,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
+    sweep_leftovers,
 )
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
+from uvic.training.lock import hold_run_dir
 from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_curve
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import build_task
@@ -61,7 +64,34 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def train(cfg: Config) -> Path:
-    """Train `cfg.task` as configured; returns the run dir. Raises FloatingPointError on a NaN/Inf loss."""
+    """Train `cfg.task` as configured; returns the run dir.
+
+    The run dir is locked for the life of the run (`uvic.training.lock`), and leftovers of interrupted saves are
+    swept before anything is read from it.
+
+    Raises:
+        RunLockedError: another run holds the run dir.
+        StorageError: a write failed (disk full, read-only, not a directory); names the last complete checkpoint.
+        CheckpointError: the checkpoint to resume fails verification.
+        FloatingPointError: the loss became NaN/Inf.
+    """
+    from accelerate import PartialState
+
+    run_dir, state = Path(cfg.train.run_dir), PartialState()
+    try:
+        with hold_run_dir(run_dir, state):
+            if state.is_main_process:
+                sweep_leftovers(run_dir)
+            state.wait_for_everyone()
+            return _train(cfg)
+    except OSError as e:
+        if isinstance(e, UvicError) or e.errno is None:  # already clear, or a message of ours (FileNotFoundError)
+            raise
+        raise StorageError(f"training stopped: {describe_os_error(e)}. The last complete checkpoint is "
+                           f"{latest_checkpoint(run_dir) or 'none'}") from e
+
+
+def _train(cfg: Config) -> Path:
     tc = cfg.train
     run_dir = Path(tc.run_dir)
 
@@ -223,4 +253,4 @@ def _resume_path(run_dir: Path, resume: str) -> Path | None:
         return None
     if resume == "latest":
         return latest_checkpoint(run_dir)
-    return resolve_checkpoint(resume)
+    return resolve_checkpoint(resume, verify=False)  # load_checkpoint verifies it
