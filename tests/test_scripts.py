@@ -199,3 +199,19 @@ def test_two_processes_match_one_process(tmp_path, image_dir):
               "--steps", "2", "--sampler", "euler_maruyama"])
     assert g.returncode == 0, g.stderr[-3000:]
     assert Image.open(tmp_path / "grid.png").size == (2 * 10 + 2, 2 * 10 + 2)
+
+
+@pytest.mark.parametrize("config_text, overrides, message", [
+    (None, ["train.max_steps=0"], "config key train.max_steps: must be >= 1, got 0"),
+    (None, ["train.betas=[0.9"], "override 'train.betas=[0.9' is not valid YAML: "),
+    ("train:\n  lr: [1e-4\n", [], "config file {config} is not valid YAML: "),
+])  # fmt: skip
+def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, overrides, message):
+    # Issue 15, items 5-6: before, a raw yaml.parser.ParserError, or an untrained model exported with exit 0.
+    config = "configs/demo_digits.yaml"
+    if config_text is not None:
+        config = tmp_path / "broken.yaml"
+        config.write_text(config_text)
+    r = _run([sys.executable, "train.py", str(config), *overrides])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {message.format(config=config)}")
