@@ -215,3 +215,11 @@ def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, ov
     r = _run([sys.executable, "train.py", str(config), *overrides])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {message.format(config=config)}")
+
+
+def test_unreadable_training_image_exits_with_one_line_before_training(tmp_path, image_dir):
+    (image_dir / "5.png").write_bytes((image_dir / "5.png").read_bytes()[:60])  # truncated
+    r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *_tiny(tmp_path / "run", image_dir)])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {image_dir / '5.png'} is not a readable image (")
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -78,6 +78,8 @@ class DataConfig:
     random_flip: bool = True
     download: bool = True
     num_workers: int = 2
+    # image_folder: leave out files that are not readable images (logged) instead of stopping with their name.
+    skip_bad_images: bool = False
     # Text-to-image (task "t2i", MS-COCO features from `python -m uvic.data.mscoco`): the probability of replacing
     # the whole context by the empty-caption features (classifier-free guidance training), the VAE latent scale
     # (it becomes `vae.config.scaling_factor`) and the autoencoder (U-ViT's autoencoder_kl.pth or a diffusers dir).
