@@ -70,12 +70,12 @@ def one_line(message: str) -> str:
 
 
 @contextmanager
-def cli_errors() -> Iterator[None]:
-    """For the scripts only: exit with `error: <message>` (status 1, no traceback) on a `USER_ERRORS` exception.
-
-    Any other exception propagates with its traceback: it is a bug, not bad input.
+def cli_errors(status: int = 1) -> Iterator[None]:
+    """For the scripts only: on a `USER_ERRORS` exception, write `error: <message>` as one line to stderr and exit
+    with `status` (no traceback). Any other exception propagates with its traceback: it is a bug, not bad input.
     """
     try:
         yield
     except USER_ERRORS as e:
-        sys.exit(f"error: {one_line(str(e)) or type(e).__name__}")
+        sys.stderr.write(f"error: {one_line(str(e)) or type(e).__name__}\n")
+        raise SystemExit(status) from None
