@@ -8,14 +8,9 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from uvic.diffusion_t2i import (
-    Text2ImageTask,
-    drop_context,
-    guided_epsilon,
-    official_to_guidance_scale,
-    t2i_diffusion_loss,
-)
+from uvic.diffusion_t2i import Text2ImageTask, drop_context, t2i_diffusion_loss
 from uvic.models import build_preset
+from uvic.pipelines.pipeline_uvic_t2i import guided_epsilon, official_to_guidance_scale
 from uvic.schedulers.timesteps import network_timestep
 from uvic.training.rng import ShardedRNG
 

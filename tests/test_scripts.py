@@ -115,8 +115,8 @@ def test_sample_grid_of_a_class_conditional_pipeline(tmp_path):
     grid = np.asarray(Image.open(tmp_path / "grid.png")).astype(int)
     # Image i has seed 5 + i and class i % 3, as in --out-dir mode.
     cells = [grid[2 + r * 10 : 10 + r * 10, 2 + c * 10 : 10 + c * 10] for r in range(2) for c in range(2)]
-    balanced = generate(pipe, [5, 6, 7, 8], 4, 2, class_labels=[0, 1, 2, 0]).astype(int)
-    shifted = generate(pipe, [5, 6, 7, 8], 4, 2, class_labels=[1, 2, 0, 1]).astype(int)
+    balanced = generate(pipe, [5, 6, 7, 8], batch_size=4, num_inference_steps=2, class_labels=[0, 1, 2, 0]).astype(int)
+    shifted = generate(pipe, [5, 6, 7, 8], batch_size=4, num_inference_steps=2, class_labels=[1, 2, 0, 1]).astype(int)
     assert max(np.abs(cell - want).max() for cell, want in zip(cells, balanced)) <= 1
     # The labels reach the model (an untrained model's images are mostly saturated, so some cells barely move).
     assert max(np.abs(cell - other).max() for cell, other in zip(cells, shifted)) > 1

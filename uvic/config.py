@@ -134,6 +134,8 @@ class SampleConfig:
     guidance_scale: float = 2.0
     num_images: int = 64
     seed: int = 0
+    # Images per pipeline call for the grids (the images do not depend on it).
+    batch_size: int = 64
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,6 @@
 * Loss (`t2i_diffusion_loss`, U-ViT `LSimple` + `CFGDataset`): z0 is re-drawn from the stored VAE moments at
   every step, the whole (77, 768) context is replaced by the empty-caption features with probability p_uncond
   (0.1), t ~ U{0..999}, x_t = sqrt(abar_t) z0 + sqrt(1 - abar_t) eps, loss = mean((eps - eps_hat)^2).
-* Guidance (`guided_epsilon`): diffusers' convention eps_u + g (eps_c - eps_u). U-ViT's
-  `eps_c + s (eps_c - eps_u)` is the same with g = 1 + s (`official_to_guidance_scale`), so the official
-  `scale=1.0` is `guidance_scale=2.0`.
 * `Text2ImageTask`: the training task (`uvic.training.tasks` interface) for `cfg.task == "t2i"`.
 """
 
@@ -31,8 +28,6 @@ from uvic.schedulers.timesteps import network_timestep
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "official_to_guidance_scale",
-    "guided_epsilon",
     "drop_context",
     "t2i_diffusion_loss",
     "Text2ImageTask",
@@ -46,16 +41,6 @@ class RNG(Protocol):
     def randn(self, *shape: int) -> torch.Tensor: ...
 
     def randint(self, high: int, *shape: int) -> torch.Tensor: ...
-
-
-def official_to_guidance_scale(scale: float) -> float:
-    """U-ViT `config.sample.scale` -> diffusers `guidance_scale` (1.0 -> 2.0)."""
-    return 1.0 + scale
-
-
-def guided_epsilon(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-    """Classifier-free guidance, diffusers convention: eps_u + g (eps_c - eps_u). Shapes (B, C, H, W)."""
-    return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
 
 
 def drop_context(context: torch.Tensor, empty_context: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
@@ -178,31 +163,23 @@ class Text2ImageTask:
             return AutoencoderKL.from_pretrained(spec, scaling_factor=self.cfg.data.latent_scale)
         return load_ldm_autoencoder(spec, scaling_factor=self.cfg.data.latent_scale)
 
-    def build_scheduler(self, sampler: str | None = None):
-        """"uvit_dpm_solver" (official) or any discrete sampler of `uvic.schedulers.build_scheduler`."""
-        from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
-
-        sampler = sampler or self.cfg.sample.sampler
-        d = self.cfg.diffusion
-        if sampler == "uvit_dpm_solver":
-            return UViTDPMSolverScheduler(num_train_timesteps=d.num_train_timesteps, beta_start=d.beta_start,
-                                          beta_end=d.beta_end, beta_schedule=d.beta_schedule)
+    def pipeline(self, model: nn.Module, vae=None, sampler: str | None = None):
+        """A `UViCText2ImagePipeline` around `model` with the configured (or given) sampler."""
+        from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
         from uvic.schedulers import build_scheduler
 
-        return build_scheduler(sampler, d)
-
-    def pipeline(self, model: nn.Module, vae=None, sampler: str | None = None):
-        from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
-
         vae = vae if vae is not None else self.load_vae()
-        return UViCText2ImagePipeline(transformer=model, vae=vae, scheduler=self.build_scheduler(sampler))
+        if vae is None:
+            raise ValueError("data.vae is not set: a text-to-image pipeline needs the autoencoder")
+        scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
+        return UViCText2ImagePipeline(transformer=model, vae=vae, scheduler=scheduler)
 
     def on_sample(self, ema_model: nn.Module, step: int, run_dir: Path) -> None:
         """A grid for the first `num_images` captions of the val split (train if there is none)."""
         import numpy as np
 
         from uvic.data.mscoco import MSCOCOFeatures
-        from uvic.pipelines.sampling import save_grid
+        from uvic.pipelines.sampling import generate, save_grid
 
         vae = self.load_vae()
         if vae is None:
@@ -215,16 +192,11 @@ class Text2ImageTask:
         device = next(ema_model.parameters()).device
         pipe = self.pipeline(ema_model, vae=vae.to(device))
         pipe.set_progress_bar_config(disable=True)
-        images = []
-        for start in range(0, len(rows), 16):
-            chunk = rows[start : start + 16]
-            gens = [torch.Generator().manual_seed(s.seed + int(r)) for r in chunk]
-            out = pipe(prompt_embeds=features.context(chunk), negative_prompt_embeds=self.empty_context,
-                       guidance_scale=s.guidance_scale, num_inference_steps=s.num_inference_steps, generator=gens,
-                       output_type="np").images
-            images.append((out * 255).round().astype(np.uint8))
+        images = generate(pipe, [s.seed + int(r) for r in rows], batch_size=s.batch_size,
+                          num_inference_steps=s.num_inference_steps, prompt_embeds=features.context(rows),
+                          negative_prompt_embeds=self.empty_context, guidance_scale=s.guidance_scale)
         path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
-        save_grid(np.concatenate(images), path)
+        save_grid(images, path)
         logger.info("wrote %s", path)
 
     def export(self, ema_model: nn.Module, out_dir: Path) -> None:

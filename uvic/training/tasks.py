@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from uvic.config import Config, config_from_dict
-from uvic.training.checkpoint import load_model_weights, read_checkpoint_config, resolve_checkpoint
+from uvic.config import Config
 from uvic.training.rng import ShardedRNG
 
 
@@ -104,7 +103,7 @@ class DiffusionTask:
         pipe.set_progress_bar_config(disable=True)
         seeds = list(range(s.seed, s.seed + s.num_images))
         labels = self._grid_labels(len(seeds))
-        images = generate(pipe, seeds, batch_size=min(len(seeds), 64), num_inference_steps=s.num_inference_steps,
+        images = generate(pipe, seeds, batch_size=s.batch_size, num_inference_steps=s.num_inference_steps,
                           class_labels=labels)
         path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
         save_grid(images, path, scale=max(1, 32 // self.cfg.model.img_size))  # tiny images: enlarged to >= 32 px
@@ -140,19 +139,3 @@ def build_task(cfg: Config) -> Task:
     if cfg.task not in TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; expected one of {sorted(TASKS)}")
     return TASKS[cfg.task](cfg)
-
-
-def task_from_checkpoint(path: str | Path, weights: str = "ema") -> tuple[Any, nn.Module, Config]:
-    """(task, model with the checkpoint's `weights`, config) from a checkpoint dir or a run dir (latest)."""
-    ckpt = resolve_checkpoint(path)
-    cfg = config_from_dict(read_checkpoint_config(ckpt))
-    task = build_task(cfg)
-    model = load_model_weights(task.build_model(), ckpt, weights)
-    return task, model.eval(), cfg
-
-
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Export the EMA weights of a checkpoint (or a run's latest) with its task's `export`; returns `out_dir`."""
-    task, model, _ = task_from_checkpoint(path)
-    task.export(model, Path(out_dir))
-    return Path(out_dir)
