@@ -37,10 +37,10 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     with cli_errors():  # bad input, a locked run dir, a failed write or a diverged run: one line, exit 1
         if args.export:
-            from uvic.training.tasks import export_checkpoint
+            from uvic.training.runs import export
 
             source = cfg.train.run_dir if args.export == "latest" else args.export
-            print(export_checkpoint(source, f"{cfg.train.run_dir}/pipeline"))
+            print(export(source, f"{cfg.train.run_dir}/pipeline"))
             return
         from uvic.training import train
 

@@ -115,9 +115,9 @@ def test_yaml_syntax_errors_name_the_file_or_override_and_the_position(tmp_path)
 
 
 def test_every_numeric_field_has_a_range():
-    from uvic.config import LMRunConfig, numeric_fields
+    from uvic.config import LMRunConfig, Text2ImageRunConfig, numeric_fields
 
-    for cfg in (Config(), LMRunConfig()):
+    for cfg in (Config(), Text2ImageRunConfig(), LMRunConfig()):
         keys = numeric_fields(cfg)
         assert "train.max_steps" in keys and "train.betas" in keys and "sample.num_images" in keys
         assert not [k for k in keys if k not in RANGES]

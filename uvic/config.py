@@ -3,9 +3,16 @@
     cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
     model = UViTModel(**dataclasses.asdict(cfg.model))
 
-The dataclass defaults are the official CIFAR-10 U-ViT-S/2 recipe (U-ViT `configs/cifar10_uvit_small.py`,
-see docs/uvit_reference.md sections 2.1 and 4); `configs/*.yaml` files hold only what differs. Unknown keys and
-values of the wrong type are errors that name the key, never silently ignored.
+Every config dataclass of the project lives here. A run config's class depends on `task`:
+
+    task          class                  sections
+    "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
+    "t2i"         `Text2ImageRunConfig`  the same, with data = Text2ImageDataConfig (stored MS-COCO features)
+    "lm"          `LMRunConfig`          model (LMModelConfig), data (LMDataConfig), train (LMTrainConfig)
+
+The diffusion defaults are the official CIFAR-10 U-ViT-S/2 recipe (U-ViT `configs/cifar10_uvit_small.py`; see
+docs/conventions.md, "Training recipes"), the LM defaults the paper's Sec. 4.1 recipe; `configs/*.yaml` files hold
+only what differs. Unknown keys and values of the wrong type are errors that name the key, never silently ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ from typing import Any, Literal
 import yaml
 
 from uvic.errors import ConfigError
-from uvic.lm.config import LMDataConfig, LMModelConfig
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class DiffusionConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Which dataset (`name`: "cifar10" | "image_folder" | "digits") and how it is read."""
+    """Which image dataset (`name`: "cifar10" | "image_folder" | "digits") and how it is read (task "diffusion")."""
 
     name: str = "cifar10"
     root: str = "data/cifar10"
@@ -80,11 +86,19 @@ class DataConfig:
     num_workers: int = 2
     # image_folder: leave out files that are not readable images (logged) instead of stopping with their name.
     skip_bad_images: bool = False
-    # Text-to-image (task "t2i", MS-COCO features from `python -m uvic.data.mscoco`): the probability of replacing
-    # the whole context by the empty-caption features (classifier-free guidance training), the VAE latent scale
-    # (it becomes `vae.config.scaling_factor`) and the autoencoder (U-ViT's autoencoder_kl.pth or a diffusers dir).
+
+
+@dataclass(frozen=True)
+class Text2ImageDataConfig:
+    """MS-COCO features from `python -m uvic.data.mscoco` (task "t2i"; U-ViT's t2i pipeline has no flip)."""
+
+    root: str = "data/coco256_features"
+    num_workers: int = 2
+    # Probability of replacing the whole context by the empty-caption features (classifier-free guidance training).
     p_uncond: float = 0.1
+    # The VAE latent scale (U-ViT: 0.23010, not SD's 0.18215); it becomes `vae.config.scaling_factor`.
     latent_scale: float = 0.2301
+    # The autoencoder for sample grids and the exported pipeline: U-ViT's autoencoder_kl.pth or a diffusers dir.
     vae: str = ""
 
 
@@ -138,18 +152,12 @@ class SampleConfig:
     guidance_scale: float = 2.0
     num_images: int = 64
     seed: int = 0
+    # Images per pipeline call for the grids (the images do not depend on it).
+    batch_size: int = 64
 
 
-@dataclass(frozen=True)
-class Config:
-    """Everything one run needs. `task` picks the training task (see `uvic.training.tasks`)."""
-
-    task: str = "diffusion"
-    model: UViTConfig = field(default_factory=UViTConfig)
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    sample: SampleConfig = field(default_factory=SampleConfig)
+class _RunConfig:
+    """Serialisation shared by the run configs."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (tuples become lists), the form stored in run dirs and checkpoints."""
@@ -160,13 +168,73 @@ class Config:
 
 
 @dataclass(frozen=True)
+class Config(_RunConfig):
+    """Everything one diffusion run needs. `task` picks the training task (see `uvic.training.tasks`)."""
+
+    task: str = "diffusion"
+    model: UViTConfig = field(default_factory=UViTConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+
+@dataclass(frozen=True)
+class Text2ImageRunConfig(Config):
+    """A text-to-image run (`task: t2i`): `Config` with the stored-features data section."""
+
+    task: str = "t2i"
+    data: Text2ImageDataConfig = field(default_factory=Text2ImageDataConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Language models (Cogformer)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LMModelConfig:
+    """Cogformer architecture, exactly `CogformerConfig.__init__`'s architecture kwargs (a test pins the two);
+    defaults are the paper's 141M model (Sec. 4.1)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention: Literal["cog", "softmax"] = "cog"  # "cog" (Cogformer) or "softmax" (the Transformer baseline)
+    num_softmax_layers: int = 1  # softmax in the first and last k layers: 1 at 141M, 2 at 600M, 3 at 1B
+    attention_backend: str = "auto"
+    initializer_range: float = 0.02
+
+
+@dataclass(frozen=True)
+class LMDataConfig:
+    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`)."""
+
+    path: str = ""
+    format: str = "auto"  # "auto" (".bin" suffix -> "bin", else "text"), "bin" or "text"
+    tokenizer: str = "byte"  # for text: "byte", a tokenizer.json, a sentencepiece .model, or a tokenizer dir
+    token_dtype: str = "uint16"  # element type of a .bin file
+    block_size: int = 2048  # tokens per training sequence (the paper's context length)
+    val_path: str | None = None  # optional held-out data in the same format
+    num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
+
+
+@dataclass(frozen=True)
 class LMTrainConfig(TrainConfig):
-    """`TrainConfig` with the paper's LM defaults (Sec. 4.1): AdamW betas (0.9, 0.95), wd 0.1, clip 1.0,
-    warm-up then cosine decay to 4% of the peak, bf16-friendly; no EMA (the exported model is the trained one)."""
+    """`TrainConfig` with the paper's LM recipe (Sec. 4.1; App. C uses lr 3.2e-4, warm-up 4800 for 600M/1B):
+    AdamW betas (0.9, 0.95), weight decay 0.1 on weight matrices and embeddings (not on norm gains: the LM task's
+    parameter groups), clip 1.0, linear warm-up then cosine decay to 4% of the peak; no EMA (the exported model
+    is the trained one)."""
 
     run_dir: str = "runs/lm"
     max_steps: int = 762_940  # 100B tokens / (64 x 2048 tokens per step)
-    batch_size: int = 64
+    batch_size: int = 64  # sequences of block_size tokens per optimizer step
     lr: float = 2e-4
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -178,10 +246,8 @@ class LMTrainConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
-class LMRunConfig(Config):
-    """A Cogformer language-model run (`task: lm`): `model` is `LMModelConfig` (exactly `CogformerConfig`'s
-    architecture kwargs) and `data` is `LMDataConfig` (token `.bin` or text + tokenizer); `train` has the paper's
-    defaults. `diffusion` and `sample` are unused."""
+class LMRunConfig(_RunConfig):
+    """A Cogformer language-model run (`task: lm`)."""
 
     task: str = "lm"
     model: LMModelConfig = field(default_factory=LMModelConfig)
@@ -189,8 +255,9 @@ class LMRunConfig(Config):
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
 
-# The config class of each task whose sections differ from the diffusion ones.
-CONFIG_CLASSES: dict[str, type] = {"lm": LMRunConfig}
+# The config class of each task (any other task name uses `Config`).
+CONFIG_CLASSES: dict[str, type] = {"diffusion": Config, "t2i": Text2ImageRunConfig, "lm": LMRunConfig}
+RunConfig = Config | Text2ImageRunConfig | LMRunConfig
 
 
 def _plain(obj: Any) -> Any:
@@ -206,7 +273,7 @@ def _plain(obj: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML deltas at `path`, then dotted `key=value` overrides (values parsed as YAML).
 
     Raises:
@@ -247,8 +314,8 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where} is not valid YAML: {problem}{at}") from None
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build a `Config` from a (possibly partial) nested dict, checking every key and type."""
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build the run config of `data["task"]` from a (possibly partial) nested dict, checking every key and type."""
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
     return validate_ranges(_build(CONFIG_CLASSES.get(task, Config), data, prefix=""))
 
@@ -355,7 +422,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.sample_every": _AT_LEAST_0, "train.save_every": _AT_LEAST_0, "train.keep_checkpoints": _AT_LEAST_0,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
-    "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED,
+    "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
 }  # fmt: skip
 
 

@@ -128,7 +128,7 @@ def test_build_and_convert_schedulers():
     assert isinstance(convert_scheduler(ddim, "dpm_solver"), DPMSolverMultistepScheduler)
     with pytest.raises(ValueError, match="does not apply to a continuous"):
         build_scheduler("ddim", vp)
-    with pytest.raises(ValueError, match="does not apply to this discrete"):
+    with pytest.raises(ValueError, match="does not apply to a discrete"):
         convert_scheduler(ddim, "euler_maruyama")
 
 

@@ -203,7 +203,8 @@ def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
 @pytest.mark.parametrize("sampler, scheduler_cls", [("ddpm", "DDPMScheduler"), ("dpm_solver", "DPMSolverMultistepScheduler")])
 def test_discrete_schedule_trains_and_samples_with_stock_diffusers_schedulers(tmp_path, image_dir, tiny_overrides,
                                                                             sampler, scheduler_cls):
-    from uvic.pipelines.sampling import generate, load_pipeline
+    from uvic.pipelines.sampling import generate
+    from uvic.training.runs import load_pipeline
 
     run = tmp_path / "run"
     extra = {"diffusion.schedule": "discrete", "diffusion.beta_schedule": "scaled_linear",

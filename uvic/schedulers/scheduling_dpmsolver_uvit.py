@@ -68,6 +68,8 @@ class UViTDPMSolverScheduler(SchedulerMixin, ConfigMixin):
         prediction_type: only "epsilon" (what U-ViT predicts).
     """
 
+    # Same betas config as these diffusers schedulers, so `from_config` switches between them.
+    _compatibles = ["DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler"]
     order = 1  # one model evaluation per `step()` call (diffusers uses this for progress-bar bookkeeping)
 
     @register_to_config

@@ -6,7 +6,7 @@ like diffusers' continuous `ScoreSdeVeScheduler`), and `step(model_output, times
 the grid. Samples are (B, C, H, W); the model output is the noise prediction eps_hat of the same shape.
 
 - `VPSDEEulerMaruyamaScheduler`: U-ViT's `sde.euler_maruyama`, the sampler behind the official CIFAR-10 FID 3.11
-  (docs/uvit_reference.md Sec. 2.1): time grid `[0] + linspace(t_eps, 1, n)` walked from 1 down to 0, the drift
+  (docs/conventions.md, "Samplers"): time grid `[0] + linspace(t_eps, 1, n)` walked from 1 down to 0, the drift
   evaluated at the upper time of each interval, no noise on the last step. The grid, and so every network time
   input, is the official float32 one bit for bit; the step coefficients are computed in float64 from those grid
   values (the official code uses float32 arithmetic), so samples agree to float32 rounding, not bit for bit.
@@ -32,19 +32,35 @@ from uvic.schedulers.vpsde import VPSDE
 class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
     """Shared bookkeeping: the VP-SDE, the continuous grid `times` (n + 1,), `timesteps` (n,) and the step index."""
 
+    _compatibles = ["VPSDEEulerMaruyamaScheduler", "VPSDEDPMSolverScheduler"]
     order = 1
     init_noise_sigma = 1.0
+
+    def _reset(self) -> None:
+        # No grid until `set_timesteps`.
+        self.times = None
+        self.timesteps = None
+        self.num_inference_steps = None
+        self._step_index = 0
 
     @property
     def sde(self) -> VPSDE:
         return VPSDE(self.config.beta_min, self.config.beta_max)
 
-    def _set_times(self, times: torch.Tensor, device: str | torch.device | None) -> None:
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+        """Fill `timesteps` with the n continuous times at which the network is evaluated (see `_grid`)."""
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        times = self._grid(num_inference_steps)
         # `times` is decreasing; steps go from times[i] to times[i + 1], and the network is evaluated at times[i].
         self.times = times
         self.timesteps = times[:-1].to(device=device, dtype=torch.float32)
         self.num_inference_steps = len(times) - 1
         self._step_index = 0
+
+    def _grid(self, num_inference_steps: int) -> torch.Tensor:
+        """The (n + 1,) decreasing time grid of the solver."""
+        raise NotImplementedError
 
     def scale_model_input(self, sample: torch.Tensor, timestep: torch.Tensor | float | None = None) -> torch.Tensor:
         """Identity (the VP-SDE network takes x_t as is); kept for diffusers pipeline compatibility."""
@@ -82,19 +98,14 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
         t_eps: float = 1e-3,
         num_train_timesteps: int = 1000,
     ):
-        self.times = None
-        self.timesteps = None
-        self.num_inference_steps = None
-        self._step_index = 0
+        self._reset()
 
-    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+    def _grid(self, num_inference_steps: int) -> torch.Tensor:
         """Grid `append(0, linspace(t_eps, 1, n))`, reversed: n steps, the last one from t_eps to 0."""
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
         # The official grid: numpy's float64 linspace (torch.linspace rounds some points differently), then cast
         # to float32 (`torch.tensor(timesteps).to(x_init)` in U-ViT's sde.py), so t and 999 t match its values.
         grid = np.append(0.0, np.linspace(self.config.t_eps, 1.0, num_inference_steps))
-        self._set_times(torch.tensor(grid[::-1].copy()).to(torch.float32), device)
+        return torch.tensor(grid[::-1].copy()).to(torch.float32)
 
     def step(
         self,
@@ -145,23 +156,18 @@ class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
         t_eps: float = 1e-4,
         num_train_timesteps: int = 1000,
     ):
-        self.times = None
-        self.timesteps = None
-        self.num_inference_steps = None
-        self._step_index = 0
+        self._reset()
         self._prev_x0 = None
 
-    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+    def _grid(self, num_inference_steps: int) -> torch.Tensor:
         """A grid uniform in lambda (half log-SNR) from t = 1 to t = t_eps, n steps."""
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        self._prev_x0 = None  # a new grid starts a new multistep history
         sde = self.sde
         lam = torch.linspace(sde.lambda_(1.0), sde.lambda_(self.config.t_eps), num_inference_steps + 1,
                              dtype=torch.float64)
         times = sde.t_from_lambda(lam)
         times[0], times[-1] = 1.0, self.config.t_eps  # exact ends despite round-off in the inverse
-        self._set_times(times, device)
-        self._prev_x0 = None
+        return times
 
     def step(
         self,

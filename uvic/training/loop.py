@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
-from uvic.config import Config
+from uvic.config import RunConfig
 from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     abandon_newer_checkpoints,
@@ -63,7 +63,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: RunConfig) -> Path:
     """Train `cfg.task` as configured; returns the run dir.
 
     The run dir is locked for the life of the run (`uvic.training.lock`), and leftovers of interrupted saves are
@@ -91,7 +91,7 @@ def train(cfg: Config) -> Path:
                            f"{latest_checkpoint(run_dir) or 'none'}") from e
 
 
-def _train(cfg: Config) -> Path:
+def _train(cfg: RunConfig) -> Path:
     tc = cfg.train
     run_dir = Path(tc.run_dir)
 
@@ -129,8 +129,9 @@ def _train(cfg: Config) -> Path:
     if tc.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     ema = EMA(model, tc.ema_decay)
+    # The task names its weight-decay groups (U-ViT decays everything; the LM exempts norm gains and biases).
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps, weight_decay=tc.weight_decay
+        task.param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps
     )
     # Not passed to accelerate.prepare: its wrapper steps the schedule once per process.
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(

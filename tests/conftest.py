@@ -1,3 +1,5 @@
+"""Fixtures shared by the training and script tests: a tiny image folder and the overrides of a seconds-long run."""
+
 import numpy as np
 import pytest
 from PIL import Image
