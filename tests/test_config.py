@@ -119,7 +119,7 @@ def test_every_numeric_field_has_a_range():
 
     for cfg in (Config(), Text2ImageRunConfig(), LMRunConfig()):
         keys = numeric_fields(cfg)
-        assert "train.max_steps" in keys and "train.betas" in keys and "sample.num_images" in keys
+        assert "train.max_steps" in keys and "train.betas" in keys and "data.num_workers" in keys
         assert not [k for k in keys if k not in RANGES]
         assert validate_ranges(cfg) is cfg  # the defaults are in range
     assert "model.vocab_size" in numeric_fields(LMRunConfig()) and "model.head_dim" in numeric_fields(LMRunConfig())
@@ -130,20 +130,20 @@ def test_every_numeric_field_has_a_range():
     ("train.warmup_steps=-1", "config key train.warmup_steps: must be >= 0, got -1"),
     ("train.lr=-2e-4", "config key train.lr: must be > 0, got -0.0002"),
     ("train.lr=.nan", "config key train.lr: must be a finite number, got nan"),
-    ("train.betas=[0.9, 1.5]", "config key train.betas: must be in [0, 1), got (0.9, 1.5)"),
+    ("train.betas=[0.9,1.5]", "config key train.betas: must be in [0, 1), got (0.9, 1.5)"),
     ("train.ema_decay=1.1", "config key train.ema_decay: must be in [0, 1], got 1.1"),
     ("train.seed=-1", "config key train.seed: must be in [0, 2**32), got -1"),
     ("train.save_every=-5", "config key train.save_every: must be >= 0, got -5"),
     ("model.num_classes=0", "config key model.num_classes: must be -1 (unconditional) or >= 1, got 0"),
     ("model.depth=0", "config key model.depth: must be >= 1, got 0"),
-    ("data.p_uncond=2", "config key data.p_uncond: must be in [0, 1], got 2.0"),
+    ("task=t2i data.p_uncond=2", "config key data.p_uncond: must be in [0, 1], got 2.0"),
     ("diffusion.beta_end=0", "config key diffusion.beta_end: must be in (0, 1), got 0.0"),
     ("diffusion.beta_max=0.05", "config keys diffusion.beta_min / beta_max: beta_max (0.05) must be >= beta_min (0.1)"),
     ("sample.num_inference_steps=0", "config key sample.num_inference_steps: must be >= 1, got 0"),
 ])  # fmt: skip
 def test_values_out_of_range_are_errors(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [override])
+        load_config(None, override.split(" "))
     assert str(e.value) == message
 
 
