@@ -21,10 +21,25 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from uvic.errors import StorageError, cli_errors
 from uvic.pipelines import UViCText2ImagePipeline
-from uvic.pipelines.sampling import balanced_class_labels, generate, mscoco_prompt_embeds, sample_to_folder, save_grid
+from uvic.pipelines.sampling import (
+    balanced_class_labels,
+    check_output,
+    generate,
+    mscoco_prompt_embeds,
+    sample_to_folder,
+    save_grid,
+)
 from uvic.schedulers import SAMPLERS
 from uvic.training.runs import load_pipeline
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -40,12 +55,12 @@ def main() -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--grid", metavar="PNG", help="write one image grid")
     mode.add_argument("--out-dir", metavar="DIR", help="write one PNG per image (for FID)")
-    p.add_argument("--num-images", type=int, default=64)
+    p.add_argument("--num-images", type=positive_int, default=64)
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: the pipeline's scheduler")
-    p.add_argument("--steps", type=int, default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
+    p.add_argument("--steps", type=positive_int, default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
     p.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--grid-scale", type=int, default=1, help="enlarge each grid image this many times (tiny images)")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--grid-scale", type=positive_int, default=1, help="enlarge each grid image this many times (tiny images)")
     t2i = p.add_argument_group("text-to-image pipelines")
     t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); grid mode")
     t2i.add_argument("--prompts-file", help="one prompt per line; grid mode")
@@ -56,10 +71,12 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     state = Accelerator()  # reads `accelerate launch` settings (processes, --cpu)
-    prompts = read_prompts(args)
-    try:  # a text encoder is only needed (and attached, if the pipeline has none) for prompts
+    try:  # everything that can be checked is checked before any sampling starts
+        prompts = read_prompts(args)
+        check_output(grid=args.grid, out_dir=args.out_dir)
+        # A text encoder is only needed (and attached, if the pipeline has none) for prompts.
         pipe = load_pipeline(args.source, args.sampler, text_encoder=args.clip if args.grid and prompts else None)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, StorageError) as e:
         p.error(str(e))
     text = isinstance(pipe, UViCText2ImagePipeline)
     if text and args.grid and not prompts:
@@ -71,7 +88,7 @@ def main() -> None:
     pipe.to(state.device)
     pipe.set_progress_bar_config(disable=True)
     common = {"batch_size": args.batch_size, "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
-    with torch.inference_mode():
+    with torch.inference_mode(), cli_errors():  # e.g. the disk fills up: one line, exit 1
         if args.grid:
             if state.is_main_process:  # a grid is small: the main process draws it alone
                 seeds = list(range(args.seed, args.seed + args.num_images))

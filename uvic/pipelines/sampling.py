@@ -35,6 +35,7 @@ __all__ = [
     "PIPELINE_CLASSES",
     "attach_text_encoder",
     "balanced_class_labels",
+    "check_output",
     "generate",
     "is_pipeline_dir",
     "load_pretrained",
@@ -73,10 +74,17 @@ def load_pretrained(
     path = Path(path)
     if not is_pipeline_dir(path):
         raise FileNotFoundError(f"{path} is not a pipeline directory (no model_index.json)")
-    name = pipeline_class_name(json.loads((path / "model_index.json").read_text()))
+    try:
+        name = pipeline_class_name(json.loads((path / "model_index.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path / 'model_index.json'} is unreadable ({type(e).__name__}: {e})") from e
     if name not in PIPELINE_CLASSES:
         raise ValueError(f"{path} holds a {name!r} pipeline; expected one of {sorted(PIPELINE_CLASSES)}")
-    pipe = PIPELINE_CLASSES[name].from_pretrained(str(path))
+    try:
+        pipe = PIPELINE_CLASSES[name].from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
+        raise ValueError(f"cannot load the pipeline in {path}, a file in it is missing or damaged "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
     if sampler is not None:
         pipe.scheduler = convert_scheduler(pipe.scheduler, sampler)
     return attach_text_encoder(pipe, text_encoder)
@@ -132,8 +140,8 @@ def generate(
     Returns:
         (N, H, W, C) uint8 images.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size < 1 or num_inference_steps < 1:
+        raise ValueError(f"batch_size and num_inference_steps must be >= 1, got {batch_size} and {num_inference_steps}")
     text = isinstance(pipe, UViCText2ImagePipeline)
     if text and (prompts is None) == (prompt_embeds is None):
         raise ValueError("a text-to-image pipeline needs exactly one of prompts and prompt_embeds")
@@ -181,10 +189,18 @@ def sample_to_folder(
     `prompts[i]`, or `prompt_embeds[idx]` ((n, L, D) for an index array, e.g. `mscoco_prompt_embeds`). Files that
     already exist are skipped, and each file is written to a temporary name then renamed, so an interrupted run
     can simply be restarted. Returns the number of images this process wrote.
+
+    An existing file counts as done only if it reads as a complete PNG (`uvic.data.images.check_image`); a
+    truncated or empty one (e.g. from a copy that ran out of space) is generated again. Each file is fsync'ed
+    before its rename, and temporary files that an interrupted run left for this process's images are removed.
     """
+    if num_images < 1:
+        raise ValueError(f"num_images must be >= 1, got {num_images}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(process_index, num_images, num_processes) if not (out_dir / f"{i:06d}.png").exists()]
+    mine = range(process_index, num_images, num_processes)
+    _remove_stale_temporaries(out_dir, set(mine))
+    todo = [i for i in mine if not _is_complete_png(out_dir / f"{i:06d}.png")]
     if class_labels is None and not isinstance(pipe, UViCText2ImagePipeline):
         class_labels = balanced_class_labels(pipe, range(num_images))
     for k in range(0, len(todo), batch_size):
@@ -199,10 +215,70 @@ def sample_to_folder(
         for i, img in zip(chunk, images):
             final = out_dir / f"{i:06d}.png"
             tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
-            Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(tmp, format="PNG")
+            with open(tmp, "wb") as f:  # on disk before the rename, so a power cut never leaves a short file
+                Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, final)
+        _fsync_dir(out_dir)  # the renames themselves
     logger.info("process %d wrote %d images to %s", process_index, len(todo), out_dir)
     return len(todo)
+
+
+def _is_complete_png(path: Path) -> bool:
+    from uvic.data.images import check_image
+
+    if not path.exists():
+        return False
+    problem = check_image(path)
+    if problem is not None:
+        logger.warning("%s is damaged (%s): generating it again", path, problem)
+    return problem is None
+
+
+def _remove_stale_temporaries(out_dir: Path, indices: set[int]) -> None:
+    """Remove `.{i:06d}.png.tmp{pid}` files for image indices i of this process (no other process writes them)."""
+    for tmp in out_dir.glob(".??????.png.tmp*"):
+        if tmp.name[1:7].isdigit() and int(tmp.name[1:7]) in indices:
+            tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None) -> None:
+    """Before any sampling: the grid's format can be written and its folder (or `out_dir`) accepts files.
+
+    Raises:
+        ValueError: a grid extension PIL cannot write.
+        StorageError: the folder cannot be created or written (read-only, a file in the way, no permission).
+    """
+    from uvic.errors import StorageError, describe_os_error
+
+    if grid is not None:
+        grid = Path(grid)
+        ext = grid.suffix.lower()
+        fmt = Image.registered_extensions().get(ext)
+        if fmt is None or fmt not in Image.SAVE:
+            writable = sorted(e for e, f in Image.registered_extensions().items() if f in Image.SAVE and e in
+                              (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"))
+            raise ValueError(f"cannot write a grid as {grid.name!r}: unknown image extension {ext or '(none)'!r}; "
+                             f"use one of {', '.join(writable)}")
+    folder = Path(out_dir) if out_dir is not None else (grid.parent if grid is not None else None)
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StorageError(f"cannot write to {folder}: {describe_os_error(e)}") from e
 
 
 class _CaptionRows:
