@@ -4,6 +4,7 @@ deletions and failed writes (issue 15, items 1-4). Each asserts the exact outcom
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -148,6 +149,28 @@ def test_a_step_that_disagrees_with_its_directory_is_refused(tmp_path, image_dir
         verify_checkpoint(step6)
 
 
+def test_export_refuses_a_corrupted_checkpoint(tmp_path, image_dir, tiny_overrides):
+    from uvic.training.runs import export
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, image_dir)
+    train(load_config(None, overrides))
+    step2, step4 = (p for _, p in list_checkpoints(run))
+    shutil.rmtree(run / "pipeline")
+    ema = step4 / "ema.safetensors"
+    ema.write_bytes(ema.read_bytes()[:-8] + bytes(8))  # the last float changed
+    message = (f"checkpoint {step4} failed verification: {ema} is corrupted (its SHA-256 differs from the one "
+               f"recorded when it was saved); the newest checkpoint of this run that verifies is {step2}")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}"):
+        export(run, run / "pipeline")
+    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+    assert not (run / "pipeline").exists()
+    assert export(step2, run / "pipeline") == run / "pipeline"  # the named one exports
+
+
 # 3. A kill while a checkpoint is being deleted.
 
 
@@ -230,13 +253,14 @@ def test_failed_checkpoint_write_removes_the_partial_checkpoint(tmp_path, image_
 def test_a_real_file_in_the_way_is_one_clear_line(tmp_path, image_dir, tiny_overrides):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file")
-    for run, reason in [(blocker, "a file is in the way"), (blocker / "run", "not a directory")]:
-        r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml",
-                            *tiny_overrides(run, image_dir)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 1 and "Traceback" not in r.stderr
-        line = r.stderr.strip().splitlines()[-1]
-        assert line.startswith(f"error: cannot use {run} as the run dir: {reason}"), r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml",
+                        *tiny_overrides(blocker / "run", image_dir)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot use {blocker / 'run'} as the run dir: not a directory (a file is in the way)"), r.stderr[-2000:]
+    with pytest.raises(StorageError, match=rf"^cannot use {blocker} as the run dir: a file is in the way"):
+        train(load_config(None, tiny_overrides(blocker, image_dir)))
     # A real checkpoints/ path blocked by a file: the save itself fails, and the run stops with the reason.
     run = tmp_path / "run"
     run.mkdir()

@@ -63,7 +63,7 @@ class RunDirLock:
 
 @contextmanager
 def hold_run_dir(run_dir: str | Path, state: Any) -> Iterator[None]:
-    """Hold the run-dir lock on the main process of `state` (an accelerate `PartialState`) while the block runs.
+    """Hold the run-dir lock on the main process of `state` (the run's `Accelerator`) while the block runs.
 
     Every process learns the outcome (a collective), so that in a second launch all processes stop with the same
     error instead of the others waiting forever for a main process that gave up.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +76,10 @@ def train(cfg: RunConfig) -> Path:
         CheckpointError: the checkpoint to resume fails verification.
         FloatingPointError: the loss became NaN/Inf.
     """
-    from accelerate import PartialState
-
-    run_dir, state = Path(cfg.train.run_dir), PartialState()
+    run_dir = Path(cfg.train.run_dir)
     try:
-        with hold_run_dir(run_dir, state):
-            if state.is_main_process:
-                sweep_leftovers(run_dir)
-            state.wait_for_everyone()
-            return _train(cfg)
+        with ExitStack() as stack:  # holds the run-dir lock, taken by _train once the accelerator exists
+            return _train(cfg, stack)
     except OSError as e:
         if isinstance(e, UvicError) or e.errno is None:  # already clear, or a message of ours (FileNotFoundError)
             raise
@@ -91,11 +87,11 @@ def train(cfg: RunConfig) -> Path:
                            f"{latest_checkpoint(run_dir) or 'none'}") from e
 
 
-def _train(cfg: RunConfig) -> Path:
+def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     tc = cfg.train
     run_dir = Path(tc.run_dir)
 
-    # 1. Setup: accelerator, seeds, run dir, resolved config.
+    # 1. Setup: accelerator, the run-dir lock (and a sweep of what interrupted saves left), seeds, resolved config.
     accelerator = Accelerator(
         mixed_precision=tc.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -104,6 +100,10 @@ def _train(cfg: RunConfig) -> Path:
         log_with=None if tc.log_with == "none" else tc.log_with,
         project_dir=str(run_dir),
     )
+    stack.enter_context(hold_run_dir(run_dir, accelerator))
+    if accelerator.is_main_process:
+        sweep_leftovers(run_dir)
+    accelerator.wait_for_everyone()
     world = accelerator.num_processes
     if tc.batch_size % (world * tc.grad_accum_steps):
         raise ValueError(
