@@ -225,6 +225,8 @@ def test_sweep_restores_the_old_copy_of_an_interrupted_resave(tmp_path):
     (OSError(errno.ENOSPC, "No space left on device"), "disk full (No space left on device"),
     (OSError(errno.EROFS, "Read-only file system"), "read-only file system (Read-only file system"),
     (RuntimeError("basic_ios::clear: iostream error"), "write failed (RuntimeError: basic_ios::clear"),
+    (RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),
+     "disk full (RuntimeError: Error while serializing: I/O error: No space left on device (os error 28);"),
 ])  # fmt: skip
 def test_failed_checkpoint_write_removes_the_partial_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch,
                                                                 reference_run, failure, reason):
@@ -268,3 +270,24 @@ def test_a_real_file_in_the_way_is_one_clear_line(tmp_path, image_dir, tiny_over
     with pytest.raises(StorageError, match=r"could not save checkpoint .*step_000000002: a file is in the way.*"
                                            r"the last complete checkpoint is none"):
         train(load_config(None, tiny_overrides(run, image_dir)))
+
+
+def test_a_failed_write_outside_checkpoints_names_the_last_complete_checkpoint(tmp_path, image_dir, tiny_overrides,
+                                                                               monkeypatch):
+    import uvic.training.loop as loop_mod
+
+    real_append, calls = loop_mod.append_metrics, []
+
+    def append_on_a_full_disk(path, record):
+        calls.append(1)
+        if len(calls) == 3:  # the metrics line of step 3
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_append(path, record)
+
+    monkeypatch.setattr(loop_mod, "append_metrics", append_on_a_full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(StorageError) as e:
+        train(load_config(None, tiny_overrides(run, image_dir)))
+    assert str(e.value) == (f"training stopped: disk full (No space left on device: '{run / 'metrics.jsonl'}'). "
+                            f"The last complete checkpoint is {run / 'checkpoints' / 'step_000000002'}")
+    assert _steps(run) == [2] and verify_checkpoint(run / "checkpoints" / "step_000000002") == 2

@@ -57,6 +57,11 @@ _WRITE_FAILURE = re.compile(r"basic_ios|file write failed|No space left|Read-onl
                             r"Os \{ code|Not a directory|Disk quota", re.IGNORECASE)
 
 
+_WRITE_REASONS = [(r"No space left|os error 28", "disk full"), (r"Disk quota", "disk quota exceeded"),
+                  (r"Read-only file system|os error 30", "read-only file system"),
+                  (r"Permission denied|os error 13", "permission denied"), (r"Not a directory", "not a directory")]
+
+
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -241,13 +246,18 @@ def _attempt(fn: Callable[[], Any], where: Path) -> str | None:
     except OSError as e:
         return describe_os_error(e)
     except Exception as e:  # noqa: BLE001 - torch.save / safetensors report a failed write in their own types
-        if not _WRITE_FAILURE.search(str(e)):
+        text = " ".join(str(e).split())
+        if not _WRITE_FAILURE.search(text):
             raise
         try:
-            free = f"; {shutil.disk_usage(where).free / 2**20:.1f} MiB free there"
+            free_mib = shutil.disk_usage(where).free / 2**20
         except OSError:
-            free = ""
-        return f"write failed ({type(e).__name__}: {' '.join(str(e).split())}{free})"
+            free_mib = None
+        reason = next((r for pattern, r in _WRITE_REASONS if re.search(pattern, text, re.IGNORECASE)), None)
+        if reason is None and free_mib is not None and free_mib < 1:
+            reason = "write failed, probably disk full"
+        free = "" if free_mib is None else f"; {free_mib:.1f} MiB free there"
+        return f"{reason or 'write failed'} ({type(e).__name__}: {text}{free})"
 
 
 def _agree(accelerator: Accelerator, failure: str | None) -> str | None:
