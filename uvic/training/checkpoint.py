@@ -220,8 +220,6 @@ def save_checkpoint(
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         (tmp / META).write_text(json.dumps({"step": step, "sha256": _file_hashes(tmp)}))
         _move_into_place(tmp, final)
-        for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            remove_dir(old)
 
     # Each phase ends with every process learning whether any failed, so that all stop together.
     failure = _agree(accelerator, _attempt(prepare, root) if main else None)
@@ -235,6 +233,14 @@ def save_checkpoint(
         last = latest_checkpoint(run_dir) if root.is_dir() else None
         raise StorageError(f"could not save checkpoint {final}: {failure}. The partial checkpoint was removed; "
                            f"the last complete checkpoint is {last or 'none'}")
+    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal.
+    if main:
+        for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            try:
+                remove_dir(old)
+            except OSError as e:
+                logger.warning("could not delete the old checkpoint %s: %s", old, describe_os_error(e))
+    accelerator.wait_for_everyone()
     return final
 
 
