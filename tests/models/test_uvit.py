@@ -228,7 +228,8 @@ def test_which_blocks_are_cog(depth, expected):
         uvit = build_preset("uvit-s2-mscoco", depth=depth)
     assert uvic.cog_block_names() == expected  # doc 1.5: 11 of 13 / 15 of 17
     assert uvit.cog_block_names() == []
-    assert not uvic.in_blocks[0].attn.cog and not uvic.out_blocks[-1].attn.cog and uvic.mid_block.attn.cog
+    assert [uvic.in_blocks[0].attn.attention, uvic.out_blocks[-1].attn.attention, uvic.mid_block.attn.attention] == [
+        "softmax", "softmax", "cog"]
 
 
 def test_cog_flag_changes_the_computation():

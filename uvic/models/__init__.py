@@ -14,7 +14,6 @@ from uvic.models.uvit import (
     UViTModel,
     UViTOutput,
     build_preset,
-    load_official_checkpoint,
     uvit_from_official,
 )
 
@@ -36,6 +35,5 @@ __all__ = [
     "UViTOutput",
     "UVIT_PRESETS",
     "build_preset",
-    "load_official_checkpoint",
     "uvit_from_official",
 ]
