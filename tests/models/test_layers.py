@@ -13,7 +13,7 @@ from uvic.models.layers import Attention, Mlp, PatchEmbed, patchify, timestep_em
 
 @pytest.mark.parametrize("dim", [8, 64, 512])
 def test_timestep_embedding_matches_diffusers_cos_first(dim):
-    # U-ViT's embedding is diffusers' with flip_sin_to_cos=True, downscale_freq_shift=0 (reference doc 1.1).
+    # U-ViT's embedding is diffusers' with flip_sin_to_cos=True, downscale_freq_shift=0 (docs/conventions.md, "Timestep embedding").
     t = torch.tensor([0.0, 1.0, 3.5, 999.0, 1000.0])
     ours = timestep_embedding(t, dim)
     ref = get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)

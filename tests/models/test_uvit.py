@@ -1,8 +1,8 @@
 """Tests for UViTModel (U-ViT / U-ViC).
 
 Independent references used here:
-- parameter counts, key lists and shapes written out from the reference doc (uvit_reference.md 1.3-1.5) and the
-  U-ViT paper's Table 1;
+- parameter counts, key lists and shapes written out from docs/conventions.md ("Official checkpoints",
+  "Cog placement") and the U-ViT paper's Table 1;
 - `_official_forward`: a functional re-implementation of the official `UViT.forward` (math attention path)
   that reads only a state dict and the doc's rules (token order, LIFO skips, Cog placement, unpatchify layout).
 """
