@@ -17,6 +17,8 @@ def test_model_config_fields_are_the_model_kwargs():
     model = UViTModel(**{**dataclasses.asdict(UViTConfig()), "embed_dim": 16, "depth": 2, "num_heads": 2,
                          "img_size": 8})
     assert model.config.attention == "cog"
+    # One default for the attention switch, in the schema and in the model.
+    assert inspect.signature(UViTModel.__init__).parameters["attention"].default == UViTConfig.attention == "cog"
 
 
 def test_defaults_are_the_official_cifar10_recipe():

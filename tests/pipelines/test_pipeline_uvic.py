@@ -171,7 +171,7 @@ def test_transformer_gets_999t_from_the_continuous_schedulers():
 )  # fmt: skip
 @pytest.mark.parametrize("num_classes", [-1, 3])
 def test_transformer_gets_t_plus_1_from_discrete_schedulers(scheduler, expected, num_classes):
-    # U-ViT's discrete models are trained on n = diffusers t + 1 (reference doc pitfall 2), as the loss feeds them.
+    # U-ViT's discrete models are trained on n = diffusers t + 1 (docs/conventions.md, "Timesteps"), as the loss feeds them.
     torch.manual_seed(0)
     pipe = UViCPipeline(UViTModel(**{**TINY, "num_classes": num_classes}).eval(), scheduler)
     pipe.set_progress_bar_config(disable=True)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from conftest import VAE_TINY  # tests/conftest.py: the tiny VAE of the text-to-image tests
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
 
 from uvic.models import build_preset
@@ -12,8 +13,6 @@ from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline, guided_epsi
 from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
 
-VAE_TINY = {"block_out_channels": (8, 16), "down_block_types": ("DownEncoderBlock2D",) * 2,
-                "up_block_types": ("UpDecoderBlock2D",) * 2, "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 16}
 PROMPTS = ["a red bus on a street", "two cats on a sofa"]
 
 

@@ -6,35 +6,19 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from uvic.data.mscoco import MSCOCOFeatures, extract_features
+from uvic.data.mscoco import MSCOCOFeatures
 from uvic.models import build_preset
-from uvic.models.autoencoder import build_vae
-from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
 from uvic.pipelines.sampling import generate, load_pretrained, mscoco_prompt_embeds, sample_to_folder
 from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, make_tiny_coco):
     tmp = tmp_path_factory.mktemp("t2i")
-    rng = np.random.default_rng(0)
-    (tmp / "img").mkdir()
-    images, anns = [], []
-    for i in range(3):
-        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp / "img" / f"{i}.png")
-        images.append({"id": i, "file_name": f"{i}.png"})
-        anns += [{"id": 10 * i + j, "image_id": i, "caption": f"photo {i} number {j}"} for j in range(2)]
-    (tmp / "cap.json").write_text(json.dumps({"images": images, "annotations": anns}))
-    torch.manual_seed(0)
-    vae = build_vae(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=4, sample_size=16)
-    te = CLIPTextEncoder(context_length=5, width=16, heads=2, layers=1).eval()
-    extract_features(tmp / "img", tmp / "cap.json", tmp / "feat", "val", vae, te, resolution=16, num_workers=0,
-                     device="cpu")
+    _, vae, te = make_tiny_coco(tmp, 3)
     pipe = UViCText2ImagePipeline(transformer=build_preset("uvic-tiny-t2i", attention_backend="torch").eval(),
                                   vae=vae.eval(), scheduler=UViTDPMSolverScheduler(), text_encoder=te)
     pipe.save_pretrained(tmp / "pipe")

@@ -14,7 +14,7 @@ from uvic.pipelines import UViCPipeline
 from uvic.training import train
 from uvic.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint, sweep_leftovers
 from uvic.training.logs import read_metrics
-from uvic.training.loop import _resume_path, lr_lambda
+from uvic.training.loop import lr_lambda, resume_checkpoint
 from uvic.training.tasks import DiffusionTask
 
 
@@ -156,7 +156,7 @@ def test_resume_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, im
     train(load_config(None, tiny_overrides(run, image_dir, **branch)))
     # Only the new branch is rotated: before, the stale step 4 survived (and was "latest") and step 2 was deleted.
     assert [s for s, _ in list_checkpoints(run)] == [2, 3]
-    assert _resume_path(run, "latest") == latest_checkpoint(run) == run / "checkpoints" / "step_000000003"
+    assert resume_checkpoint(run, "latest") == latest_checkpoint(run) == run / "checkpoints" / "step_000000003"
     (abandoned,) = (run / "checkpoints" / "abandoned").iterdir()
     assert abandoned.name.startswith("after_step_000000002_")
     assert sorted(p.name for p in abandoned.iterdir()) == ["metrics.jsonl", "step_000000003", "step_000000004"]

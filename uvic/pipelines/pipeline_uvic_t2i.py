@@ -21,6 +21,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
+from uvic.pipelines.pipeline_uvic import postprocess_images
 from uvic.schedulers.timesteps import network_timestep_for
 
 
@@ -215,10 +216,6 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
             images = latents
         else:
             z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-            images = (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
-            if output_type != "pt":
-                images = images.cpu().permute(0, 2, 3, 1).numpy()
-                if output_type == "pil":
-                    images = self.numpy_to_pil(images)
+            images = postprocess_images(self.vae.decode(z).sample, output_type)
         self.maybe_free_model_hooks()
         return ImagePipelineOutput(images=images) if return_dict else (images,)

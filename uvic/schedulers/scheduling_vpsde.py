@@ -62,6 +62,34 @@ class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
         """The (n + 1,) decreasing time grid of the solver."""
         raise NotImplementedError
 
+    def step(
+        self,
+        model_output: torch.Tensor,
+        timestep: torch.Tensor | float,
+        sample: torch.Tensor,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        return_dict: bool = True,
+    ) -> SchedulerOutput | tuple:
+        """One step from times[i] to times[i + 1] (i counts the calls since `set_timesteps`).
+
+        Args:
+            model_output: (B, C, H, W) eps_hat at time t = times[i].
+            timestep: t, as in `timesteps` (the scheduler keeps its own index; accepted for diffusers pipelines).
+            sample: (B, C, H, W) x_t.
+            generator: one generator, or one per sample (so each sample's noise is its own); deterministic
+                solvers ignore it.
+            return_dict: return a `SchedulerOutput` instead of a tuple.
+        Returns:
+            `SchedulerOutput` with `prev_sample`, x at times[i + 1], or `(prev_sample,)`.
+        """
+        i = self._next_index()
+        prev = self._update(i, model_output.to(sample.dtype), sample, generator)
+        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+
+    def _update(self, i: int, eps: torch.Tensor, sample: torch.Tensor, generator) -> torch.Tensor:
+        """The solver's update x_{times[i]} -> x_{times[i + 1]} given eps_hat at times[i]."""
+        raise NotImplementedError
+
     def scale_model_input(self, sample: torch.Tensor, timestep: torch.Tensor | float | None = None) -> torch.Tensor:
         """Identity (the VP-SDE network takes x_t as is); kept for diffusers pipeline compatibility."""
         return sample
@@ -107,32 +135,18 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
         grid = np.append(0.0, np.linspace(self.config.t_eps, 1.0, num_inference_steps))
         return torch.tensor(grid[::-1].copy()).to(torch.float32)
 
-    def step(
-        self,
-        model_output: torch.Tensor,
-        timestep: torch.Tensor | float,
-        sample: torch.Tensor,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        return_dict: bool = True,
-    ) -> SchedulerOutput | tuple:
-        """x_s = x_t + (f - g^2 score)(s - t) + g sqrt(t - s) z with score = -eps_hat / sigma(t); z = 0 when s = 0.
-
-        Args:
-            model_output: (B, C, H, W) eps_hat at time t.
-            sample: (B, C, H, W) x_t.
-            generator: one generator, or one per sample (so each sample's noise is its own).
-        """
-        i = self._next_index()
+    def _update(self, i: int, eps: torch.Tensor, sample: torch.Tensor, generator) -> torch.Tensor:
+        """x_s = x_t + (f - g^2 score)(s - t) + g sqrt(t - s) z with score = -eps_hat / sigma(t); z = 0 when s = 0."""
         t, s = float(self.times[i]), float(self.times[i + 1])  # the float32 grid values, coefficients in float64
         sde = self.sde
         beta = sde.beta(t)
         # Reverse drift f(x, t) - g(t)^2 score(x, t), with f = -beta x / 2, g^2 = beta, score = -eps_hat / sigma.
-        drift = -0.5 * beta * sample + (beta / sde.sigma(t)) * model_output.to(sample.dtype)
+        drift = -0.5 * beta * sample + (beta / sde.sigma(t)) * eps
         prev = sample + drift * (s - t)
         if s > 0:  # U-ViT adds no noise on the final step to t = 0.
             z = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=sample.dtype)
             prev = prev + math.sqrt(beta * (t - s)) * z
-        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+        return prev
 
 
 class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
@@ -169,28 +183,14 @@ class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
         times[0], times[-1] = 1.0, self.config.t_eps  # exact ends despite round-off in the inverse
         return times
 
-    def step(
-        self,
-        model_output: torch.Tensor,
-        timestep: torch.Tensor | float,
-        sample: torch.Tensor,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        return_dict: bool = True,
-    ) -> SchedulerOutput | tuple:
-        """One DPM-Solver++ step from times[i] to times[i + 1]: first order on the first step, then 2M.
-
-        Args:
-            model_output: (B, C, H, W) eps_hat at time t.
-            sample: (B, C, H, W) x_t.
-            generator: unused (the solver is deterministic); accepted for pipeline compatibility.
-        """
-        i = self._next_index()
+    def _update(self, i: int, eps: torch.Tensor, sample: torch.Tensor, generator) -> torch.Tensor:
+        """One DPM-Solver++ step from times[i] to times[i + 1]: first order on the first step, then 2M."""
         sde = self.sde
         t, s = float(self.times[i]), float(self.times[i + 1])
         alpha_t, sigma_t = math.sqrt(sde.alpha_bar(t)), sde.sigma(t)
         alpha_s, sigma_s = math.sqrt(sde.alpha_bar(s)), sde.sigma(s)
         h = sde.lambda_(s) - sde.lambda_(t)
-        x0 = (sample - sigma_t * model_output.to(sample.dtype)) / alpha_t  # data prediction
+        x0 = (sample - sigma_t * eps) / alpha_t  # data prediction
         if self._prev_x0 is None:
             d = x0
         else:
@@ -200,4 +200,4 @@ class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
             d = (1.0 + 0.5 / r) * x0 - (0.5 / r) * self._prev_x0
         prev = (sigma_s / sigma_t) * sample - alpha_s * math.expm1(-h) * d
         self._prev_x0 = x0
-        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+        return prev

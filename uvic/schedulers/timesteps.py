@@ -1,15 +1,15 @@
 """The one place a diffusion time becomes the timestep value the U-ViT network embeds.
 
-U-ViT trains its two kinds of model on different time inputs (docs/uvit_reference.md Sec. 2.1, 2.2, 7.3):
+U-ViT trains its two kinds of model on different time inputs (docs/conventions.md, "Timesteps"):
 
     schedule    time t (training sample, scheduler timestep)            network input
     "vpsde"     continuous t in [0, 1] (VP-SDE, CIFAR-10)                time_scale * t = 999 t  (`ScoreModel.predict`)
-    "discrete"  diffusers' 0-based DDPM step t in {0, ..., N - 1}        t + 1 in {1, ..., N}    (pitfall 2)
+    "discrete"  diffusers' 0-based DDPM step t in {0, ..., N - 1}        t + 1 in {1, ..., N}
 
 The discrete offset exists because U-ViT's `Schedule` prepends beta_0 = 0: its `cum_alphas[n]` equals diffusers'
 `alphas_cumprod[n - 1]`, and training feeds the network n. Fractional t (DPM-Solver stages) shifts the same way.
 
-The training losses (`uvic.training.losses`, `uvic.diffusion_t2i`) call `network_timestep` on the time they
+The training losses (`uvic.training.losses`) call `network_timestep` on the time they
 sampled; the pipelines call `network_timestep_for(scheduler, t)` on each entry of `scheduler.timesteps`, which
 holds the time t above (the VP-SDE schedulers hold continuous t; diffusers' discrete schedulers their 0-based step).
 """

@@ -111,7 +111,7 @@ def _train(cfg: RunConfig, stack: ExitStack) -> Path:
             f"{world} x {tc.grad_accum_steps}"
         )
     local_batch = tc.batch_size // (world * tc.grad_accum_steps)
-    resume = _resume_path(run_dir, tc.resume)
+    resume = resume_checkpoint(run_dir, tc.resume)
     set_seed(tc.seed, device_specific=True)
     torch.backends.cuda.matmul.allow_tf32 = tc.allow_tf32
     torch.backends.cudnn.allow_tf32 = tc.allow_tf32
@@ -243,8 +243,9 @@ def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     return run_dir
 
 
-def _resume_path(run_dir: Path, resume: str) -> Path | None:
-    """"" -> None (and no existing checkpoints allowed), "latest" -> the newest or None, else that checkpoint."""
+def resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint `train.resume` names: "" -> None (and `run_dir` must have no checkpoints), "latest" -> the
+    newest one or None, anything else -> that checkpoint dir (checked)."""
     if resume == "":
         if latest_checkpoint(run_dir) is not None:
             raise ValueError(

@@ -95,34 +95,7 @@ def test_a_few_training_steps_reduce_the_loss():
     assert np.isfinite(after) and after < 0.8 * before
 
 
-def _features(tmp_path):
-    """A tiny extracted-features folder in the uvic.data.mscoco format (written by the real extractor)."""
-    from PIL import Image
-
-    from uvic.data.mscoco import extract_features
-    from uvic.models.autoencoder import build_vae
-    from uvic.models.text_encoder import CLIPTextEncoder
-
-    rng = np.random.default_rng(0)
-    (tmp_path / "img").mkdir()
-    images, anns = [], []
-    for i in range(8):
-        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / "img" / f"{i}.png")
-        images.append({"id": i, "file_name": f"{i}.png"})
-        anns += [{"id": 10 * i + j, "image_id": i, "caption": f"picture {i} take {j}"} for j in range(2)]
-    (tmp_path / "cap.json").write_text(json.dumps({"images": images, "annotations": anns}))
-    torch.manual_seed(0)
-    vae = build_vae(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=4, sample_size=16)
-    te = CLIPTextEncoder(context_length=5, width=16, heads=2, layers=1)
-    for split in ("train", "val"):
-        extract_features(tmp_path / "img", tmp_path / "cap.json", tmp_path / "feat", split, vae, te, resolution=16,
-                         num_workers=0, device="cpu")
-    vae.save_pretrained(tmp_path / "vae")
-    return tmp_path / "feat", tmp_path / "vae"
-
-
-def test_text2image_task_in_the_training_loop(tmp_path):
+def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
     """`train(cfg)` with the t2i task from the task registry: trains, writes a sample grid and checkpoints, and
     exports a t2i pipeline that carries the config's latent scale and sampler."""
     from uvic.config import (
@@ -138,7 +111,9 @@ def test_text2image_task_in_the_training_loop(tmp_path):
     from uvic.training.tasks import TASKS
 
     assert TASKS["t2i"] is Text2ImageTask
-    root, vae_dir = _features(tmp_path)
+    root, vae, _ = make_tiny_coco(tmp_path, 8, splits=("train", "val"))
+    vae_dir = tmp_path / "vae"
+    vae.save_pretrained(vae_dir)
     cfg = Text2ImageRunConfig(
         model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=32, depth=4, num_heads=2, clip_dim=16,
                          num_clip_token=5, attention="cog", attention_backend="torch"),
