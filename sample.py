@@ -36,6 +36,7 @@ from uvic.training.runs import load_pipeline
 
 
 def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (counts and sizes)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")

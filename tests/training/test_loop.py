@@ -223,3 +223,15 @@ def test_discrete_schedule_trains_and_samples_with_stock_diffusers_schedulers(tm
     from_run.set_progress_bar_config(disable=True)
     assert type(from_run.scheduler).__name__ == scheduler_cls
     np.testing.assert_array_equal(generate(from_run, [0, 1, 2], batch_size=2, num_inference_steps=3), images)
+
+
+def test_a_config_built_in_python_is_range_checked_by_train(tmp_path, image_dir, tiny_overrides):
+    import dataclasses
+
+    from uvic.errors import ConfigError
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", image_dir))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=0))
+    with pytest.raises(ConfigError, match=r"^config key train.max_steps: must be >= 1, got 0$"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

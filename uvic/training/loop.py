@@ -18,7 +18,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
-from uvic.config import RunConfig
+from uvic.config import RunConfig, validate_ranges
 from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     abandon_newer_checkpoints,
@@ -71,11 +71,13 @@ def train(cfg: RunConfig) -> Path:
     swept before anything is read from it.
 
     Raises:
+        ConfigError: a config value out of range (`uvic.config.validate_ranges`).
         RunLockedError: another run holds the run dir.
         StorageError: a write failed (disk full, read-only, not a directory); names the last complete checkpoint.
         CheckpointError: the checkpoint to resume fails verification.
         FloatingPointError: the loss became NaN/Inf.
     """
+    validate_ranges(cfg)  # configs built in Python skip load_config's check
     run_dir = Path(cfg.train.run_dir)
     try:
         with ExitStack() as stack:  # holds the run-dir lock, taken by _train once the accelerator exists
