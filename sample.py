@@ -21,15 +21,26 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from uvic.pipelines.export import pipeline_class_name
-from uvic.pipelines.sampling import balanced_class_labels, generate, load_pipeline, sample_to_folder, save_grid
-from uvic.pipelines.sampling_t2i import generate_t2i, load_t2i_pipeline, sample_t2i_to_folder
+from uvic.errors import StorageError, cli_errors
+from uvic.pipelines import UViCText2ImagePipeline
+from uvic.pipelines.sampling import (
+    balanced_class_labels,
+    check_output,
+    generate,
+    mscoco_prompt_embeds,
+    sample_to_folder,
+    save_grid,
+)
 from uvic.schedulers import SAMPLERS
+from uvic.training.runs import load_pipeline
 
 
-def is_text_to_image(source: str) -> bool:
-    index = Path(source) / "model_index.json"
-    return index.is_file() and pipeline_class_name(json.loads(index.read_text())) == "UViCText2ImagePipeline"
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (counts and sizes)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -45,12 +56,12 @@ def main() -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--grid", metavar="PNG", help="write one image grid")
     mode.add_argument("--out-dir", metavar="DIR", help="write one PNG per image (for FID)")
-    p.add_argument("--num-images", type=int, default=64)
+    p.add_argument("--num-images", type=positive_int, default=64)
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: the pipeline's scheduler")
-    p.add_argument("--steps", type=int, default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
+    p.add_argument("--steps", type=positive_int, default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
     p.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--grid-scale", type=int, default=1, help="enlarge each grid image this many times (tiny images)")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--grid-scale", type=positive_int, default=1, help="enlarge each grid image this many times (tiny images)")
     t2i = p.add_argument_group("text-to-image pipelines")
     t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); grid mode")
     t2i.add_argument("--prompts-file", help="one prompt per line; grid mode")
@@ -60,45 +71,44 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
-    text = is_text_to_image(args.source)
-    prompts = read_prompts(args) if text else []
+    state = Accelerator()  # reads `accelerate launch` settings (processes, --cpu)
+    try:  # everything that can be checked is checked before any sampling starts
+        prompts = read_prompts(args)
+        check_output(grid=args.grid, out_dir=args.out_dir)
+        # A text encoder is only needed (and attached, if the pipeline has none) for prompts.
+        pipe = load_pipeline(args.source, args.sampler, text_encoder=args.clip if args.grid and prompts else None)
+    except (FileNotFoundError, ValueError, StorageError) as e:
+        p.error(str(e))
+    text = isinstance(pipe, UViCText2ImagePipeline)
     if text and args.grid and not prompts:
         p.error("a text-to-image pipeline needs --prompt or --prompts-file for a grid")
     if text and args.out_dir and not args.features:
         p.error("a text-to-image pipeline needs --features (extracted MS-COCO captions) for --out-dir")
     if not text and (prompts or args.features):
         p.error(f"{args.source} is not a text-to-image pipeline; --prompt/--prompts-file/--features do not apply")
-
-    state = Accelerator()  # reads `accelerate launch` settings (processes, --cpu)
-    try:
-        if text:
-            pipe = load_t2i_pipeline(args.source, args.sampler, text_encoder=args.clip if args.grid else None)
-        else:
-            pipe = load_pipeline(args.source, args.sampler)
-    except (FileNotFoundError, ValueError) as e:
-        p.error(str(e))
     pipe.to(state.device)
     pipe.set_progress_bar_config(disable=True)
-    with torch.inference_mode():
+    common = {"batch_size": args.batch_size, "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
+    with torch.inference_mode(), cli_errors():  # e.g. the disk fills up: one line, exit 1
         if args.grid:
             if state.is_main_process:  # a grid is small: the main process draws it alone
+                seeds = list(range(args.seed, args.seed + args.num_images))
                 if text:
-                    prompts = (prompts * args.num_images)[: args.num_images]
-                    seeds = list(range(args.seed, args.seed + len(prompts)))
-                    images = generate_t2i(pipe, seeds, args.batch_size, args.steps, args.guidance_scale,
-                                          prompts=prompts)
-                else:
-                    seeds = list(range(args.seed, args.seed + args.num_images))
-                    labels = balanced_class_labels(pipe, range(args.num_images))  # as in --out-dir mode
-                    images = generate(pipe, seeds, args.batch_size, args.steps, class_labels=labels)
+                    images = generate(pipe, seeds, prompts=(prompts * args.num_images)[: args.num_images], **common)
+                else:  # class i % num_classes, as in --out-dir mode
+                    images = generate(pipe, seeds, class_labels=balanced_class_labels(pipe, range(len(seeds))),
+                                      **common)
                 print(save_grid(images, args.grid, scale=args.grid_scale))
-        elif text:
-            sample_t2i_to_folder(pipe, args.features, args.out_dir, args.num_images, args.seed, args.batch_size,
-                                 args.steps, args.guidance_scale, process_index=state.process_index,
-                                 num_processes=state.num_processes)
         else:
-            sample_to_folder(pipe, args.out_dir, args.num_images, args.seed, args.batch_size, args.steps,
-                             state.process_index, state.num_processes)
+            conditions = {}
+            if text:
+                embeds, empty, captions = mscoco_prompt_embeds(args.features, args.num_images, args.seed)
+                conditions = {"prompt_embeds": embeds, "negative_prompt_embeds": empty}
+                if state.is_main_process:  # which caption each file used
+                    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+                    (Path(args.out_dir) / "captions.json").write_text(json.dumps(captions))
+            sample_to_folder(pipe, args.out_dir, args.num_images, seed=args.seed, **common, **conditions,
+                             process_index=state.process_index, num_processes=state.num_processes)
     state.wait_for_everyone()
 
 

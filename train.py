@@ -10,9 +10,9 @@
 import argparse
 import dataclasses
 import logging
-import sys
 
 from uvic.config import load_config
+from uvic.errors import cli_errors
 
 
 def main() -> None:
@@ -35,18 +35,16 @@ def main() -> None:
         print(cfg.to_yaml(), end="")
         return
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    try:
+    with cli_errors():  # bad input, a locked run dir, a failed write or a diverged run: one line, exit 1
         if args.export:
-            from uvic.training.tasks import export_checkpoint
+            from uvic.training.runs import export
 
             source = cfg.train.run_dir if args.export == "latest" else args.export
-            print(export_checkpoint(source, f"{cfg.train.run_dir}/pipeline"))
+            print(export(source, f"{cfg.train.run_dir}/pipeline"))
             return
         from uvic.training import train
 
         train(cfg)
-    except (FileNotFoundError, ValueError, FloatingPointError) as e:  # bad input or a diverged run: the message
-        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from uvic.errors import cli_errors
+
 from .inception import DIMS, MODES, WEIGHTS_ENV, WEIGHTS_NAME, WEIGHTS_SHA256_PREFIX
 from .inputs import open_source
 from .metric import compute_fid, fid_from_stats
@@ -81,8 +83,9 @@ def _run(args: argparse.Namespace) -> str:
         return open_source(spec, value_range=args.value_range, recursive=args.recursive, md5_check=args.md5_check)
 
     if args.command == "stats":
+        src = source(args.source)  # checks every image before the network is loaded
         ext = load_extractor(mode=args.mode, dims=args.dims, **weights)
-        stats = compute_stats(source(args.source), extractor=ext, num_samples=args.num_samples, **opts)
+        stats = compute_stats(src, extractor=ext, num_samples=args.num_samples, **opts)
         save_stats(stats, args.out)
         return f"wrote {args.out}: n={stats.n} dims={stats.dims} mode={stats.mode} source={stats.name}"
 
@@ -120,10 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
+    with cli_errors(status=2):  # bad input: one line, no traceback
         line = _run(args)
-    except (ValueError, FileNotFoundError) as e:
-        parser.exit(2, f"error: {e}\n")
     if process_state().is_main_process:
         print(line, file=sys.stdout)
 

@@ -183,7 +183,15 @@ class InceptionExtractor(nn.Module):
         self.weights_path = str(path)
         features = [str(dims)] + (["logits_unbiased"] if with_logits else [])
         # Given a path, torch-fidelity loads it strictly with torch.load and never downloads.
-        self.net = FeatureExtractorInceptionV3("inception-v3-compat", features, feature_extractor_weights_path=path)
+        try:
+            self.net = FeatureExtractorInceptionV3("inception-v3-compat", features,
+                                                   feature_extractor_weights_path=path)
+        except Exception as e:  # noqa: BLE001 - torch.load / load_state_dict: UnpicklingError, RuntimeError, ...
+            checked = "was skipped" if sha256 is None else "passed"
+            raise ValueError(
+                f"cannot load the FID Inception weights {str(path)!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                f"the file is corrupt or not {WEIGHTS_NAME} (its SHA-256 check {checked})"
+            ) from e
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -24,6 +24,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from uvic.data.images import check_image
+from uvic.errors import DataError
+
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +99,9 @@ class ImageFolder(Dataset):
             warnings.warn(f"{len(lossy)} lossy-compressed images in {self.name} (e.g. {lossy[0].name}); "
                           "JPEG artefacts change FID, prefer PNG samples", stacklevel=3)  # fmt: skip
         first = None
-        for p in self.files:  # PIL reads only the header here.
+        for p in self.files:  # The header, and for PNG the chunks to the end: a truncated file fails here.
+            if (why := check_image(p)) is not None:
+                raise DataError(f"image {str(p)!r} is not a readable image ({why}); nothing was computed")
             with Image.open(p) as im:
                 size, mode = im.size, im.mode
             if mode != "RGB":
@@ -113,8 +118,11 @@ class ImageFolder(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """(3, H, W) uint8."""
-        with Image.open(self.files[i]) as im:
-            return torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        try:
+            with Image.open(self.files[i]) as im:
+                return torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        except (OSError, SyntaxError, ValueError) as e:  # damaged since the check
+            raise DataError(f"image {str(self.files[i])!r} is not a readable image ({type(e).__name__}: {e})") from e
 
 
 class ImageArray(Dataset):

@@ -5,7 +5,8 @@ import typing
 import pytest
 import yaml
 
-from uvic.config import Config, UViTConfig, config_from_dict, load_config
+from uvic.config import RANGES, Config, UViTConfig, config_from_dict, load_config, validate_ranges
+from uvic.errors import ConfigError
 from uvic.models import UViTModel
 
 
@@ -16,6 +17,8 @@ def test_model_config_fields_are_the_model_kwargs():
     model = UViTModel(**{**dataclasses.asdict(UViTConfig()), "embed_dim": 16, "depth": 2, "num_heads": 2,
                          "img_size": 8})
     assert model.config.attention == "cog"
+    # One default for the attention switch, in the schema and in the model.
+    assert inspect.signature(UViTModel.__init__).parameters["attention"].default == UViTConfig.attention == "cog"
 
 
 def test_defaults_are_the_official_cifar10_recipe():
@@ -92,3 +95,67 @@ def test_attention_field_lists_exactly_the_model_attention_kinds():
     assert kinds == ("softmax", "cog")
     for kind in kinds:  # each one builds a model; anything else is rejected by the config
         assert UViTModel(img_size=8, patch_size=2, embed_dim=16, depth=2, num_heads=2, attention=kind).config.attention == kind
+
+
+# Issue 15, items 5 and 6: YAML syntax errors and values out of range are one clear ConfigError.
+
+
+def test_yaml_syntax_errors_name_the_file_or_override_and_the_position(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("train:\n  lr: 1e-4\n  betas: [0.9, 0.99\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    # The position yaml itself reports (0-based there), printed 1-based.
+    with pytest.raises(yaml.YAMLError) as raw:
+        yaml.safe_load(p.read_text())
+    mark = raw.value.problem_mark
+    assert str(e.value) == (f"config file {p} is not valid YAML: {raw.value.problem} at line {mark.line + 1}, "
+                            f"column {mark.column + 1}")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^override 'train.betas=\[0.9' is not valid YAML: .* at line 1"):
+        load_config(None, ["train.betas=[0.9"])
+
+
+def test_every_numeric_field_has_a_range():
+    from uvic.config import LMRunConfig, Text2ImageRunConfig, numeric_fields
+
+    for cfg in (Config(), Text2ImageRunConfig(), LMRunConfig()):
+        keys = numeric_fields(cfg)
+        assert "train.max_steps" in keys and "train.betas" in keys and "data.num_workers" in keys
+        assert not [k for k in keys if k not in RANGES]
+        assert validate_ranges(cfg) is cfg  # the defaults are in range
+    assert "model.vocab_size" in numeric_fields(LMRunConfig()) and "model.head_dim" in numeric_fields(LMRunConfig())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=0", "config key train.max_steps: must be >= 1, got 0"),
+    ("train.warmup_steps=-1", "config key train.warmup_steps: must be >= 0, got -1"),
+    ("train.lr=-2e-4", "config key train.lr: must be > 0, got -0.0002"),
+    ("train.lr=.nan", "config key train.lr: must be a finite number, got nan"),
+    ("train.betas=[0.9,1.5]", "config key train.betas: must be in [0, 1), got (0.9, 1.5)"),
+    ("train.ema_decay=1.1", "config key train.ema_decay: must be in [0, 1], got 1.1"),
+    ("train.seed=-1", "config key train.seed: must be in [0, 2**32), got -1"),
+    ("train.save_every=-5", "config key train.save_every: must be >= 0, got -5"),
+    ("model.num_classes=0", "config key model.num_classes: must be -1 (unconditional) or >= 1, got 0"),
+    ("model.depth=0", "config key model.depth: must be >= 1, got 0"),
+    ("task=t2i data.p_uncond=2", "config key data.p_uncond: must be in [0, 1], got 2.0"),
+    ("diffusion.beta_end=0", "config key diffusion.beta_end: must be in (0, 1), got 0.0"),
+    ("diffusion.beta_max=0.05", "config keys diffusion.beta_min / beta_max: beta_max (0.05) must be >= beta_min (0.1)"),
+    ("sample.num_inference_steps=0", "config key sample.num_inference_steps: must be >= 1, got 0"),
+])  # fmt: skip
+def test_values_out_of_range_are_errors(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, override.split(" "))
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.vocab_size=0", "config key model.vocab_size: must be >= 1, got 0"),
+    ("model.head_dim=-8", "config key model.head_dim: must be >= 1, got -8"),
+    ("data.block_size=0", "config key data.block_size: must be >= 1, got 0"),
+    ("train.min_lr_ratio=-0.1", "config key train.min_lr_ratio: must be in [0, 1], got -0.1"),
+])  # fmt: skip
+def test_lm_values_out_of_range_are_errors(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["task=lm", override])
+    assert str(e.value) == message

@@ -40,27 +40,11 @@ def _launch2(script, *args):
                           timeout=600)
 
 
-def _tiny(run_dir, image_dir, **extra):
-    base = {
-        "model.img_size": 8, "model.patch_size": 2, "model.embed_dim": 16, "model.depth": 2, "model.num_heads": 2,
-        "data.name": "image_folder", "data.root": str(image_dir), "data.image_size": 8, "data.num_workers": 0,
-        "train.run_dir": str(run_dir), "train.batch_size": 4, "train.max_steps": 3, "train.warmup_steps": 1,
-        "train.lr": 1e-3, "train.ema_decay": 0.9, "train.log_every": 1, "train.sample_every": 0,
-        "train.save_every": 3, "train.log_with": "none", "train.cpu_threads": 1,
-        "sample.num_images": 4, "sample.num_inference_steps": 2,
-    }  # fmt: skip
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
-
-
 @pytest.fixture
-def image_dir(tmp_path):
-    d = tmp_path / "images"
-    d.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(10):
-        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(d / f"{i}.png")
-    return d
+def tiny(tiny_overrides):
+    """conftest's `tiny_overrides` for a 3-step run with one checkpoint at the end."""
+    return lambda run_dir, image_dir, **extra: tiny_overrides(
+        run_dir, image_dir, **{"train.max_steps": 3, "train.warmup_steps": 1, "train.save_every": 3, **extra})
 
 
 def test_train_dry_run_prints_the_resolved_config():
@@ -115,20 +99,20 @@ def test_sample_grid_of_a_class_conditional_pipeline(tmp_path):
     grid = np.asarray(Image.open(tmp_path / "grid.png")).astype(int)
     # Image i has seed 5 + i and class i % 3, as in --out-dir mode.
     cells = [grid[2 + r * 10 : 10 + r * 10, 2 + c * 10 : 10 + c * 10] for r in range(2) for c in range(2)]
-    balanced = generate(pipe, [5, 6, 7, 8], 4, 2, class_labels=[0, 1, 2, 0]).astype(int)
-    shifted = generate(pipe, [5, 6, 7, 8], 4, 2, class_labels=[1, 2, 0, 1]).astype(int)
+    balanced = generate(pipe, [5, 6, 7, 8], batch_size=4, num_inference_steps=2, class_labels=[0, 1, 2, 0]).astype(int)
+    shifted = generate(pipe, [5, 6, 7, 8], batch_size=4, num_inference_steps=2, class_labels=[1, 2, 0, 1]).astype(int)
     assert max(np.abs(cell - want).max() for cell, want in zip(cells, balanced)) <= 1
     # The labels reach the model (an untrained model's images are mostly saturated, so some cells barely move).
     assert max(np.abs(cell - other).max() for cell, other in zip(cells, shifted)) > 1
 
 
-def test_export_writes_the_ema_weights_of_the_checkpoint(tmp_path, image_dir):
+def test_export_writes_the_ema_weights_of_the_checkpoint(tmp_path, image_dir, tiny):
     from uvic.config import load_config
     from uvic.pipelines import UViCPipeline
     from uvic.training import train
 
     run = tmp_path / "run"
-    overrides = _tiny(run, image_dir, **{"train.max_steps": 4, "train.save_every": 2})
+    overrides = tiny(run, image_dir, **{"train.max_steps": 4, "train.save_every": 2})
     train(load_config(ROOT / "configs" / "cifar10_uvic_s2.yaml", overrides))
     for ckpt, arg in [(run / "checkpoints" / "step_000000004", []),  # default: the latest
                       (run / "checkpoints" / "step_000000002", [str(run / "checkpoints" / "step_000000002")])]:
@@ -168,12 +152,12 @@ def test_sample_out_dir_rerun_keeps_existing_files_and_regenerates_missing_ones(
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tmp_path, image_dir):
+def test_two_processes_match_one_process(tmp_path, image_dir, tiny):
     # The same global batch (4) as 1 x 4 and 2 x 2: same data order, same noise, averaged gradients.
     one, two = tmp_path / "one", tmp_path / "two"
-    r1 = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *_tiny(one, image_dir)])
+    r1 = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(one, image_dir)])
     assert r1.returncode == 0, r1.stderr[-3000:]
-    r2 = _launch2("train.py", "configs/cifar10_uvic_s2.yaml", *_tiny(two, image_dir))
+    r2 = _launch2("train.py", "configs/cifar10_uvic_s2.yaml", *tiny(two, image_dir))
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "processes=2 local_batch=2" in r2.stderr
     a = load_file(str(one / "checkpoints/step_000000003/model.safetensors"))
@@ -199,3 +183,27 @@ def test_two_processes_match_one_process(tmp_path, image_dir):
               "--steps", "2", "--sampler", "euler_maruyama"])
     assert g.returncode == 0, g.stderr[-3000:]
     assert Image.open(tmp_path / "grid.png").size == (2 * 10 + 2, 2 * 10 + 2)
+
+
+@pytest.mark.parametrize("config_text, overrides, message", [
+    (None, ["train.max_steps=0"], "config key train.max_steps: must be >= 1, got 0"),
+    (None, ["train.betas=[0.9"], "override 'train.betas=[0.9' is not valid YAML: "),
+    ("train:\n  lr: [1e-4\n", [], "config file {config} is not valid YAML: "),
+])  # fmt: skip
+def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, overrides, message):
+    # Issue 15, items 5-6: before, a raw yaml.parser.ParserError, or an untrained model exported with exit 0.
+    config = "configs/demo_digits.yaml"
+    if config_text is not None:
+        config = tmp_path / "broken.yaml"
+        config.write_text(config_text)
+    r = _run([sys.executable, "train.py", str(config), *overrides])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {message.format(config=config)}")
+
+
+def test_unreadable_training_image_exits_with_one_line_before_training(tmp_path, image_dir, tiny):
+    (image_dir / "5.png").write_bytes((image_dir / "5.png").read_bytes()[:60])  # truncated
+    r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(tmp_path / "run", image_dir)])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {image_dir / '5.png'} is not a readable image (")
+    assert not (tmp_path / "run" / "checkpoints").exists()

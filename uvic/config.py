@@ -3,14 +3,22 @@
     cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
     model = UViTModel(**dataclasses.asdict(cfg.model))
 
-The dataclass defaults are the official CIFAR-10 U-ViT-S/2 recipe (U-ViT `configs/cifar10_uvit_small.py`,
-see docs/uvit_reference.md sections 2.1 and 4); `configs/*.yaml` files hold only what differs. Unknown keys and
-values of the wrong type are errors that name the key, never silently ignored.
+Every config dataclass of the project lives here. A run config's class depends on `task`:
+
+    task          class                  sections
+    "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
+    "t2i"         `Text2ImageRunConfig`  the same, with data = Text2ImageDataConfig (stored MS-COCO features)
+    "lm"          `LMRunConfig`          model (LMModelConfig), data (LMDataConfig), train (LMTrainConfig)
+
+The diffusion defaults are the official CIFAR-10 U-ViT-S/2 recipe (U-ViT `configs/cifar10_uvit_small.py`; see
+docs/conventions.md, "Training recipes"), the LM defaults the paper's Sec. 4.1 recipe; `configs/*.yaml` files hold
+only what differs. Unknown keys and values of the wrong type are errors that name the key, never silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
-from uvic.lm.config import LMDataConfig, LMModelConfig
+from uvic.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,7 @@ class DiffusionConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Which dataset (`name`: "cifar10" | "image_folder" | "digits") and how it is read."""
+    """Which image dataset (`name`: "cifar10" | "image_folder" | "digits") and how it is read (task "diffusion")."""
 
     name: str = "cifar10"
     root: str = "data/cifar10"
@@ -76,11 +84,21 @@ class DataConfig:
     random_flip: bool = True
     download: bool = True
     num_workers: int = 2
-    # Text-to-image (task "t2i", MS-COCO features from `python -m uvic.data.mscoco`): the probability of replacing
-    # the whole context by the empty-caption features (classifier-free guidance training), the VAE latent scale
-    # (it becomes `vae.config.scaling_factor`) and the autoencoder (U-ViT's autoencoder_kl.pth or a diffusers dir).
+    # image_folder: leave out files that are not readable images (logged) instead of stopping with their name.
+    skip_bad_images: bool = False
+
+
+@dataclass(frozen=True)
+class Text2ImageDataConfig:
+    """MS-COCO features from `python -m uvic.data.mscoco` (task "t2i"; U-ViT's t2i pipeline has no flip)."""
+
+    root: str = "data/coco256_features"
+    num_workers: int = 2
+    # Probability of replacing the whole context by the empty-caption features (classifier-free guidance training).
     p_uncond: float = 0.1
+    # The VAE latent scale (U-ViT: 0.23010, not SD's 0.18215); it becomes `vae.config.scaling_factor`.
     latent_scale: float = 0.2301
+    # The autoencoder for sample grids and the exported pipeline: U-ViT's autoencoder_kl.pth or a diffusers dir.
     vae: str = ""
 
 
@@ -134,18 +152,12 @@ class SampleConfig:
     guidance_scale: float = 2.0
     num_images: int = 64
     seed: int = 0
+    # Images per pipeline call for the grids (the images do not depend on it).
+    batch_size: int = 64
 
 
-@dataclass(frozen=True)
-class Config:
-    """Everything one run needs. `task` picks the training task (see `uvic.training.tasks`)."""
-
-    task: str = "diffusion"
-    model: UViTConfig = field(default_factory=UViTConfig)
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    sample: SampleConfig = field(default_factory=SampleConfig)
+class _RunConfig:
+    """Serialisation shared by the run configs."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (tuples become lists), the form stored in run dirs and checkpoints."""
@@ -156,13 +168,73 @@ class Config:
 
 
 @dataclass(frozen=True)
+class Config(_RunConfig):
+    """Everything one diffusion run needs. `task` picks the training task (see `uvic.training.tasks`)."""
+
+    task: str = "diffusion"
+    model: UViTConfig = field(default_factory=UViTConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+
+@dataclass(frozen=True)
+class Text2ImageRunConfig(Config):
+    """A text-to-image run (`task: t2i`): `Config` with the stored-features data section."""
+
+    task: str = "t2i"
+    data: Text2ImageDataConfig = field(default_factory=Text2ImageDataConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Language models (Cogformer)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LMModelConfig:
+    """Cogformer architecture, exactly `CogformerConfig.__init__`'s architecture kwargs (a test pins the two);
+    defaults are the paper's 141M model (Sec. 4.1)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention: Literal["cog", "softmax"] = "cog"  # "cog" (Cogformer) or "softmax" (the Transformer baseline)
+    num_softmax_layers: int = 1  # softmax in the first and last k layers: 1 at 141M, 2 at 600M, 3 at 1B
+    attention_backend: str = "auto"
+    initializer_range: float = 0.02
+
+
+@dataclass(frozen=True)
+class LMDataConfig:
+    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`)."""
+
+    path: str = ""
+    format: str = "auto"  # "auto" (".bin" suffix -> "bin", else "text"), "bin" or "text"
+    tokenizer: str = "byte"  # for text: "byte", a tokenizer.json, a sentencepiece .model, or a tokenizer dir
+    token_dtype: str = "uint16"  # element type of a .bin file
+    block_size: int = 2048  # tokens per training sequence (the paper's context length)
+    val_path: str | None = None  # optional held-out data in the same format
+    num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
+
+
+@dataclass(frozen=True)
 class LMTrainConfig(TrainConfig):
-    """`TrainConfig` with the paper's LM defaults (Sec. 4.1): AdamW betas (0.9, 0.95), wd 0.1, clip 1.0,
-    warm-up then cosine decay to 4% of the peak, bf16-friendly; no EMA (the exported model is the trained one)."""
+    """`TrainConfig` with the paper's LM recipe (Sec. 4.1; App. C uses lr 3.2e-4, warm-up 4800 for 600M/1B):
+    AdamW betas (0.9, 0.95), weight decay 0.1 on weight matrices and embeddings (not on norm gains: the LM task's
+    parameter groups), clip 1.0, linear warm-up then cosine decay to 4% of the peak; no EMA (the exported model
+    is the trained one)."""
 
     run_dir: str = "runs/lm"
     max_steps: int = 762_940  # 100B tokens / (64 x 2048 tokens per step)
-    batch_size: int = 64
+    batch_size: int = 64  # sequences of block_size tokens per optimizer step
     lr: float = 2e-4
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -174,10 +246,8 @@ class LMTrainConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
-class LMRunConfig(Config):
-    """A Cogformer language-model run (`task: lm`): `model` is `LMModelConfig` (exactly `CogformerConfig`'s
-    architecture kwargs) and `data` is `LMDataConfig` (token `.bin` or text + tokenizer); `train` has the paper's
-    defaults. `diffusion` and `sample` are unused."""
+class LMRunConfig(_RunConfig):
+    """A Cogformer language-model run (`task: lm`)."""
 
     task: str = "lm"
     model: LMModelConfig = field(default_factory=LMModelConfig)
@@ -185,8 +255,9 @@ class LMRunConfig(Config):
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
 
-# The config class of each task whose sections differ from the diffusion ones.
-CONFIG_CLASSES: dict[str, type] = {"lm": LMRunConfig}
+# The config class of each task (any other task name uses `Config`).
+CONFIG_CLASSES: dict[str, type] = {"diffusion": Config, "t2i": Text2ImageRunConfig, "lm": LMRunConfig}
+RunConfig = Config | Text2ImageRunConfig | LMRunConfig
 
 
 def _plain(obj: Any) -> Any:
@@ -202,7 +273,7 @@ def _plain(obj: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML deltas at `path`, then dotted `key=value` overrides (values parsed as YAML).
 
     Raises:
@@ -214,39 +285,50 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
+        loaded = _parse_yaml(path.read_text(), f"config file {path}")
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
+            raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"override {item!r} must look like section.key=value")
+            raise ConfigError(f"override {item!r} must look like section.key=value")
         node = data
         *parents, leaf = key.strip().split(".")
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node[leaf] = _parse_yaml(raw, f"override {item!r}")
     return config_from_dict(data)
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build a `Config` from a (possibly partial) nested dict, checking every key and type."""
+def _parse_yaml(text: str, where: str) -> Any:
+    """`yaml.safe_load(text)`, with a syntax error reported as one line naming `where`, the line and the column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where} is not valid YAML: {problem}{at}") from None
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build the run config of `data["task"]` from a (possibly partial) nested dict, checking every key and type."""
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
-    return _build(CONFIG_CLASSES.get(task, Config), data, prefix="")
+    return validate_ranges(_build(CONFIG_CLASSES.get(task, Config), data, prefix=""))
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "config"
     if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys in {where}: {sorted(names)}")
+        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys in {where}: {sorted(names)}")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -262,7 +344,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Literal:
         if value not in args:
-            raise ValueError(f"config key {key}: {value!r} is not one of {list(args)}")
+            raise ConfigError(f"config key {key}: {value!r} is not one of {list(args)}")
         return value
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -271,14 +353,14 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(f"config key {key}: {value!r} does not match {hint} ({'; '.join(errors)})")
+        raise ConfigError(f"config key {key}: {value!r} does not match {hint} ({'; '.join(errors)})")
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ValueError(f"config key {key}: expected a list of {len(args)} values, got {value!r}")
+            raise ConfigError(f"config key {key}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if hint is type(None):
         if value is not None:
-            raise ValueError(f"config key {key}: expected null, got {value!r}")
+            raise ConfigError(f"config key {key}: expected null, got {value!r}")
         return None
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -290,6 +372,99 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             pass
     if hint in (int, float, str, bool):
         if type(value) is not hint:
-            raise ValueError(f"config key {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"config key {key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
         return value
     raise ValueError(f"config key {key}: unsupported type {hint}")  # a schema bug, not a user error
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Value ranges
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rule(ok: Any, text: str) -> tuple[Any, str]:
+    return ok, text
+
+
+_AT_LEAST_1 = _rule(lambda v: v >= 1, ">= 1")
+_AT_LEAST_0 = _rule(lambda v: v >= 0, ">= 0")
+_POSITIVE = _rule(lambda v: v > 0, "> 0")
+_FRACTION = _rule(lambda v: 0 <= v <= 1, "in [0, 1]")
+_OPEN_FRACTION = _rule(lambda v: 0 < v < 1, "in (0, 1)")
+_SEED = _rule(lambda v: 0 <= v < 2**32, "in [0, 2**32)")
+
+# The allowed range of every numeric config field, by dotted key (tuples: each element). A test checks that every
+# numeric field of every config class has an entry, so a new field cannot skip the check.
+RANGES: dict[str, tuple[Any, str]] = {
+    # U-ViT (model.* of diffusion tasks)
+    "model.img_size": _AT_LEAST_1, "model.patch_size": _AT_LEAST_1, "model.in_chans": _AT_LEAST_1,
+    "model.embed_dim": _AT_LEAST_1, "model.depth": _AT_LEAST_1, "model.num_heads": _AT_LEAST_1,
+    "model.mlp_ratio": _POSITIVE, "model.clip_dim": _AT_LEAST_1, "model.num_clip_token": _AT_LEAST_1,
+    "model.num_classes": _rule(lambda v: v == -1 or v >= 1, "-1 (unconditional) or >= 1"),
+    # Cogformer (model.* of the lm task)
+    "model.vocab_size": _AT_LEAST_1, "model.hidden_size": _AT_LEAST_1, "model.intermediate_size": _AT_LEAST_1,
+    "model.num_hidden_layers": _AT_LEAST_1, "model.num_attention_heads": _AT_LEAST_1, "model.head_dim": _AT_LEAST_1,
+    "model.max_position_embeddings": _AT_LEAST_1, "model.rms_norm_eps": _POSITIVE, "model.rope_theta": _POSITIVE,
+    "model.num_softmax_layers": _AT_LEAST_0, "model.initializer_range": _POSITIVE,
+    # diffusion
+    "diffusion.beta_min": _AT_LEAST_0, "diffusion.beta_max": _POSITIVE, "diffusion.time_scale": _POSITIVE,
+    "diffusion.num_train_timesteps": _AT_LEAST_1, "diffusion.beta_start": _OPEN_FRACTION,
+    "diffusion.beta_end": _OPEN_FRACTION,
+    # data (images, MS-COCO features, LM tokens)
+    "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
+    "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1,
+    # train
+    "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
+    "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,
+    "train.betas": _rule(lambda v: 0 <= v < 1, "in [0, 1)"), "train.adam_eps": _POSITIVE,
+    "train.warmup_steps": _AT_LEAST_0, "train.min_lr_ratio": _FRACTION, "train.grad_clip": _AT_LEAST_0,
+    "train.ema_decay": _FRACTION, "train.cpu_threads": _AT_LEAST_0, "train.log_every": _AT_LEAST_1,
+    "train.sample_every": _AT_LEAST_0, "train.save_every": _AT_LEAST_0, "train.keep_checkpoints": _AT_LEAST_0,
+    # sample
+    "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
+    "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
+}  # fmt: skip
+
+
+def numeric_fields(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every int / float field (tuples included) of a config, recursively; bools excluded."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(numeric_fields(value, f"{prefix}{f.name}."))
+        elif _is_number(value) or (isinstance(value, tuple) and value and all(_is_number(v) for v in value)):
+            out[prefix + f.name] = value
+        elif value is None and _numeric_hint(typing.get_type_hints(type(cfg))[f.name]):
+            out[prefix + f.name] = value
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _numeric_hint(hint: Any) -> bool:
+    return hint in (int, float) or any(_numeric_hint(a) for a in typing.get_args(hint))
+
+
+def validate_ranges(cfg: Any) -> Any:
+    """Check every numeric field of `cfg` against `RANGES` (None = unset passes; floats must be finite); returns it.
+
+    Raises:
+        ConfigError: the first field out of range, e.g. "config key train.max_steps: must be >= 1, got 0".
+    """
+    for key, value in numeric_fields(cfg).items():
+        if value is None:
+            continue
+        ok, text = RANGES.get(key, (lambda v: True, ""))
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"config key {key}: must be a finite number, got {value!r}")
+            if not ok(v):
+                raise ConfigError(f"config key {key}: must be {text}, got {value!r}")
+    d = getattr(cfg, "diffusion", None)
+    if d is not None and d.beta_max < d.beta_min:
+        raise ConfigError(f"config keys diffusion.beta_min / beta_max: beta_max ({d.beta_max}) must be >= beta_min "
+                          f"({d.beta_min})")
+    return cfg

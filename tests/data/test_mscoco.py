@@ -49,7 +49,7 @@ def test_center_crop_then_lanczos():
     out = center_crop_resize(img, RES)
     expected = np.asarray(img.crop((8, 0, 32, 24)).resize((RES, RES), Image.LANCZOS))
     np.testing.assert_array_equal(out, expected)
-    # Not torchvision's Resize + CenterCrop (bilinear, resize first): pitfall 12 of the reference doc.
+    # Not torchvision's Resize + CenterCrop (bilinear, resize first): docs/conventions.md, "MS-COCO text-to-image".
     import torchvision.transforms.functional as TF
 
     tv = np.asarray(TF.center_crop(TF.resize(img, RES), RES))

@@ -159,3 +159,32 @@ def test_generator_source_counts_and_errors():
         list(GeneratorSource([images]).batches(10, 4))
     with pytest.raises(FileNotFoundError, match="not a folder, an .npz file"):
         open_source("no/such/thing")
+
+
+# Issue 15, item 10: unreadable images are named before anything is computed.
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_folder_names_an_unreadable_image_up_front(tmp_path, damage):
+    from uvic.errors import DataError
+
+    folder = write_pngs(tmp_path / "s", smooth_images(12, size=8))
+    data = (folder / "7.png").read_bytes()
+    (folder / "7.png").write_bytes(data[: len(data) - 30] if damage == "truncated" else b"")
+    with pytest.raises(DataError, match=rf"^image '{folder / '7.png'}' is not a readable image \(.*\); nothing was "
+                                        rf"computed$"):
+        ImageFolder(folder)
+
+
+def test_cli_names_an_unreadable_image_before_loading_the_network(tmp_path, capsys):
+    from uvic.fid.__main__ import main
+
+    folder = write_pngs(tmp_path / "s", smooth_images(4, size=8))
+    (folder / "3.png").write_bytes(b"")
+    # The weights path does not exist: the folder check must come first for this message to appear.
+    with pytest.raises(SystemExit) as e:
+        main(["stats", str(folder), "--out", str(tmp_path / "o.npz"), "--weights", str(tmp_path / "w.pth")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: image '{folder / '3.png'}' is not a readable image (UnidentifiedImageError")
+    assert not (tmp_path / "o.npz").exists()

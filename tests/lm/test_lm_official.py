@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from uvic.lm.official import convert_official_state_dict, load_official_checkpoint
+from uvic.lm.official import cogformer_from_official, convert_official_state_dict
 
 
 V, D, NH, HD, FF, NL = 50, 32, 4, 8, 48, 4
@@ -98,7 +98,7 @@ def test_official_checkpoint_matches_reference_forward(tmp_path, attn_type, atte
     ckpt = official_checkpoint(attn_type)
     path = tmp_path / "ckpt.pt"
     torch.save(ckpt, path)
-    model = load_official_checkpoint(path)
+    model = cogformer_from_official(path)
     assert model.config.attention == attention
     expected_types = ["softmax", "cog", "cog", "softmax"] if attn_type == "np" else ["softmax"] * NL
     assert model.config.attention_types() == expected_types
@@ -139,10 +139,10 @@ def test_prefixed_keys_are_accepted():
 
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="trestad/CogAttn"):
-        load_official_checkpoint(tmp_path / "missing.pt")
+        cogformer_from_official(tmp_path / "missing.pt")
     torch.save({"state_dict": {}}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not an official Cogformer checkpoint"):
-        load_official_checkpoint(tmp_path / "other.pt")
+        cogformer_from_official(tmp_path / "other.pt")
     ckpt = official_checkpoint("np")
     with pytest.raises(ValueError, match="unknown official attn_type"):
         convert_official_state_dict({**ckpt["model_cfg"], "attn_type": "diff"}, ckpt["model"])
@@ -161,8 +161,8 @@ def test_pickled_objects_need_explicit_trust(tmp_path):
     ckpt["args"] = argparse.Namespace(lr=1.0)  # a non-tensor object, as training scripts often store
     torch.save(ckpt, tmp_path / "ckpt.pt")
     with pytest.raises(ValueError, match="weights_only=False"):
-        load_official_checkpoint(tmp_path / "ckpt.pt")
-    assert load_official_checkpoint(tmp_path / "ckpt.pt", weights_only=False).config.attention == "softmax"
+        cogformer_from_official(tmp_path / "ckpt.pt")
+    assert cogformer_from_official(tmp_path / "ckpt.pt", weights_only=False).config.attention == "softmax"
 
 
 @pytest.mark.parametrize("theta", [500000.0, 1000.0])
@@ -170,12 +170,12 @@ def test_rope_table_with_another_theta_is_refused(tmp_path, theta):
     ckpt = official_checkpoint("np")
     path = tmp_path / "ckpt.pt"
     torch.save(ckpt, path)
-    assert load_official_checkpoint(path).config.rope_theta == 10000.0  # the official table loads
+    assert cogformer_from_official(path).config.rope_theta == 10000.0  # the official table loads
     ckpt["model"]["freqs_cis"] = official_freqs_cis(theta)
     torch.save(ckpt, path)
     message = rf"'freqs_cis' is a RoPE table with theta {theta:g}, but this model uses theta 10000"
     with pytest.raises(ValueError, match=message):
-        load_official_checkpoint(path)
+        cogformer_from_official(path)
 
 
 def test_rope_table_of_another_shape_or_kind_is_refused():

@@ -115,7 +115,7 @@ def test_layer_placement(preset, k):
     assert cogformer_config(preset, attention="softmax").attention_types() == ["softmax"] * n
     with torch.device("meta"):
         model = CogformerForCausalLM(cfg)
-    assert [layer.self_attn.kind for layer in model.model.layers] == expected
+    assert [layer.self_attn.attention for layer in model.model.layers] == expected
 
 
 def closed_form_params(V, D, F_, n_layers, nh, hd):

@@ -13,7 +13,7 @@ from uvic.models.layers import Attention, Mlp, PatchEmbed, patchify, timestep_em
 
 @pytest.mark.parametrize("dim", [8, 64, 512])
 def test_timestep_embedding_matches_diffusers_cos_first(dim):
-    # U-ViT's embedding is diffusers' with flip_sin_to_cos=True, downscale_freq_shift=0 (reference doc 1.1).
+    # U-ViT's embedding is diffusers' with flip_sin_to_cos=True, downscale_freq_shift=0 (docs/conventions.md, "Timestep embedding").
     t = torch.tensor([0.0, 1.0, 3.5, 999.0, 1000.0])
     ours = timestep_embedding(t, dim)
     ref = get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)
@@ -86,7 +86,7 @@ def _manual_attention(attn: Attention, x: torch.Tensor, cog: bool) -> torch.Tens
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 def test_attention_matches_manual_formula(cog, backend):
     torch.manual_seed(1)
-    attn = Attention(24, num_heads=3, cog=cog, backend=backend).double()
+    attn = Attention(24, num_heads=3, attention="cog" if cog else "softmax", backend=backend).double()
     x = torch.randn(2, 7, 24, dtype=torch.float64)
     torch.testing.assert_close(attn(x), _manual_attention(attn, x, cog), rtol=1e-10, atol=1e-10)
     assert [n for n, _ in attn.named_parameters()] == ["qkv.weight", "proj.weight", "proj.bias"]
@@ -94,8 +94,8 @@ def test_attention_matches_manual_formula(cog, backend):
 
 def test_cog_and_softmax_attention_differ():
     torch.manual_seed(2)
-    soft = Attention(16, num_heads=2, cog=False)
-    cog = Attention(16, num_heads=2, cog=True)
+    soft = Attention(16, num_heads=2, attention="softmax")
+    cog = Attention(16, num_heads=2, attention="cog")
     cog.load_state_dict(soft.state_dict())
     x = torch.randn(1, 5, 16) * 3
     assert (soft(x) - cog(x)).abs().max() > 1e-3
@@ -103,7 +103,7 @@ def test_cog_and_softmax_attention_differ():
 
 def test_attention_causal_passthrough():
     torch.manual_seed(3)
-    attn = Attention(16, num_heads=2, cog=True, backend="torch")
+    attn = Attention(16, num_heads=2, attention="cog", backend="torch")
     x = torch.randn(1, 6, 16)
     y1 = attn(x, causal=True)
     x2 = x.clone()

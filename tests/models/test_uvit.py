@@ -1,8 +1,8 @@
 """Tests for UViTModel (U-ViT / U-ViC).
 
 Independent references used here:
-- parameter counts, key lists and shapes written out from the reference doc (uvit_reference.md 1.3-1.5) and the
-  U-ViT paper's Table 1;
+- parameter counts, key lists and shapes written out from docs/conventions.md ("Official checkpoints",
+  "Cog placement") and the U-ViT paper's Table 1;
 - `_official_forward`: a functional re-implementation of the official `UViT.forward` (math attention path)
   that reads only a state dict and the doc's rules (token order, LIFO skips, Cog placement, unpatchify layout).
 """
@@ -228,7 +228,8 @@ def test_which_blocks_are_cog(depth, expected):
         uvit = build_preset("uvit-s2-mscoco", depth=depth)
     assert uvic.cog_block_names() == expected  # doc 1.5: 11 of 13 / 15 of 17
     assert uvit.cog_block_names() == []
-    assert not uvic.in_blocks[0].attn.cog and not uvic.out_blocks[-1].attn.cog and uvic.mid_block.attn.cog
+    assert [uvic.in_blocks[0].attn.attention, uvic.out_blocks[-1].attn.attention, uvic.mid_block.attn.attention] == [
+        "softmax", "softmax", "cog"]
 
 
 def test_cog_flag_changes_the_computation():

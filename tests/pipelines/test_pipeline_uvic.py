@@ -8,7 +8,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, DiffusionPipeline, DPMSolver
 from uvic.config import DiffusionConfig
 from uvic.models import UViTModel
 from uvic.pipelines import UViCPipeline
-from uvic.pipelines.sampling import generate, load_pipeline, sample_to_folder, save_grid
+from uvic.pipelines.sampling import generate, load_pretrained, sample_to_folder, save_grid
 from uvic.schedulers import UViTDPMSolverScheduler, build_scheduler
 
 
@@ -95,7 +95,7 @@ def test_generic_diffusion_pipeline_loads_the_export(tmp_path):
     # The explicit custom-pipeline form keeps working, and sample.py's loader takes the directory.
     assert type(DiffusionPipeline.from_pretrained(tmp_path, custom_pipeline="pipeline_uvic",
                                                   trust_remote_code=True)) is UViCPipeline
-    assert type(load_pipeline(tmp_path)) is UViCPipeline
+    assert type(load_pretrained(tmp_path)) is UViCPipeline
 
 
 def test_stock_discrete_scheduler_and_class_labels():
@@ -132,7 +132,7 @@ def test_folder_sampling_is_sharded_and_resumable(tmp_path):
         assert np.abs(a - b).max() <= 1  # same seed -> same image, up to uint8 rounding of fp noise
     (tmp_path / "one" / "000003.png").unlink()
     assert sample_to_folder(pipe, tmp_path / "one", 5, seed=10, batch_size=5, num_inference_steps=2) == 1
-    grid = save_grid(generate(pipe, [0, 1, 2], 2, 2), tmp_path / "g.png")
+    grid = save_grid(generate(pipe, [0, 1, 2], batch_size=2, num_inference_steps=2), tmp_path / "g.png")
     assert Image.open(grid).size == (2 * (8 + 2) + 2, 2 * (8 + 2) + 2)
 
 
@@ -171,7 +171,7 @@ def test_transformer_gets_999t_from_the_continuous_schedulers():
 )  # fmt: skip
 @pytest.mark.parametrize("num_classes", [-1, 3])
 def test_transformer_gets_t_plus_1_from_discrete_schedulers(scheduler, expected, num_classes):
-    # U-ViT's discrete models are trained on n = diffusers t + 1 (reference doc pitfall 2), as the loss feeds them.
+    # U-ViT's discrete models are trained on n = diffusers t + 1 (docs/conventions.md, "Timesteps"), as the loss feeds them.
     torch.manual_seed(0)
     pipe = UViCPipeline(UViTModel(**{**TINY, "num_classes": num_classes}).eval(), scheduler)
     pipe.set_progress_bar_config(disable=True)

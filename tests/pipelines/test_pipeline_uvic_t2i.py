@@ -3,17 +3,16 @@
 import numpy as np
 import pytest
 import torch
+from conftest import VAE_TINY  # tests/conftest.py: the tiny VAE of the text-to-image tests
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
 
 from uvic.models import build_preset
 from uvic.models.autoencoder import build_vae
 from uvic.models.text_encoder import CLIPTextEncoder
-from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
+from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline, guided_epsilon, official_to_guidance_scale
 from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
 
-VAE_TINY = {"block_out_channels": (8, 16), "down_block_types": ("DownEncoderBlock2D",) * 2,
-                "up_block_types": ("UpDecoderBlock2D",) * 2, "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 16}
 PROMPTS = ["a red bus on a street", "two cats on a sofa"]
 
 
@@ -25,6 +24,15 @@ def _pipe(text_encoder=True):
                                   scheduler=UViTDPMSolverScheduler(), text_encoder=te)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def test_guidance_formula_and_scale_mapping():
+    g = torch.Generator().manual_seed(0)
+    e_c, e_u = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    for s in (0.0, 1.0, 3.5):
+        official = e_c + s * (e_c - e_u)  # U-ViT eval_t2i_discrete.cfg_nnet
+        torch.testing.assert_close(guided_epsilon(e_c, e_u, official_to_guidance_scale(s)), official)
+    assert official_to_guidance_scale(1.0) == 2.0
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,13 @@ def test_vpsde_closed_forms():
     np.testing.assert_allclose(sde.alpha_bar(t), np.exp(-(0.1 * t + 9.95 * t**2)), rtol=1e-12)
     np.testing.assert_allclose(sde.beta(t), 0.1 + 19.9 * t, rtol=1e-12)
     np.testing.assert_allclose(sde.sigma(t) ** 2 + sde.alpha_bar(t), 1.0, rtol=1e-12)
-    assert sde.alpha_bar(1.0) == pytest.approx(4.3186e-5, rel=1e-4)  # reference doc: 4.32e-5
+    assert sde.alpha_bar(1.0) == pytest.approx(4.3186e-5, rel=1e-4)  # docs/conventions.md, "Schedules": 4.32e-5
     # lambda = log(alpha / sigma) and the inverses
     lam = sde.lambda_(t[1:])
     np.testing.assert_allclose(lam, 0.5 * np.log(sde.alpha_bar(t[1:]) / (1 - sde.alpha_bar(t[1:]))), rtol=1e-12)
     np.testing.assert_allclose(sde.t_from_lambda(lam), t[1:], rtol=1e-10)
     np.testing.assert_allclose(sde.t_from_log_alpha_bar(sde.log_alpha_bar(t)), t, atol=1e-12)
-    # reference doc: t = (-0.1 + sqrt(0.01 - 39.8 ln ab)) / 19.9
+    # docs/conventions.md, "Timesteps": t = (-0.1 + sqrt(0.01 - 39.8 ln ab)) / 19.9
     ab = 0.3
     assert sde.t_from_log_alpha_bar(math.log(ab)) == pytest.approx((-0.1 + math.sqrt(0.01 - 39.8 * math.log(ab))) / 19.9)
 
@@ -128,7 +128,7 @@ def test_build_and_convert_schedulers():
     assert isinstance(convert_scheduler(ddim, "dpm_solver"), DPMSolverMultistepScheduler)
     with pytest.raises(ValueError, match="does not apply to a continuous"):
         build_scheduler("ddim", vp)
-    with pytest.raises(ValueError, match="does not apply to this discrete"):
+    with pytest.raises(ValueError, match="does not apply to a discrete"):
         convert_scheduler(ddim, "euler_maruyama")
 
 
@@ -162,7 +162,7 @@ def test_samplers_with_the_exact_denoiser_reproduce_the_data(sampler, steps):
 
 
 def test_network_timestep_is_999t_for_vpsde_and_t_plus_1_for_discrete():
-    # Reference doc 2.1 (`ScoreModel.predict`: nnet(x, t * 999)) and pitfall 2 (n = diffusers t + 1).
+    # docs/conventions.md, "Timesteps": U-ViT's `ScoreModel.predict` feeds nnet(x, t * 999); n = diffusers t + 1.
     t = torch.tensor([1.0, 0.5, 1e-3])
     torch.testing.assert_close(network_timestep(t, "vpsde"), torch.tensor([999.0, 499.5, 0.999]))
     assert torch.equal(network_timestep(t, "vpsde"), t * 999)  # in t's dtype, as the official float32 product

@@ -69,7 +69,7 @@ def test_discrete_noise_uses_diffusers_alphas_and_timesteps():
     ref = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     t = torch.tensor([0, 499, 999])
     torch.testing.assert_close(noise.alpha_bar(t).float(), ref.alphas_cumprod[t])
-    assert torch.equal(noise.model_time(t), t + 1)  # U-ViT's n = diffusers t + 1 (reference doc pitfall 2)
+    assert torch.equal(noise.model_time(t), t + 1)  # U-ViT's n = diffusers t + 1 (docs/conventions.md, "Timesteps")
     # The network sees n = t + 1 for the t whose alpha_bar noised x_0: replay the draws with eps_hat = 0.
     x0, model = torch.randn(64, 1, 2, 2), _Recorder()
     eps_prediction_loss(model, x0, noise, ShardedRNG(0, 0, 1, "cpu"))

@@ -1,4 +1,6 @@
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +12,9 @@ from safetensors.torch import load_file
 from uvic.config import load_config
 from uvic.pipelines import UViCPipeline
 from uvic.training import train
-from uvic.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from uvic.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint, sweep_leftovers
 from uvic.training.logs import read_metrics
-from uvic.training.loop import _resume_path, lr_lambda
+from uvic.training.loop import lr_lambda, resume_checkpoint
 from uvic.training.tasks import DiffusionTask
 
 
@@ -29,7 +31,12 @@ def test_train_writes_config_checkpoints_samples_and_pipeline(tmp_path, image_di
     ckpts = list_checkpoints(run)
     assert [s for s, _ in ckpts] == [4]  # rotated to keep_checkpoints=1
     assert load_config(ckpts[0][1] / "config.yaml") == cfg
-    assert json.loads((ckpts[0][1] / "meta.json").read_text()) == {"step": 4}
+    meta = json.loads((ckpts[0][1] / "meta.json").read_text())
+    assert meta["step"] == 4
+    # Every other file of the checkpoint is recorded with its SHA-256 (hashlib, computed here independently).
+    files = sorted(p.name for p in ckpts[0][1].iterdir() if p.name != "meta.json")
+    assert sorted(meta["sha256"]) == files and "ema.safetensors" in files and "optimizer.bin" in files
+    assert all(meta["sha256"][f] == hashlib.sha256((ckpts[0][1] / f).read_bytes()).hexdigest() for f in files)
     assert (run / "samples" / "step_0000004.png").is_file() and (run / "loss_curve.png").is_file()
     assert list(run.glob("train/events.out.tfevents*"))  # tensorboard tracker
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
@@ -91,11 +98,11 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, image_dir, ti
     with pytest.raises(KeyboardInterrupt):
         train(load_config(None, tiny_overrides(run, image_dir)))
     assert [s for s, _ in list_checkpoints(run)] == [2]
-    assert (run / "checkpoints" / ".tmp-step_000000004").is_dir()  # the partial one, ignored
+    (partial,) = (run / "checkpoints").glob(".tmp-step_000000004-*")  # the partial one (per-process name), ignored
     monkeypatch.setattr(ckpt_mod, "save_file", real_save_file)
     train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest"})))
     assert [s for s, _ in list_checkpoints(run)] == [2, 4]
-    assert not (run / "checkpoints" / ".tmp-step_000000004").exists()
+    assert not partial.exists()
 
 
 @pytest.mark.parametrize("log_every, stops_at", [(1, 3), (100, 4)])
@@ -122,8 +129,11 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, image_dir, tiny_overri
     run = tmp_path / "run"
     train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 2})))
     ckpt = list_checkpoints(run)[-1][1]
+    # A checkpoint of an older uvic (no hashes) is loaded unverified...
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({"step": meta["step"]}))
     (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ValueError, match="step_000000002 is unreadable"):
+    with pytest.raises(ValueError, match="step_000000002 is unreadable"):  # ...and fails as it is read
         train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest"})))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(load_config(None, tiny_overrides(tmp_path / "r2", image_dir, **{"train.resume": str(tmp_path)})))
@@ -146,7 +156,7 @@ def test_resume_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, im
     train(load_config(None, tiny_overrides(run, image_dir, **branch)))
     # Only the new branch is rotated: before, the stale step 4 survived (and was "latest") and step 2 was deleted.
     assert [s for s, _ in list_checkpoints(run)] == [2, 3]
-    assert _resume_path(run, "latest") == latest_checkpoint(run) == run / "checkpoints" / "step_000000003"
+    assert resume_checkpoint(run, "latest") == latest_checkpoint(run) == run / "checkpoints" / "step_000000003"
     (abandoned,) = (run / "checkpoints" / "abandoned").iterdir()
     assert abandoned.name.startswith("after_step_000000002_")
     assert sorted(p.name for p in abandoned.iterdir()) == ["metrics.jsonl", "step_000000003", "step_000000004"]
@@ -182,14 +192,19 @@ def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
     # The new copy was in place before the old one was deleted (before: the old was deleted first).
     assert [s for s, _ in list_checkpoints(tmp_path)] == [5]
     assert yaml.safe_load((tmp_path / "checkpoints" / "step_000000005" / "config.yaml").read_text()) == {"save": 2}
-    save_checkpoint(accelerator, tmp_path, 5, {"save": 3})  # the leftover old copy is cleaned up
+    # The half-deleted old copy was renamed before the deletion began, so only a `.deleting-` name is left, which
+    # the sweep at the start of the next run removes.
+    assert [p.name for p in (tmp_path / "checkpoints").glob(".deleting-*")] == [f".deleting-.old-step_000000005-{os.getpid()}"]
+    assert sweep_leftovers(tmp_path) == [f".deleting-.old-step_000000005-{os.getpid()}"]
+    save_checkpoint(accelerator, tmp_path, 5, {"save": 3})
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000005"]
 
 
 @pytest.mark.parametrize("sampler, scheduler_cls", [("ddpm", "DDPMScheduler"), ("dpm_solver", "DPMSolverMultistepScheduler")])
 def test_discrete_schedule_trains_and_samples_with_stock_diffusers_schedulers(tmp_path, image_dir, tiny_overrides,
                                                                             sampler, scheduler_cls):
-    from uvic.pipelines.sampling import generate, load_pipeline
+    from uvic.pipelines.sampling import generate
+    from uvic.training.runs import load_pipeline
 
     run = tmp_path / "run"
     extra = {"diffusion.schedule": "discrete", "diffusion.beta_schedule": "scaled_linear",
@@ -208,3 +223,15 @@ def test_discrete_schedule_trains_and_samples_with_stock_diffusers_schedulers(tm
     from_run.set_progress_bar_config(disable=True)
     assert type(from_run.scheduler).__name__ == scheduler_cls
     np.testing.assert_array_equal(generate(from_run, [0, 1, 2], batch_size=2, num_inference_steps=3), images)
+
+
+def test_a_config_built_in_python_is_range_checked_by_train(tmp_path, image_dir, tiny_overrides):
+    import dataclasses
+
+    from uvic.errors import ConfigError
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", image_dir))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=0))
+    with pytest.raises(ConfigError, match=r"^config key train.max_steps: must be >= 1, got 0$"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

@@ -7,6 +7,7 @@ so that they resume exactly and do not depend on data-loader workers.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +16,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from uvic.errors import DataError
+
+
+logger = logging.getLogger(__name__)
 
 _CIFAR_DIR = "cifar-10-batches-py"
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -89,20 +94,39 @@ def _download_cifar10(root: Path) -> None:
 class ImageFolder(Dataset):
     """Every image under `root` (recursively, sorted by path), center-cropped to a square and resized.
 
+    Every file is checked when the dataset is built (`check_image`: the header, and for PNG the chunk checksums
+    through to the end of the file), so a non-image or a truncated file is reported by name before training starts
+    rather than when it comes up mid-run.
+
     Args:
         root: folder of .png / .jpg / .jpeg / .bmp / .webp files.
         image_size: output side H = W.
+        skip_bad: leave unreadable files out (each is logged) instead of raising.
+    Raises:
+        FileNotFoundError: `root` is missing or holds no (readable) images.
+        DataError: an unreadable file, named, when `skip_bad` is False.
     """
 
-    def __init__(self, root: str | Path, image_size: int) -> None:
+    def __init__(self, root: str | Path, image_size: int, skip_bad: bool = False) -> None:
         from torchvision import transforms
 
         root = Path(root)
         if not root.is_dir():
             raise FileNotFoundError(f"image folder not found: {root}")
-        self.paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES)
-        if not self.paths:
+        paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file())
+        if not paths:
             raise FileNotFoundError(f"no images ({sorted(_IMAGE_SUFFIXES)}) under {root}")
+        bad = [(p, why) for p in paths if (why := check_image(p)) is not None]
+        if bad and not skip_bad:
+            (first, why), more = bad[0], len(bad) - 1
+            raise DataError(f"{first} is not a readable image ({why})" + (f"; {more} more unreadable file(s) under "
+                            f"{root}" if more else "") + "; remove them, or set data.skip_bad_images=true to skip them")
+        for p, why in bad:
+            logger.warning("skipping unreadable image %s (%s)", p, why)
+        skipped = {p for p, _ in bad}
+        self.paths = [p for p in paths if p not in skipped]
+        if not self.paths:
+            raise FileNotFoundError(f"no readable images under {root}: all {len(paths)} were skipped")
         self.transform = transforms.Compose([
             transforms.Resize(image_size),
             transforms.CenterCrop(image_size),
@@ -117,9 +141,25 @@ class ImageFolder(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         from PIL import Image
 
-        with Image.open(self.paths[i]) as img:
-            x = self.transform(img.convert("RGB"))
+        try:
+            with Image.open(self.paths[i]) as img:
+                x = self.transform(img.convert("RGB"))
+        except (OSError, SyntaxError, ValueError) as e:  # changed since the check, or damage only a decode finds
+            raise DataError(f"{self.paths[i]} is not a readable image ({type(e).__name__}: {e})") from e
         return {"x": x, "label": torch.tensor(-1)}
+
+
+def check_image(path: str | Path) -> str | None:
+    """None if `path` opens as an image, else why not. Reads the header; `Image.verify` also walks a PNG's chunks
+    and checksums to the end of the file (catching truncation) without decoding pixels."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except Exception as e:  # noqa: BLE001 - PIL reports damage as OSError, SyntaxError, struct.error, ...
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return None
 
 
 class DigitsDataset(_TensorImages):
@@ -142,7 +182,7 @@ class DigitsDataset(_TensorImages):
 
 DATASETS: dict[str, Callable[[Any], Dataset]] = {
     "cifar10": lambda data: Cifar10(data.root, download=data.download),
-    "image_folder": lambda data: ImageFolder(data.root, data.image_size),
+    "image_folder": lambda data: ImageFolder(data.root, data.image_size, skip_bad=data.skip_bad_images),
     "digits": lambda data: DigitsDataset(data.image_size),
 }
 

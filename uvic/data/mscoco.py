@@ -1,6 +1,6 @@
 """MS-COCO 2014 text-to-image features: extraction (`python -m uvic.data.mscoco`) and the training dataset.
 
-What is stored (U-ViT `scripts/extract_mscoco_feature.py`, reference doc Sec. 3):
+What is stored (U-ViT `scripts/extract_mscoco_feature.py`, docs/conventions.md, "MS-COCO text-to-image"):
 * per image: the SD-VAE moments (8, 32, 32) float32 [mean(4), logvar(4)] of the central square crop, resized
   to 256 x 256 with Lanczos (crop first, then resize; no flip), pixels scaled to [-1, 1];
 * per caption: CLIP ViT-L/14 `last_hidden_state` (77, 768) with the official EOT padding;

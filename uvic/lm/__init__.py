@@ -1,24 +1,9 @@
-"""Cogformer language modelling: token data, the training task, the representational-collapse probes and the
-loader for the official checkpoints. The model itself is `uvic.models.cogformer`."""
+"""Cogformer language modelling helpers: token data, the representational-collapse probes, the loader for the
+official checkpoints and the lm-eval entry point. The model is `uvic.models.cogformer`, its configs live in
+`uvic.config` (`LMModelConfig`, `LMDataConfig`, `LMTrainConfig`) and its training task in
+`uvic.training.tasks.lm`."""
 
-from uvic.lm.config import LMDataConfig, LMModelConfig, LMOptimConfig
 from uvic.lm.data import TokenDataset, byte_tokenizer, load_tokenizer, load_tokens
-from uvic.lm.official import load_official_checkpoint
-from uvic.lm.task import build_dataset, build_model, build_optimizer, loss, train_tiny
 
 
-__all__ = [
-    "LMDataConfig",
-    "LMModelConfig",
-    "LMOptimConfig",
-    "TokenDataset",
-    "byte_tokenizer",
-    "load_tokenizer",
-    "load_tokens",
-    "load_official_checkpoint",
-    "build_dataset",
-    "build_model",
-    "build_optimizer",
-    "loss",
-    "train_tiny",
-]
+__all__ = ["TokenDataset", "byte_tokenizer", "load_tokenizer", "load_tokens"]

@@ -182,7 +182,7 @@ def convert_official_state_dict(model_cfg: dict, state: dict[str, torch.Tensor])
     return config, {k: v.contiguous() for k, v in out.items()}
 
 
-def load_official_checkpoint(
+def cogformer_from_official(
     path: str | os.PathLike, attention_backend: str = "auto", weights_only: bool = True
 ) -> CogformerForCausalLM:
     """Load an official Cogformer / Transformer `.pt` checkpoint as a `CogformerForCausalLM` in eval mode.
@@ -201,7 +201,7 @@ def load_official_checkpoint(
     except pickle.UnpicklingError as err:
         raise ValueError(
             f"{path} holds objects that torch.load(weights_only=True) refuses ({err}); if you trust the file, "
-            "load it with load_official_checkpoint(path, weights_only=False)"
+            "load it with cogformer_from_official(path, weights_only=False)"
         ) from err
     if not isinstance(ckpt, dict) or "model_cfg" not in ckpt or "model" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__

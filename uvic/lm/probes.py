@@ -166,9 +166,9 @@ def load_model_and_tokenizer(model_path: str, tokenizer: str | None) -> tuple[Co
         model = CogformerForCausalLM.from_pretrained(str(path))
         tok_spec = tokenizer or str(path)
     elif path.is_file():
-        from uvic.lm.official import load_official_checkpoint
+        from uvic.lm.official import cogformer_from_official
 
-        model = load_official_checkpoint(path)
+        model = cogformer_from_official(path)
         if tokenizer is None:
             raise ValueError(
                 f"{path} is an official checkpoint without a tokenizer: pass --tokenizer (the Llama-2 tokenizer "

@@ -1,4 +1,8 @@
-"""uvic models: the U-ViT / U-ViC diffusion backbone and the layers shared with the Cogformer LM."""
+"""uvic models: the U-ViT / U-ViC diffusion backbone, the Cogformer LM and the layers they share.
+
+Importing this package registers the "cogformer" model type with transformers' `AutoConfig` /
+`AutoModelForCausalLM` (its only import-time side effect; docs/conventions.md, "Import-time behaviour").
+"""
 
 from uvic.models.cogformer import (
     COGFORMER_PRESETS,
@@ -14,7 +18,6 @@ from uvic.models.uvit import (
     UViTModel,
     UViTOutput,
     build_preset,
-    load_official_checkpoint,
     uvit_from_official,
 )
 
@@ -36,6 +39,5 @@ __all__ = [
     "UViTOutput",
     "UVIT_PRESETS",
     "build_preset",
-    "load_official_checkpoint",
     "uvit_from_official",
 ]

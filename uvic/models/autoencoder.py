@@ -1,4 +1,4 @@
-"""The Stable Diffusion v1 KL-f8 autoencoder as U-ViT uses it for MS-COCO (reference doc Sec. 3, "VAE").
+"""The Stable Diffusion v1 KL-f8 autoencoder as U-ViT uses it for MS-COCO (docs/conventions.md, "VAE scale").
 
 * `sd_v1_vae_config()` / `build_vae()`: diffusers `AutoencoderKL` with the SD v1 first-stage architecture and
   U-ViT's latent scale `scaling_factor=0.23010` stored in the model config (not SD's 0.18215). Everything

@@ -20,14 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from uvic.attention import BACKENDS, cog_attention, softmax_attention
-
-
-ATTENTION_TYPES = ("cog", "softmax")
+from uvic.models.layers import ATTENTION_TYPES
 
 
 class CogformerConfig(PretrainedConfig):
@@ -161,10 +160,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class CogformerAttention(nn.Module):
     """Causal multi-head attention through `uvic.attention` (Cog or softmax), with an optional KV cache."""
 
-    def __init__(self, config: CogformerConfig, layer_idx: int, kind: str) -> None:
+    def __init__(self, config: CogformerConfig, layer_idx: int, attention: str) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.kind = kind
+        self.attention = attention
         self.nh, self.hd = config.num_attention_heads, config.head_dim
         self.backend = config.attention_backend
         inner = self.nh * self.hd
@@ -189,21 +188,19 @@ class CogformerAttention(nn.Module):
         Returns:
             (B, L, D).
         """
-        B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.nh, self.hd).transpose(1, 2)  # (B, nh, L, hd)
-        k = self.k_proj(x).view(B, L, self.nh, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, L, self.nh, self.hd).transpose(1, 2)
+        q, k, v = (rearrange(proj(x), "B L (nh hd) -> B nh L hd", nh=self.nh)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, Lk, hd)
-        attn = cog_attention if self.kind == "cog" else softmax_attention
+        attn = cog_attention if self.attention == "cog" else softmax_attention
         # Bottom-right aligned causal mask: new token i sees every cached key and the new keys up to itself.
         o = attn(q, k, v, causal=True, key_padding_mask=key_padding_mask, backend=self.backend)
-        return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
+        return self.o_proj(rearrange(o, "B nh L hd -> B L (nh hd)"))
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, heads={self.nh}, head_dim={self.hd}"
+        return f"attention={self.attention!r}, heads={self.nh}, head_dim={self.hd}"
 
 
 class CogformerMLP(nn.Module):
@@ -223,10 +220,10 @@ class CogformerMLP(nn.Module):
 class CogformerDecoderLayer(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then h + ffn(norm(h)) (Llama; paper Sec. 4.1)."""
 
-    def __init__(self, config: CogformerConfig, layer_idx: int, kind: str) -> None:
+    def __init__(self, config: CogformerConfig, layer_idx: int, attention: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = CogformerAttention(config, layer_idx, kind)
+        self.self_attn = CogformerAttention(config, layer_idx, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = CogformerMLP(config.hidden_size, config.intermediate_size)
 
@@ -253,18 +250,12 @@ class CogformerModel(CogformerPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [CogformerDecoderLayer(config, i, kind) for i, kind in enumerate(config.attention_types())]
+            [CogformerDecoderLayer(config, i, attention) for i, attention in enumerate(config.attention_types())]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.gradient_checkpointing = False  # set by `gradient_checkpointing_enable()`
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
 
     def forward(
         self,
@@ -346,11 +337,7 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
+    # get/set_input_embeddings: transformers' defaults find `model.embed_tokens` (base_model_prefix = "model").
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head

@@ -13,8 +13,13 @@ import math
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
 from uvic.attention import BACKENDS, cog_attention, softmax_attention
+
+
+# The one attention switch of every uvic model: Cog weights sign(p) softmax(|p|), or plain softmax.
+ATTENTION_TYPES = ("cog", "softmax")
 
 
 def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:
@@ -61,10 +66,7 @@ class PatchEmbed(nn.Module):
 
 def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
     """(B, C, H, W) -> (B, L, p*p*C): the inverse of `unpatchify`, channel fastest inside a patch."""
-    B, C, H, W = x.shape
-    p = patch_size
-    x = x.reshape(B, C, H // p, p, W // p, p)
-    return x.permute(0, 2, 4, 3, 5, 1).reshape(B, (H // p) * (W // p), p * p * C)
+    return rearrange(x, "B C (h p1) (w p2) -> B (h w) (p1 p2 C)", p1=patch_size, p2=patch_size)
 
 
 def unpatchify(x: torch.Tensor, channels: int) -> torch.Tensor:
@@ -77,14 +79,13 @@ def unpatchify(x: torch.Tensor, channels: int) -> torch.Tensor:
     h = int(math.isqrt(L))
     if p * p * channels != patch_dim or h * h != L:
         raise ValueError(f"cannot unpatchify tokens of shape {tuple(x.shape)} into {channels} channels")
-    x = x.reshape(B, h, h, p, p, channels)
-    return x.permute(0, 5, 1, 3, 2, 4).reshape(B, channels, h * p, h * p)
+    return rearrange(x, "B (h w) (p1 p2 C) -> B C (h p1) (w p2)", h=h, p1=p, p2=p)
 
 
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection; softmax or Cog weights.
 
-    `cog=False` calls `uvic.attention.softmax_attention` (SDPA / flash), `cog=True` calls
+    `attention="softmax"` calls `uvic.attention.softmax_attention` (SDPA / flash), `attention="cog"` calls
     `uvic.attention.cog_attention`: weights `sign(p) * softmax(|p|)`, `p = q k^T / sqrt(hd)` (paper Eq. 3).
     Parameters are those of U-ViT's `Attention`: `qkv` (3D x D, rows q | k | v, heads contiguous inside
     each third) and `proj` (D x D with bias). There is no dropout in any backend.
@@ -93,20 +94,22 @@ class Attention(nn.Module):
         dim: D, token width; must be divisible by `num_heads`.
         num_heads: nh.
         qkv_bias: give `qkv` a bias (False in every U-ViT config).
-        cog: Cog attention instead of softmax attention.
+        attention: "cog" (Cog weights) or "softmax".
         backend: the `uvic.attention` backend ("auto", "reference", "torch", "triton").
     """
 
     def __init__(
-        self, dim: int, num_heads: int, qkv_bias: bool = False, cog: bool = False, backend: str = "auto"
+        self, dim: int, num_heads: int, qkv_bias: bool = False, attention: str = "softmax", backend: str = "auto"
     ) -> None:
         super().__init__()
+        if attention not in ATTENTION_TYPES:
+            raise ValueError(f"attention must be one of {ATTENTION_TYPES}, got {attention!r}")
         if dim % num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads={num_heads}")
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
         self.num_heads = num_heads
-        self.cog = cog
+        self.attention = attention
         self.backend = backend
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
@@ -122,16 +125,14 @@ class Attention(nn.Module):
         Returns:
             (B, L, D).
         """
-        B, L, D = x.shape
-        # (B, L, 3D) -> (3, B, nh, L, hd): U-ViT's 'B L (K H D) -> K B H L D'.
-        qkv = self.qkv(x).reshape(B, L, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        op = cog_attention if self.cog else softmax_attention
+        # Head split as U-ViT's: qkv rows are q | k | v, heads contiguous inside each third.
+        q, k, v = rearrange(self.qkv(x), "B L (K nh hd) -> K B nh L hd", K=3, nh=self.num_heads)
+        op = cog_attention if self.attention == "cog" else softmax_attention
         out = op(q, k, v, causal=causal, key_padding_mask=key_padding_mask, backend=self.backend)  # (B, nh, L, hd)
-        return self.proj(out.transpose(1, 2).reshape(B, L, D))
+        return self.proj(rearrange(out, "B nh L hd -> B L (nh hd)"))
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, cog={self.cog}, backend={self.backend!r}"
+        return f"num_heads={self.num_heads}, attention={self.attention!r}, backend={self.backend!r}"
 
 
 class Mlp(nn.Module):

@@ -1,4 +1,4 @@
-"""CLIP text features for MS-COCO text-to-image, on open_clip (reference doc Sec. 3, "CLIP").
+"""CLIP text features for MS-COCO text-to-image, on open_clip (docs/conventions.md, "Text encoder").
 
 U-ViT conditions on `CLIPTextModel("openai/clip-vit-large-patch14").last_hidden_state`: all 77 token features
 after the final LayerNorm, (B, 77, 768), no attention mask. This module computes the same features with the

@@ -40,12 +40,10 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 
 from uvic.attention import BACKENDS
-from uvic.models.layers import Attention, Mlp, PatchEmbed, timestep_embedding, unpatchify
+from uvic.models.layers import ATTENTION_TYPES, Attention, Mlp, PatchEmbed, timestep_embedding, unpatchify
 
 
 logger = logging.getLogger(__name__)
-
-ATTENTION_TYPES = ("softmax", "cog")
 
 
 @dataclass
@@ -70,7 +68,7 @@ class UViTBlock(nn.Module):
         mlp_ratio: MLP hidden width / D.
         qkv_bias: bias on the fused qkv projection.
         skip: give the block a `skip_linear` (2D -> D) for a long skip.
-        cog: Cog attention instead of softmax attention.
+        attention: "cog" or "softmax" for this block.
         attention_backend: the `uvic.attention` backend.
     """
 
@@ -81,13 +79,13 @@ class UViTBlock(nn.Module):
         mlp_ratio: float = 4.0,
         qkv_bias: bool = False,
         skip: bool = False,
-        cog: bool = False,
+        attention: str = "softmax",
         attention_backend: str = "auto",
     ) -> None:
         super().__init__()
         # Creation order = the official state_dict order (skip_linear last).
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, cog=cog, backend=attention_backend)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attention=attention, backend=attention_backend)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.skip_linear = nn.Linear(2 * dim, dim) if skip else None
@@ -143,7 +141,7 @@ class UViTModel(ModelMixin, ConfigMixin):
         num_clip_token: int = 77,
         conv: bool = True,
         skip: bool = True,
-        attention: str = "softmax",
+        attention: str = "cog",
         attention_backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -178,14 +176,16 @@ class UViTModel(ModelMixin, ConfigMixin):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.extras + num_patches, embed_dim))
 
         # 2. Blocks. U-ViC keeps softmax in the first and last executed blocks (CogAttn U-ViC/libs/uvit_t2i.py).
-        cog = attention == "cog"
         n = depth // 2
-        kw = {"mlp_ratio": mlp_ratio, "qkv_bias": qkv_bias, "attention_backend": attention_backend}
-        self.in_blocks = nn.ModuleList([UViTBlock(embed_dim, num_heads, cog=cog and i != 0, **kw) for i in range(n)])
-        self.mid_block = UViTBlock(embed_dim, num_heads, cog=cog, **kw)
-        self.out_blocks = nn.ModuleList(
-            [UViTBlock(embed_dim, num_heads, skip=skip, cog=cog and i != n - 1, **kw) for i in range(n)]
-        )
+
+        def block(outermost: bool, **kwargs: Any) -> UViTBlock:
+            kind = "softmax" if outermost else attention
+            return UViTBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, attention=kind,
+                             attention_backend=attention_backend, **kwargs)
+
+        self.in_blocks = nn.ModuleList([block(i == 0) for i in range(n)])
+        self.mid_block = block(False)
+        self.out_blocks = nn.ModuleList([block(i == n - 1, skip=skip) for i in range(n)])
 
         # 3. Output head.
         self.norm = nn.LayerNorm(embed_dim)
@@ -311,7 +311,7 @@ class UViTModel(ModelMixin, ConfigMixin):
 
     def cog_block_names(self) -> list[str]:
         """Names of the blocks that use Cog attention, in execution order (empty for U-ViT)."""
-        return [name for name, m in self.named_modules() if isinstance(m, UViTBlock) and m.attn.cog]
+        return [name for name, m in self.named_modules() if isinstance(m, UViTBlock) and m.attn.attention == "cog"]
 
 
 def _init_weights(m: nn.Module) -> None:
@@ -382,11 +382,11 @@ def uvit_from_official(
     if use_checkpoint:
         model.enable_gradient_checkpointing()
     if checkpoint_path is not None:
-        load_official_checkpoint(model, checkpoint_path)
+        _load_official_state_dict(model, checkpoint_path)
     return model
 
 
-def load_official_checkpoint(model: UViTModel, checkpoint_path: str | os.PathLike) -> None:
+def _load_official_state_dict(model: UViTModel, checkpoint_path: str | os.PathLike) -> None:
     """Load an official `nnet.pth` / `nnet_ema.pth` (a bare state dict) into `model` with strict key matching."""
     path = os.fspath(checkpoint_path)
     if not os.path.isfile(path):

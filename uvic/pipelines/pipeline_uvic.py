@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from diffusers import DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
@@ -13,6 +14,15 @@ import uvic.schedulers  # noqa: F401
 from uvic.models import UViTModel
 from uvic.pipelines.export import ExportedPipelineMixin
 from uvic.schedulers.timesteps import network_timestep_for
+
+
+def postprocess_images(images: torch.Tensor, output_type: str) -> torch.Tensor | np.ndarray | list:
+    """(B, C, H, W) images in [-1, 1] -> [0, 1] in float32 as "pt" (B, C, H, W), "np" (B, H, W, C) or "pil"."""
+    images = (images.float() / 2 + 0.5).clamp(0, 1)
+    if output_type == "pt":
+        return images
+    images = images.cpu().permute(0, 2, 3, 1).numpy()
+    return DiffusionPipeline.numpy_to_pil(images) if output_type == "pil" else images
 
 
 class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
@@ -89,11 +99,7 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
             latents = self.scheduler.step(eps, t, latents, generator=generator).prev_sample
 
         # 4. [-1, 1] -> [0, 1], in float32 before any numpy conversion.
-        images = (latents.float() / 2 + 0.5).clamp(0, 1)
-        if output_type != "pt":
-            images = images.cpu().permute(0, 2, 3, 1).numpy()
-            if output_type == "pil":
-                images = self.numpy_to_pil(images)
+        images = postprocess_images(latents, output_type)
         self.maybe_free_model_hooks()
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 

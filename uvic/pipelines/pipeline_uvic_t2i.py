@@ -1,8 +1,12 @@
 """`UViCText2ImagePipeline`: text-to-image latent diffusion with a U-ViT / U-ViC transformer (MS-COCO recipe).
 
-Reproducing U-ViT's MS-COCO numbers (reference doc Sec. 2.2 and 7.6) takes: `UViTDPMSolverScheduler` with 50
-steps, `guidance_scale=2.0` (the official `scale=1.0`), CLIP ViT-L/14 `last_hidden_state` contexts with the
-empty caption as the unconditional context, and the VAE decode with `vae.config.scaling_factor` (0.23010).
+Reproducing U-ViT's MS-COCO numbers (docs/conventions.md, "MS-COCO text-to-image") takes: `UViTDPMSolverScheduler`
+with 50 steps, `guidance_scale=2.0` (the official `scale=1.0`), CLIP ViT-L/14 `last_hidden_state` contexts with
+the empty caption as the unconditional context, and the VAE decode with `vae.config.scaling_factor` (0.23010).
+
+Guidance (`guided_epsilon`) is diffusers' convention eps_u + g (eps_c - eps_u). U-ViT's `eps_c + s (eps_c - eps_u)`
+is the same with g = 1 + s (`official_to_guidance_scale`), so the official `scale=1.0` is `guidance_scale=2.0`
+(docs/conventions.md, "Guidance").
 """
 
 from __future__ import annotations
@@ -14,14 +18,24 @@ from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
-from uvic.diffusion_t2i import guided_epsilon
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
+from uvic.pipelines.pipeline_uvic import postprocess_images
 from uvic.schedulers.timesteps import network_timestep_for
 
 
-__all__ = ["UViCText2ImagePipeline"]
+__all__ = ["UViCText2ImagePipeline", "guided_epsilon", "official_to_guidance_scale"]
+
+
+def official_to_guidance_scale(scale: float) -> float:
+    """U-ViT `config.sample.scale` -> diffusers `guidance_scale` (1.0 -> 2.0)."""
+    return 1.0 + scale
+
+
+def guided_epsilon(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance, diffusers convention: eps_u + g (eps_c - eps_u). Shapes (B, C, H, W)."""
+    return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
 
 
 class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
@@ -202,10 +216,6 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
             images = latents
         else:
             z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
-            images = (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
-            if output_type != "pt":
-                images = images.cpu().permute(0, 2, 3, 1).numpy()
-                if output_type == "pil":
-                    images = self.numpy_to_pil(images)
+            images = postprocess_images(self.vae.decode(z).sample, output_type)
         self.maybe_free_model_hooks()
         return ImagePipelineOutput(images=images) if return_dict else (images,)

@@ -1,69 +1,314 @@
-"""Seed-per-image sampling: grids and FID folders whose images do not depend on batch size or process count.
+"""Seeded generation for every pipeline: one `generate`, one folder writer, one grid writer.
 
-Image i is generated from `torch.Generator("cpu").manual_seed(seed + i)` (EDM2's one-generator-per-seed rule)
-and, in folder mode, saved as `{i:06d}.png`.
+Image i is generated from `torch.Generator("cpu").manual_seed(seed + i)` (EDM2's one-generator-per-seed rule),
+so an image does not depend on batch size or process count. The same code serves the three kinds of condition:
+- unconditional `UViCPipeline`s: nothing;
+- class-conditional `UViCPipeline`s: `class_labels` (the folder writer defaults to the balanced i % num_classes);
+- `UViCText2ImagePipeline`s: `prompts` or `prompt_embeds` (+ `negative_prompt_embeds`, `guidance_scale`).
+
+Pixels are quantised as `torchvision.utils.save_image` does (U-ViT's `sample2dir`): uint8(255 x + 0.5), clipped.
+Loading a pipeline from a training run or checkpoint is `uvic.training.runs.load_pipeline`; this module only
+opens pipeline directories (`load_pretrained`), so it never imports the training code.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Sequence
 
 import numpy as np
 import torch
+from diffusers import DiffusionPipeline
 from PIL import Image
 
+from uvic.pipelines.export import pipeline_class_name
 from uvic.pipelines.pipeline_uvic import UViCPipeline
+from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
 
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "PIPELINE_CLASSES",
+    "attach_text_encoder",
+    "balanced_class_labels",
+    "check_output",
+    "generate",
+    "is_pipeline_dir",
+    "load_pretrained",
+    "mscoco_prompt_embeds",
+    "sample_to_folder",
+    "save_grid",
+    "to_uint8",
+]
 
-def load_pipeline(source: str | Path, sampler: str | None = None) -> UViCPipeline:
-    """A `UViCPipeline` from a pipeline dir (`model_index.json`), a training run dir or a checkpoint dir.
+PIPELINE_CLASSES: dict[str, type[DiffusionPipeline]] = {
+    "UViCPipeline": UViCPipeline,
+    "UViCText2ImagePipeline": UViCText2ImagePipeline,
+}
 
-    From a run or checkpoint the EMA weights of the (latest) checkpoint are used. `sampler` switches the
-    scheduler (see `uvic.schedulers.SAMPLERS`); None keeps the saved one.
+
+def is_pipeline_dir(path: str | os.PathLike) -> bool:
+    """True if `path` holds a saved pipeline (`model_index.json`)."""
+    return (Path(path) / "model_index.json").is_file()
+
+
+def load_pretrained(
+    path: str | os.PathLike, sampler: str | None = None, text_encoder: str | None = None
+) -> DiffusionPipeline:
+    """A `UViCPipeline` or `UViCText2ImagePipeline` from its saved directory (the class named in model_index.json).
+
+    Args:
+        path: a `save_pretrained` directory.
+        sampler: switch the scheduler to this sampler on the same forward process (`uvic.schedulers.SAMPLERS`);
+            None keeps the saved one.
+        text_encoder: for a text-to-image pipeline without one (training exports hold none): a
+            `CLIPTextEncoder` directory, or an open_clip tag such as "openai" / a checkpoint file. Needed for
+            text prompts; ignored when the pipeline has a text encoder or is not text-to-image.
     """
-    source = Path(source)
-    if (source / "model_index.json").is_file():
-        pipe = UViCPipeline.from_pretrained(str(source))
-    elif source.is_dir():
-        from uvic.training.tasks import task_from_checkpoint
+    from uvic.schedulers import convert_scheduler
 
-        task, model, _ = task_from_checkpoint(source)
-        pipe = task.pipeline(model)
-    else:
-        raise FileNotFoundError(f"{source} is neither a pipeline dir (model_index.json) nor a run/checkpoint dir")
+    path = Path(path)
+    if not is_pipeline_dir(path):
+        raise FileNotFoundError(f"{path} is not a pipeline directory (no model_index.json)")
+    try:
+        name = pipeline_class_name(json.loads((path / "model_index.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path / 'model_index.json'} is unreadable ({type(e).__name__}: {e})") from e
+    if name not in PIPELINE_CLASSES:
+        raise ValueError(f"{path} holds a {name!r} pipeline; expected one of {sorted(PIPELINE_CLASSES)}")
+    try:
+        pipe = PIPELINE_CLASSES[name].from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
+        raise ValueError(f"cannot load the pipeline in {path}, a file in it is missing or damaged "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
     if sampler is not None:
-        from uvic.schedulers import convert_scheduler
-
         pipe.scheduler = convert_scheduler(pipe.scheduler, sampler)
+    return attach_text_encoder(pipe, text_encoder)
+
+
+def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> DiffusionPipeline:
+    """Give a text-to-image pipeline without a text encoder the `CLIPTextEncoder` named by `text_encoder` (a
+    directory, an open_clip tag such as "openai", or a checkpoint file); any other pipeline is returned as is."""
+    if text_encoder is not None and isinstance(pipe, UViCText2ImagePipeline) and pipe.text_encoder is None:
+        from uvic.models.text_encoder import CLIPTextEncoder
+
+        te = (CLIPTextEncoder.from_pretrained(text_encoder) if Path(text_encoder).is_dir()
+              else CLIPTextEncoder.from_open_clip(text_encoder))
+        pipe.register_modules(text_encoder=te.eval())
     return pipe
 
 
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """(N, H, W, C) float images in [0, 1] -> uint8 with torchvision's `save_image` rounding (255 x + 0.5)."""
+    return (images * 255 + 0.5).clip(0, 255).astype(np.uint8)
+
+
+def balanced_class_labels(pipe: DiffusionPipeline, indices: Sequence[int]) -> list[int] | None:
+    """Class i % num_classes for image i (a balanced set) for a class-conditional transformer, else None."""
+    k = getattr(pipe.transformer.config, "num_classes", None)
+    return [i % k for i in indices] if k is not None and k > 0 else None
+
+
 def generate(
-    pipe: UViCPipeline,
-    seeds: list[int],
-    batch_size: int,
-    num_inference_steps: int,
-    class_labels: list[int] | None = None,
+    pipe: DiffusionPipeline,
+    seeds: Sequence[int],
+    *,
+    batch_size: int = 64,
+    num_inference_steps: int = 50,
+    class_labels: Sequence[int] | None = None,
+    prompts: Sequence[str] | None = None,
+    prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    guidance_scale: float = 2.0,
 ) -> np.ndarray:
-    """Images for `seeds`, (N, H, W, C) uint8, one generator per image."""
-    return np.concatenate([imgs for _, imgs in _batches(pipe, seeds, batch_size, num_inference_steps, class_labels)])
+    """Images for `seeds`, one generator per image, in batches of `batch_size`.
 
-
-def _batches(pipe, seeds, batch_size, steps, class_labels) -> Iterator[tuple[list[int], np.ndarray]]:
+    Args:
+        pipe: a `UViCPipeline` or a `UViCText2ImagePipeline`.
+        seeds: (N,) one seed per image.
+        batch_size: images per pipeline call (the images do not depend on it).
+        num_inference_steps: sampler steps.
+        class_labels: (N,) class ids, class-conditional `UViCPipeline` only.
+        prompts: N captions, text-to-image only (needs the pipeline's text encoder).
+        prompt_embeds: (N, L, D) caption features instead of `prompts`.
+        negative_prompt_embeds: (L, D) or (1, L, D) unconditional features (default: the empty caption encoded).
+        guidance_scale: text-to-image guidance in diffusers' convention (1 + the official scale).
+    Returns:
+        (N, H, W, C) uint8 images.
+    """
+    if batch_size < 1 or num_inference_steps < 1:
+        raise ValueError(f"batch_size and num_inference_steps must be >= 1, got {batch_size} and {num_inference_steps}")
+    text = isinstance(pipe, UViCText2ImagePipeline)
+    if text and (prompts is None) == (prompt_embeds is None):
+        raise ValueError("a text-to-image pipeline needs exactly one of prompts and prompt_embeds")
+    if not text and (prompts is not None or prompt_embeds is not None):
+        raise ValueError("prompts / prompt_embeds need a text-to-image pipeline")
+    if text and class_labels is not None:
+        raise ValueError("class_labels do not apply to a text-to-image pipeline")
+    per_image = {"class_labels": class_labels, "prompt": prompts, "prompt_embeds": prompt_embeds}
+    for name, value in per_image.items():
+        if value is not None and len(value) != len(seeds):
+            raise ValueError(f"got {len(value)} {name} for {len(seeds)} seeds")
+    out = []
     for k in range(0, len(seeds), batch_size):
-        chunk = seeds[k : k + batch_size]
-        gens = [torch.Generator("cpu").manual_seed(s) for s in chunk]
-        labels = None if class_labels is None else class_labels[k : k + batch_size]
-        out = pipe(batch_size=len(chunk), num_inference_steps=steps, generator=gens, class_labels=labels,
-                   output_type="np").images
-        # The same uint8 rounding as torchvision.utils.save_image (U-ViT `sample2dir`).
-        yield chunk, (out * 255 + 0.5).clip(0, 255).astype(np.uint8)
+        chunk = list(seeds[k : k + batch_size])
+        kwargs: dict[str, Any] = {name: v[k : k + batch_size] for name, v in per_image.items() if v is not None}
+        if text:
+            kwargs.update(negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale)
+        else:
+            kwargs.update(batch_size=len(chunk))
+        gens = [torch.Generator("cpu").manual_seed(int(s)) for s in chunk]
+        images = pipe(**kwargs, num_inference_steps=num_inference_steps, generator=gens, output_type="np").images
+        out.append(to_uint8(images))
+    return np.concatenate(out)
+
+
+def sample_to_folder(
+    pipe: DiffusionPipeline,
+    out_dir: str | os.PathLike,
+    num_images: int,
+    *,
+    seed: int = 0,
+    batch_size: int = 64,
+    num_inference_steps: int = 50,
+    class_labels: Sequence[int] | None = None,
+    prompts: Sequence[str] | None = None,
+    prompt_embeds: Any = None,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    guidance_scale: float = 2.0,
+    process_index: int = 0,
+    num_processes: int = 1,
+) -> int:
+    """Write images 0..num_images-1 as `{i:06d}.png` (seed `seed + i`); this process does i % P == rank.
+
+    The conditions are per image index i: `class_labels[i]` (default for a class-conditional model: i % classes),
+    `prompts[i]`, or `prompt_embeds[idx]` ((n, L, D) for an index array, e.g. `mscoco_prompt_embeds`). Files that
+    already exist are skipped, and each file is written to a temporary name then renamed, so an interrupted run
+    can simply be restarted. Returns the number of images this process wrote.
+
+    An existing file counts as done only if it reads as a complete PNG (`uvic.data.images.check_image`); a
+    truncated or empty one (e.g. from a copy that ran out of space) is generated again. Each file is fsync'ed
+    before its rename, and temporary files that an interrupted run left for this process's images are removed.
+    """
+    if num_images < 1:
+        raise ValueError(f"num_images must be >= 1, got {num_images}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mine = range(process_index, num_images, num_processes)
+    _remove_stale_temporaries(out_dir, set(mine))
+    todo = [i for i in mine if not _is_complete_png(out_dir / f"{i:06d}.png")]
+    if class_labels is None and not isinstance(pipe, UViCText2ImagePipeline):
+        class_labels = balanced_class_labels(pipe, range(num_images))
+    for k in range(0, len(todo), batch_size):
+        chunk = todo[k : k + batch_size]
+        images = generate(
+            pipe, [seed + i for i in chunk], batch_size=batch_size, num_inference_steps=num_inference_steps,
+            class_labels=None if class_labels is None else [class_labels[i] for i in chunk],
+            prompts=None if prompts is None else [prompts[i] for i in chunk],
+            prompt_embeds=None if prompt_embeds is None else prompt_embeds[np.asarray(chunk)],
+            negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale,
+        )  # fmt: skip
+        for i, img in zip(chunk, images):
+            final = out_dir / f"{i:06d}.png"
+            tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:  # on disk before the rename, so a power cut never leaves a short file
+                Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        _fsync_dir(out_dir)  # the renames themselves
+    logger.info("process %d wrote %d images to %s", process_index, len(todo), out_dir)
+    return len(todo)
+
+
+def _is_complete_png(path: Path) -> bool:
+    from uvic.data.images import check_image
+
+    if not path.exists():
+        return False
+    problem = check_image(path)
+    if problem is not None:
+        logger.warning("%s is damaged (%s): generating it again", path, problem)
+    return problem is None
+
+
+def _remove_stale_temporaries(out_dir: Path, indices: set[int]) -> None:
+    """Remove `.{i:06d}.png.tmp{pid}` files for image indices i of this process (no other process writes them)."""
+    for tmp in out_dir.glob(".??????.png.tmp*"):
+        if tmp.name[1:7].isdigit() and int(tmp.name[1:7]) in indices:
+            tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None) -> None:
+    """Before any sampling: the grid's format can be written and its folder (or `out_dir`) accepts files.
+
+    Raises:
+        ValueError: a grid extension PIL cannot write.
+        StorageError: the folder cannot be created or written (read-only, a file in the way, no permission).
+    """
+    from uvic.errors import StorageError, describe_os_error
+
+    if grid is not None:
+        grid = Path(grid)
+        ext = grid.suffix.lower()
+        fmt = Image.registered_extensions().get(ext)
+        if fmt is None or fmt not in Image.SAVE:
+            writable = sorted(e for e, f in Image.registered_extensions().items() if f in Image.SAVE and e in
+                              (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"))
+            raise ValueError(f"cannot write a grid as {grid.name!r}: unknown image extension {ext or '(none)'!r}; "
+                             f"use one of {', '.join(writable)}")
+    folder = Path(out_dir) if out_dir is not None else (grid.parent if grid is not None else None)
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StorageError(f"cannot write to {folder}: {describe_os_error(e)}") from e
+
+
+class _CaptionRows:
+    """`prompt_embeds` for `sample_to_folder`: image i -> the stored CLIP features of caption row `rows[i]`."""
+
+    def __init__(self, features: Any, rows: np.ndarray) -> None:
+        self.features, self.rows = features, rows
+
+    def __getitem__(self, idx: np.ndarray) -> torch.Tensor:
+        return self.features.context(self.rows[idx])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def mscoco_prompt_embeds(
+    features_root: str | os.PathLike, num_images: int, seed: int = 0, split: str = "val"
+) -> tuple[_CaptionRows, torch.Tensor, list[str]]:
+    """U-ViT's MS-COCO FID conditions: image i gets a random caption of a random `split` image (drawn from `seed`).
+
+    Returns:
+        (prompt_embeds indexable by image index -> (n, 77, 768), the empty-caption features (77, 768), the N
+        captions used), for `sample_to_folder(..., prompt_embeds=, negative_prompt_embeds=)`.
+    """
+    from uvic.data.mscoco import MSCOCOFeatures
+
+    features = MSCOCOFeatures(features_root, split)
+    rows = features.draw_caption_rows(num_images, seed)
+    captions = features.captions
+    return _CaptionRows(features, rows), features.empty_context, [captions[int(r)] for r in rows]
 
 
 def save_grid(images: np.ndarray, path: str | Path, nrow: int | None = None, pad: int = 2, scale: int = 1) -> Path:
@@ -84,38 +329,3 @@ def save_grid(images: np.ndarray, path: str | Path, nrow: int | None = None, pad
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
     return path
-
-
-def sample_to_folder(
-    pipe: UViCPipeline,
-    out_dir: str | Path,
-    num_images: int,
-    seed: int,
-    batch_size: int,
-    num_inference_steps: int,
-    process_index: int = 0,
-    num_processes: int = 1,
-) -> int:
-    """Write images 0..num_images-1 as `{i:06d}.png` (seed `seed + i`); this process does i % P == rank.
-
-    Files that already exist are skipped, and each file is written to a temporary name then renamed, so an
-    interrupted run can simply be restarted. Returns the number of images this process wrote.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(process_index, num_images, num_processes) if not (out_dir / f"{i:06d}.png").exists()]
-    labels = balanced_class_labels(pipe, todo)
-    for chunk, images in _batches(pipe, [seed + i for i in todo], batch_size, num_inference_steps, labels):
-        for s, img in zip(chunk, images):
-            final = out_dir / f"{s - seed:06d}.png"
-            tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
-            Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(tmp, format="PNG")
-            os.replace(tmp, final)
-    logger.info("process %d wrote %d images to %s", process_index, len(todo), out_dir)
-    return len(todo)
-
-
-def balanced_class_labels(pipe: UViCPipeline, indices: list[int] | range) -> list[int] | None:
-    """Class i % num_classes for image i (a balanced set) for a class-conditional transformer, else None."""
-    k = pipe.transformer.config.num_classes
-    return [i % k for i in indices] if k is not None and k > 0 else None

@@ -1,13 +1,18 @@
-"""Noise schedules and samplers.
+"""Noise schedules and samplers, and the ONE table that maps a sampler name to a scheduler class.
 
-Continuous VP-SDE models (U-ViT CIFAR-10) use the two schedulers in `scheduling_vpsde` (timesteps: continuous t);
-discrete DDPM models use diffusers' stock schedulers unchanged (timesteps: 0-based DDPM steps). Either way the
-network input for a scheduler timestep (999 t, or t + 1) comes from `timesteps.network_timestep`, the one place
-that conversion lives; the training losses use the same function.
+Continuous VP-SDE models (U-ViT CIFAR-10) use the schedulers in `scheduling_vpsde` (timesteps: continuous t);
+discrete DDPM models use diffusers' stock schedulers unchanged (timesteps: 0-based DDPM steps) or the official
+U-ViT DPM-Solver++ (`scheduling_dpmsolver_uvit`). Either way the network input for a scheduler timestep
+(999 t, or t + 1) comes from `timesteps.network_timestep`, the one place that conversion lives; the training
+losses use the same function (docs/conventions.md, "Timesteps").
+
+Every sampler choice in the project (training configs, `sample.py --sampler`, the pipelines' sampler switch) goes
+through `build_scheduler` / `convert_scheduler` below.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
@@ -19,51 +24,66 @@ from uvic.schedulers.timesteps import network_timestep, network_timestep_for, sc
 from uvic.schedulers.vpsde import VPSDE
 
 
+# The sampler table: for each forward process ("vpsde" continuous, "discrete" DDPM), sampler name -> class.
+SAMPLER_TABLE: dict[str, dict[str, type[SchedulerMixin]]] = {
+    "vpsde": {
+        "euler_maruyama": VPSDEEulerMaruyamaScheduler,  # U-ViT's CIFAR-10 FID sampler
+        "dpm_solver": VPSDEDPMSolverScheduler,  # DPM-Solver++(2M), logSNR grid
+        "uvit_dpm_solver": UViTDPMSolverScheduler,  # U-ViT's CIFAR-10 training monitor (DPM-Solver-fast)
+    },
+    "discrete": {
+        "ddpm": DDPMScheduler,
+        "ddim": DDIMScheduler,
+        "dpm_solver": DPMSolverMultistepScheduler,
+        "uvit_dpm_solver": UViTDPMSolverScheduler,  # the official MS-COCO sampler (single-step DPM-Solver++)
+    },
+}
+
 SAMPLERS = ("euler_maruyama", "dpm_solver", "ddpm", "ddim", "uvit_dpm_solver")
 
-_CONTINUOUS = {"euler_maruyama": VPSDEEulerMaruyamaScheduler, "dpm_solver": VPSDEDPMSolverScheduler, "uvit_dpm_solver": UViTDPMSolverScheduler}
-_DISCRETE = {
-    "ddpm": DDPMScheduler,
-    "ddim": DDIMScheduler,
-    "dpm_solver": DPMSolverMultistepScheduler,
-    "uvit_dpm_solver": UViTDPMSolverScheduler,  # the official MS-COCO sampler (single-step DPM-Solver++)
-}
+# Config keys a scheduler of one class must not hand to another: each VP-SDE solver keeps its own final time.
+_PER_CLASS_KEYS = ("t_eps",)
+
+
+def _sampler_class(sampler: str, schedule: str) -> type[SchedulerMixin]:
+    if schedule not in SAMPLER_TABLE:
+        raise ValueError(f"unknown diffusion schedule {schedule!r}; expected one of {sorted(SAMPLER_TABLE)}")
+    table = SAMPLER_TABLE[schedule]
+    if sampler not in table:
+        kind = "continuous VP-SDE" if schedule == "vpsde" else schedule
+        raise ValueError(f"sampler {sampler!r} does not apply to a {kind} model; use one of {sorted(table)}")
+    return table[sampler]
+
+
+def _accepted(cls: type, config: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `config` that `cls.__init__` takes (private `_` keys kept for diffusers' `from_config`)."""
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in config.items() if k in params or k.startswith("_")}
 
 
 def build_scheduler(sampler: str, diffusion: Any) -> SchedulerMixin:
     """A sampler for the forward process in `diffusion` (a `uvic.config.DiffusionConfig`).
 
-    vpsde: "euler_maruyama" | "dpm_solver"; discrete: "ddpm" | "ddim" | "dpm_solver" (diffusers' multistep).
+    vpsde: "euler_maruyama" | "dpm_solver" | "uvit_dpm_solver" (U-ViT's monitor sampler, noise-prediction
+    DPM-Solver-fast); discrete: "ddpm" | "ddim" | "dpm_solver" (diffusers' multistep) | "uvit_dpm_solver" (the
+    official single-step DPM-Solver++).
     """
+    cls = _sampler_class(sampler, diffusion.schedule)
     if diffusion.schedule == "vpsde":
-        if sampler not in _CONTINUOUS:
-            raise ValueError(
-                f"sampler {sampler!r} does not apply to a continuous VP-SDE model; use one of {sorted(_CONTINUOUS)}"
-            )
-        return _CONTINUOUS[sampler](
-            beta_min=diffusion.beta_min, beta_max=diffusion.beta_max, time_scale=diffusion.time_scale
-        )
-    if diffusion.schedule == "discrete":
-        if sampler not in _DISCRETE:
-            raise ValueError(f"sampler {sampler!r} does not apply to a discrete model; use one of {sorted(_DISCRETE)}")
-        return _DISCRETE[sampler](
-            num_train_timesteps=diffusion.num_train_timesteps,
-            beta_schedule=diffusion.beta_schedule,
-            beta_start=diffusion.beta_start,
-            beta_end=diffusion.beta_end,
-        )
-    raise ValueError(f"unknown diffusion schedule {diffusion.schedule!r}; expected 'vpsde' or 'discrete'")
+        fields = {"beta_min": diffusion.beta_min, "beta_max": diffusion.beta_max, "time_scale": diffusion.time_scale}
+    else:
+        fields = {"num_train_timesteps": diffusion.num_train_timesteps, "beta_schedule": diffusion.beta_schedule,
+                  "beta_start": diffusion.beta_start, "beta_end": diffusion.beta_end}
+    # A scheduler that serves both processes reads which one from its `schedule` field.
+    return cls(**_accepted(cls, {"schedule": diffusion.schedule, **fields}))
 
 
 def convert_scheduler(scheduler: SchedulerMixin, sampler: str) -> SchedulerMixin:
     """Switch a pipeline's scheduler to another `sampler` for the same forward process (diffusers `from_config`)."""
-    table = _CONTINUOUS if is_continuous(scheduler) else _DISCRETE
-    if sampler not in table:
-        kind = "continuous VP-SDE" if is_continuous(scheduler) else "discrete"
-        raise ValueError(f"sampler {sampler!r} does not apply to this {kind} model; use one of {sorted(table)}")
-    cls = table[sampler]
-    config = {k: v for k, v in scheduler.config.items() if k != "t_eps"}  # each VP-SDE solver keeps its own t_eps
-    return cls.from_config(config)
+    schedule = schedule_of(scheduler)
+    cls = _sampler_class(sampler, schedule)
+    config = {k: v for k, v in scheduler.config.items() if k not in _PER_CLASS_KEYS}
+    return cls.from_config(_accepted(cls, {**config, "schedule": schedule}))
 
 
 def is_continuous(scheduler: SchedulerMixin) -> bool:
@@ -73,6 +93,7 @@ def is_continuous(scheduler: SchedulerMixin) -> bool:
 
 __all__ = [
     "SAMPLERS",
+    "SAMPLER_TABLE",
     "UViTDPMSolverScheduler",
     "VPSDE",
     "VPSDEDPMSolverScheduler",

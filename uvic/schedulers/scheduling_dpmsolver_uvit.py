@@ -109,6 +109,8 @@ class UViTDPMSolverScheduler(SchedulerMixin, ConfigMixin):
             "solver_steps" vpsde.
     """
 
+    # Same betas config as these diffusers schedulers, so `from_config` switches between them.
+    _compatibles = ["DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler"]
     order = 1  # one model evaluation per `step()` call (diffusers uses this for progress-bar bookkeeping)
     _compatibles = [
         "DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler", *_VPSDE_SCHEDULERS,

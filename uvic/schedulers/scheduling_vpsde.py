@@ -6,7 +6,7 @@ like diffusers' continuous `ScoreSdeVeScheduler`), and `step(model_output, times
 the grid. Samples are (B, C, H, W); the model output is the noise prediction eps_hat of the same shape.
 
 - `VPSDEEulerMaruyamaScheduler`: U-ViT's `sde.euler_maruyama`, the sampler behind the official CIFAR-10 FID 3.11
-  (docs/uvit_reference.md Sec. 2.1): time grid `[0] + linspace(t_eps, 1, n)` walked from 1 down to 0, the drift
+  (docs/conventions.md, "Samplers"): time grid `[0] + linspace(t_eps, 1, n)` walked from 1 down to 0, the drift
   evaluated at the upper time of each interval, no noise on the last step. The grid, and so every network time
   input, is the official float32 one bit for bit; the step coefficients are computed in float64 from those grid
   values (the official code uses float32 arithmetic), so samples agree to float32 rounding, not bit for bit.
@@ -32,19 +32,63 @@ from uvic.schedulers.vpsde import VPSDE
 class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
     """Shared bookkeeping: the VP-SDE, the continuous grid `times` (n + 1,), `timesteps` (n,) and the step index."""
 
+    _compatibles = ["VPSDEEulerMaruyamaScheduler", "VPSDEDPMSolverScheduler"]
     order = 1
     init_noise_sigma = 1.0
+
+    def _reset(self) -> None:
+        # No grid until `set_timesteps`.
+        self.times = None
+        self.timesteps = None
+        self.num_inference_steps = None
+        self._step_index = 0
 
     @property
     def sde(self) -> VPSDE:
         return VPSDE(self.config.beta_min, self.config.beta_max)
 
-    def _set_times(self, times: torch.Tensor, device: str | torch.device | None) -> None:
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+        """Fill `timesteps` with the n continuous times at which the network is evaluated (see `_grid`)."""
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        times = self._grid(num_inference_steps)
         # `times` is decreasing; steps go from times[i] to times[i + 1], and the network is evaluated at times[i].
         self.times = times
         self.timesteps = times[:-1].to(device=device, dtype=torch.float32)
         self.num_inference_steps = len(times) - 1
         self._step_index = 0
+
+    def _grid(self, num_inference_steps: int) -> torch.Tensor:
+        """The (n + 1,) decreasing time grid of the solver."""
+        raise NotImplementedError
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        timestep: torch.Tensor | float,
+        sample: torch.Tensor,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        return_dict: bool = True,
+    ) -> SchedulerOutput | tuple:
+        """One step from times[i] to times[i + 1] (i counts the calls since `set_timesteps`).
+
+        Args:
+            model_output: (B, C, H, W) eps_hat at time t = times[i].
+            timestep: t, as in `timesteps` (the scheduler keeps its own index; accepted for diffusers pipelines).
+            sample: (B, C, H, W) x_t.
+            generator: one generator, or one per sample (so each sample's noise is its own); deterministic
+                solvers ignore it.
+            return_dict: return a `SchedulerOutput` instead of a tuple.
+        Returns:
+            `SchedulerOutput` with `prev_sample`, x at times[i + 1], or `(prev_sample,)`.
+        """
+        i = self._next_index()
+        prev = self._update(i, model_output.to(sample.dtype), sample, generator)
+        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+
+    def _update(self, i: int, eps: torch.Tensor, sample: torch.Tensor, generator) -> torch.Tensor:
+        """The solver's update x_{times[i]} -> x_{times[i + 1]} given eps_hat at times[i]."""
+        raise NotImplementedError
 
     def scale_model_input(self, sample: torch.Tensor, timestep: torch.Tensor | float | None = None) -> torch.Tensor:
         """Identity (the VP-SDE network takes x_t as is); kept for diffusers pipeline compatibility."""
@@ -82,46 +126,27 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
         t_eps: float = 1e-3,
         num_train_timesteps: int = 1000,
     ):
-        self.times = None
-        self.timesteps = None
-        self.num_inference_steps = None
-        self._step_index = 0
+        self._reset()
 
-    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+    def _grid(self, num_inference_steps: int) -> torch.Tensor:
         """Grid `append(0, linspace(t_eps, 1, n))`, reversed: n steps, the last one from t_eps to 0."""
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
         # The official grid: numpy's float64 linspace (torch.linspace rounds some points differently), then cast
         # to float32 (`torch.tensor(timesteps).to(x_init)` in U-ViT's sde.py), so t and 999 t match its values.
         grid = np.append(0.0, np.linspace(self.config.t_eps, 1.0, num_inference_steps))
-        self._set_times(torch.tensor(grid[::-1].copy()).to(torch.float32), device)
+        return torch.tensor(grid[::-1].copy()).to(torch.float32)
 
-    def step(
-        self,
-        model_output: torch.Tensor,
-        timestep: torch.Tensor | float,
-        sample: torch.Tensor,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        return_dict: bool = True,
-    ) -> SchedulerOutput | tuple:
-        """x_s = x_t + (f - g^2 score)(s - t) + g sqrt(t - s) z with score = -eps_hat / sigma(t); z = 0 when s = 0.
-
-        Args:
-            model_output: (B, C, H, W) eps_hat at time t.
-            sample: (B, C, H, W) x_t.
-            generator: one generator, or one per sample (so each sample's noise is its own).
-        """
-        i = self._next_index()
+    def _update(self, i: int, eps: torch.Tensor, sample: torch.Tensor, generator) -> torch.Tensor:
+        """x_s = x_t + (f - g^2 score)(s - t) + g sqrt(t - s) z with score = -eps_hat / sigma(t); z = 0 when s = 0."""
         t, s = float(self.times[i]), float(self.times[i + 1])  # the float32 grid values, coefficients in float64
         sde = self.sde
         beta = sde.beta(t)
         # Reverse drift f(x, t) - g(t)^2 score(x, t), with f = -beta x / 2, g^2 = beta, score = -eps_hat / sigma.
-        drift = -0.5 * beta * sample + (beta / sde.sigma(t)) * model_output.to(sample.dtype)
+        drift = -0.5 * beta * sample + (beta / sde.sigma(t)) * eps
         prev = sample + drift * (s - t)
         if s > 0:  # U-ViT adds no noise on the final step to t = 0.
             z = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=sample.dtype)
             prev = prev + math.sqrt(beta * (t - s)) * z
-        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+        return prev
 
 
 class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
@@ -145,46 +170,27 @@ class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
         t_eps: float = 1e-4,
         num_train_timesteps: int = 1000,
     ):
-        self.times = None
-        self.timesteps = None
-        self.num_inference_steps = None
-        self._step_index = 0
+        self._reset()
         self._prev_x0 = None
 
-    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+    def _grid(self, num_inference_steps: int) -> torch.Tensor:
         """A grid uniform in lambda (half log-SNR) from t = 1 to t = t_eps, n steps."""
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        self._prev_x0 = None  # a new grid starts a new multistep history
         sde = self.sde
         lam = torch.linspace(sde.lambda_(1.0), sde.lambda_(self.config.t_eps), num_inference_steps + 1,
                              dtype=torch.float64)
         times = sde.t_from_lambda(lam)
         times[0], times[-1] = 1.0, self.config.t_eps  # exact ends despite round-off in the inverse
-        self._set_times(times, device)
-        self._prev_x0 = None
+        return times
 
-    def step(
-        self,
-        model_output: torch.Tensor,
-        timestep: torch.Tensor | float,
-        sample: torch.Tensor,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        return_dict: bool = True,
-    ) -> SchedulerOutput | tuple:
-        """One DPM-Solver++ step from times[i] to times[i + 1]: first order on the first step, then 2M.
-
-        Args:
-            model_output: (B, C, H, W) eps_hat at time t.
-            sample: (B, C, H, W) x_t.
-            generator: unused (the solver is deterministic); accepted for pipeline compatibility.
-        """
-        i = self._next_index()
+    def _update(self, i: int, eps: torch.Tensor, sample: torch.Tensor, generator) -> torch.Tensor:
+        """One DPM-Solver++ step from times[i] to times[i + 1]: first order on the first step, then 2M."""
         sde = self.sde
         t, s = float(self.times[i]), float(self.times[i + 1])
         alpha_t, sigma_t = math.sqrt(sde.alpha_bar(t)), sde.sigma(t)
         alpha_s, sigma_s = math.sqrt(sde.alpha_bar(s)), sde.sigma(s)
         h = sde.lambda_(s) - sde.lambda_(t)
-        x0 = (sample - sigma_t * model_output.to(sample.dtype)) / alpha_t  # data prediction
+        x0 = (sample - sigma_t * eps) / alpha_t  # data prediction
         if self._prev_x0 is None:
             d = x0
         else:
@@ -194,4 +200,4 @@ class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
             d = (1.0 + 0.5 / r) * x0 - (0.5 / r) * self._prev_x0
         prev = (sigma_s / sigma_t) * sample - alpha_s * math.expm1(-h) * d
         self._prev_x0 = x0
-        return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+        return prev

@@ -1,18 +1,17 @@
 """The one place a diffusion time becomes the timestep value the U-ViT network embeds.
 
-U-ViT trains its two kinds of model on different time inputs (docs/uvit_reference.md Sec. 2.1, 2.2, 7.3):
+U-ViT trains its two kinds of model on different time inputs (docs/conventions.md, "Timesteps"):
 
     schedule    time t (training sample, scheduler timestep)            network input
     "vpsde"     continuous t in [0, 1] (VP-SDE, CIFAR-10)                time_scale * t = 999 t  (`ScoreModel.predict`)
-    "discrete"  diffusers' 0-based DDPM step t in {0, ..., N - 1}        t + 1 in {1, ..., N}    (pitfall 2)
+    "discrete"  diffusers' 0-based DDPM step t in {0, ..., N - 1}        t + 1 in {1, ..., N}
 
 The discrete offset exists because U-ViT's `Schedule` prepends beta_0 = 0: its `cum_alphas[n]` equals diffusers'
 `alphas_cumprod[n - 1]`, and training feeds the network n. Fractional t (DPM-Solver stages) shifts the same way.
 
-The training losses (`uvic.training.losses`, `uvic.diffusion_t2i`) call `network_timestep` on the time they
+The training losses (`uvic.training.losses`) call `network_timestep` on the time they
 sampled; the pipelines call `network_timestep_for(scheduler, t)` on each entry of `scheduler.timesteps`, which
-holds the time t above (the VP-SDE schedulers hold continuous t; diffusers' discrete schedulers their 0-based step;
-`UViTDPMSolverScheduler` either, following its `schedule`).
+holds the time t above (the VP-SDE schedulers hold continuous t; diffusers' discrete schedulers their 0-based step).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from typing import Literal
 import torch
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 from uvic.schedulers.scheduling_vpsde import _VPSDESchedulerBase
 
 
@@ -52,10 +50,12 @@ def network_timestep(t: torch.Tensor, schedule: Schedule, time_scale: float = 99
 
 
 def schedule_of(scheduler: SchedulerMixin) -> Schedule:
-    """"vpsde" for the continuous VP-SDE schedulers of `uvic.schedulers` (`UViTDPMSolverScheduler` when its
-    `schedule` is "vpsde"), "discrete" for every other scheduler."""
-    if isinstance(scheduler, UViTDPMSolverScheduler):
-        return scheduler.config.schedule
+    """The forward process a scheduler samples: its config's `schedule` field when it has one (a scheduler that
+    serves both processes), else "vpsde" for the VP-SDE schedulers of `uvic.schedulers` and "discrete" for every
+    other scheduler (diffusers' stock ones)."""
+    declared = scheduler.config.get("schedule") if hasattr(scheduler, "config") else None
+    if declared is not None:
+        return declared
     return "vpsde" if isinstance(scheduler, _VPSDESchedulerBase) else "discrete"
 
 

@@ -1,6 +1,6 @@
 """The continuous-time VP-SDE of U-ViT's CIFAR-10 model.
 
-Song et al. 2021, Eq. 11 with a linear beta(t) (U-ViT `sde.py::VPSDE`, docs/uvit_reference.md Sec. 2.1):
+Song et al. 2021, Eq. 11 with a linear beta(t) (U-ViT `sde.py::VPSDE`, docs/conventions.md, "Schedules"):
 
     beta(t)       = beta_min + t (beta_max - beta_min),                 t in [0, 1]
     alpha_bar(t)  = exp(-(beta_min t + (beta_max - beta_min) t^2 / 2))  (= cum_alpha(t) in U-ViT)

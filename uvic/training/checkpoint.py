@@ -1,4 +1,4 @@
-"""Checkpoints: atomic save, rotation, discovery and resume. Task-agnostic (diffusion and LM runs share it).
+"""Checkpoints: atomic, verified save; rotation; discovery; resume. Task-agnostic (diffusion and LM runs share it).
 
 Layout of one checkpoint, `run_dir/checkpoints/step_000001000/`:
     model.safetensors, optimizer.bin, random_states_{rank}.pkl, custom_checkpoint_{i}.pkl
@@ -6,11 +6,22 @@ Layout of one checkpoint, `run_dir/checkpoints/step_000001000/`:
                         the run's sharded generator)
     {name}.safetensors  extra models such as the EMA weights
     config.yaml         the resolved config of the run
-    meta.json           {"step": ...}; written last
+    meta.json           {"step": ..., "sha256": {file: hex digest}}; written last
 
-A checkpoint is written into `.tmp-step_.../` and renamed into place when complete, so a crash during a save
-leaves the previous checkpoints untouched and the partial directory is never picked up. Re-saving a step renames
-the old copy aside (`.old-step_...`), renames the new one in, and only then deletes the old one.
+A checkpoint is written into `.tmp-step_...-{pid}/` (the launch's main-process PID, so that two writers never share
+a temporary dir) and renamed into place when complete, so a crash during a save leaves the previous checkpoints
+untouched and the partial directory is never picked up. Re-saving a step renames the old copy aside
+(`.old-step_...`), renames the new one in, and only then deletes the old one. A directory is deleted by renaming it
+to `.deleting-...` first, so a kill during the deletion never leaves a half-deleted `step_*`; `sweep_leftovers`
+(called at the start of a run, under the run-dir lock) removes what such interruptions leave behind.
+
+`meta.json` records the SHA-256 of every other file. `verify_checkpoint` checks them, and that the recorded step is
+the one in the directory name, before a checkpoint is resumed or exported: a mismatch is a `CheckpointError` naming
+the file and the newest checkpoint of the run that verifies. Checkpoints written before hashes were recorded load
+with a warning, unverified.
+
+A write that fails (disk full, read-only file system, a file where a directory should be) removes the partial
+checkpoint and raises `StorageError`, which says what failed and names the last complete checkpoint.
 
 Resuming from a checkpoint older than the run's newest (`abandon_newer_checkpoints`) moves the newer ones to
 `checkpoints/abandoned/after_step_.../`: the resumed run is a new branch, and rotation and `--resume latest` must
@@ -19,6 +30,7 @@ only ever see that branch, while the abandoned one stays on disk.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -26,17 +38,28 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from uvic.errors import CheckpointError, StorageError, describe_os_error
+
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d+)$")
+META = "meta.json"
+# Signs that an exception from a serializer (torch.save, safetensors) is a failed write, not a bug.
+_WRITE_FAILURE = re.compile(r"basic_ios|file write failed|No space left|Read-only file system|Permission denied|"
+                            r"Os \{ code|Not a directory|Disk quota", re.IGNORECASE)
+
+
+_WRITE_REASONS = [(r"No space left|os error 28", "disk full"), (r"Disk quota", "disk quota exceeded"),
+                  (r"Read-only file system|os error 30", "read-only file system"),
+                  (r"Permission denied|os error 13", "permission denied"), (r"Not a directory", "not a directory")]
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -51,7 +74,7 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = _NAME.match(p.name)
-        if m and (p / "meta.json").is_file():
+        if m and (p / META).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -61,16 +84,103 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint dir from a checkpoint path or a run dir (its latest checkpoint). Raises FileNotFoundError."""
+def resolve_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
+    """A checkpoint dir from a checkpoint path or a run dir (its latest checkpoint), verified unless `verify=False`.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        CheckpointError: the checkpoint fails `verify_checkpoint`.
+    """
     path = Path(path)
-    if (path / "meta.json").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise FileNotFoundError(f"no checkpoint at {path} (expected a step_* dir with meta.json, or a run dir with "
-                                f"checkpoints/step_*/)")
-    return latest
+    if not (path / META).is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"no checkpoint at {path} (expected a step_* dir with meta.json, or a run dir "
+                                    f"with checkpoints/step_*/)")
+        path = latest
+    if verify:
+        verify_checkpoint(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_hashes(ckpt: Path) -> dict[str, str]:
+    return {p.relative_to(ckpt).as_posix(): sha256_file(p)
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != META}  # fmt: skip
+
+
+def _problem(path: Path) -> tuple[int | None, str | None]:
+    """(step, None) when `path` verifies, else (step or None, what is wrong)."""
+    meta_file = path / META
+    if not meta_file.is_file():
+        return None, f"{path} is not a complete checkpoint (no {META})"
+    try:
+        meta = json.loads(meta_file.read_text())
+        step = int(meta["step"])
+        hashes = meta.get("sha256")
+        if hashes is not None and not isinstance(hashes, dict):
+            raise TypeError("'sha256' is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{meta_file} is unreadable ({type(e).__name__}: {e})"
+    m = _NAME.match(path.name)
+    if m and int(m.group(1)) != step:
+        return step, f"{meta_file} records step {step}, but the directory is {path.name}"
+    if hashes is None:
+        logger.warning("%s has no SHA-256 record (saved by an older uvic): using it unverified", path)
+        return step, None
+    for name, want in hashes.items():
+        f = path / name
+        if not f.is_file():
+            return step, f"{f} is missing"
+        if sha256_file(f) != want:
+            return step, f"{f} is corrupted (its SHA-256 differs from the one recorded when it was saved)"
+    return step, None
+
+
+def newest_verified_checkpoint(run_dir: str | Path, exclude: Path | None = None) -> Path | None:
+    """The newest checkpoint of `run_dir` that passes `verify_checkpoint` (skipping `exclude`), or None."""
+    for _, p in reversed(list_checkpoints(run_dir)):
+        if p != exclude and _problem(p)[1] is None:
+            return p
+    return None
+
+
+def verify_checkpoint(path: str | Path) -> int:
+    """Check a checkpoint against its `meta.json`: every file's SHA-256, and the step against the dir name.
+
+    Returns:
+        The step.
+    Raises:
+        CheckpointError: the first problem found, and the newest checkpoint of the same run that verifies.
+    """
+    path = Path(path)
+    step, problem = _problem(path)
+    if problem is None:
+        return step
+    hint = ""
+    if path.parent.name == "checkpoints":
+        good = newest_verified_checkpoint(path.parent.parent, exclude=path)
+        hint = (f"; the newest checkpoint of this run that verifies is {good} (resume from it with --resume {good})"
+                if good else "; no other checkpoint of this run verifies")
+    raise CheckpointError(f"checkpoint {path} failed verification: {problem}{hint}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Saving, rotation and clean-up
+# ---------------------------------------------------------------------------------------------------------
 
 
 def save_checkpoint(
@@ -84,37 +194,144 @@ def save_checkpoint(
     """Save the accelerator state plus `extra_models` atomically as `checkpoints/step_{step:09d}`; keep the last `keep`.
 
     Call on every process (accelerate writes per-rank RNG states). Returns the checkpoint path.
+
+    Raises:
+        StorageError: a write failed on some process (disk full, read-only, not a directory); the partial
+            checkpoint is removed and every process raises, naming the last complete checkpoint.
     """
+    from accelerate.utils import broadcast_object_list
+
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:09d}"
-    tmp = root / f".tmp-step_{step:09d}"
-    if accelerator.is_main_process:
+    # One name per launch: the main process's PID, the same on every process of the launch.
+    pid = broadcast_object_list([os.getpid()])[0] if accelerator.num_processes > 1 else os.getpid()
+    tmp = root / f".tmp-{final.name}-{pid}"
+    main = accelerator.is_main_process
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crashed save
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
+        if tmp.exists():
+            remove_dir(tmp)
+
+    def finish() -> None:
         for name, model in (extra_models or {}).items():
             state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
             save_file(state, str(tmp / f"{name}.safetensors"))
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        (tmp / "meta.json").write_text(json.dumps({"step": step}))
+        (tmp / META).write_text(json.dumps({"step": step, "sha256": _file_hashes(tmp)}))
         _move_into_place(tmp, final)
+
+    # Each phase ends with every process learning whether any failed, so that all stop together.
+    failure = _agree(accelerator, _attempt(prepare, root) if main else None)
+    if failure is None:
+        failure = _agree(accelerator, _attempt(lambda: accelerator.save_state(str(tmp)), root))
+    if failure is None:
+        failure = _agree(accelerator, _attempt(finish, root) if main else None)
+    if failure is not None:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(run_dir) if root.is_dir() else None
+        raise StorageError(f"could not save checkpoint {final}: {failure}. The partial checkpoint was removed; "
+                           f"the last complete checkpoint is {last or 'none'}")
+    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal.
+    if main:
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                remove_dir(old)
+            except OSError as e:
+                logger.warning("could not delete the old checkpoint %s: %s", old, describe_os_error(e))
     accelerator.wait_for_everyone()
     return final
+
+
+def _attempt(fn: Callable[[], Any], where: Path) -> str | None:
+    """Run `fn`; None if it worked, else what failed when it is a failed write (anything else is re-raised)."""
+    try:
+        fn()
+        return None
+    except OSError as e:
+        return describe_os_error(e)
+    except Exception as e:  # noqa: BLE001 - torch.save / safetensors report a failed write in their own types
+        text = " ".join(str(e).split())
+        if not _WRITE_FAILURE.search(text):
+            raise
+        try:
+            free_mib = shutil.disk_usage(where).free / 2**20
+        except OSError:
+            free_mib = None
+        reason = next((r for pattern, r in _WRITE_REASONS if re.search(pattern, text, re.IGNORECASE)), None)
+        if reason is None and free_mib is not None and free_mib < 1:
+            reason = "write failed, probably disk full"
+        free = "" if free_mib is None else f"; {free_mib:.1f} MiB free there"
+        return f"{reason or 'write failed'} ({type(e).__name__}: {text}{free})"
+
+
+def _agree(accelerator: Accelerator, failure: str | None) -> str | None:
+    """The first failure of any process (a collective: every process must call it)."""
+    if accelerator.num_processes == 1:
+        return failure
+    from accelerate.utils import gather_object
+
+    return next((f"process {i}: {f}" for i, f in enumerate(gather_object([failure])) if f is not None), None)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a directory by renaming it to `.deleting-{name}-{pid}` first, so that a kill midway never leaves a
+    half-deleted directory under a name that is read (the `.deleting-` leftover is swept at the next start)."""
+    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
+    if doomed.exists():  # left by an earlier process that had the same PID
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
 
 
 def _move_into_place(new: Path, final: Path) -> None:
     """Rename `new` to `final`; an existing `final` (the same step saved again, e.g. the final save after a periodic
     one) is renamed aside first and deleted last, so a crash never leaves the step without a complete copy."""
     old = final.with_name(f".old-{final.name}")
-    shutil.rmtree(old, ignore_errors=True)  # a leftover from a crashed replacement
+    if old.exists():
+        remove_dir(old)  # a leftover from a crashed replacement
     if final.exists():
         os.replace(final, old)
     os.replace(new, final)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():
+        remove_dir(old)
+
+
+def sweep_leftovers(run_dir: str | Path) -> list[str]:
+    """Remove what interrupted saves and deletions left in `run_dir/checkpoints`; returns the names handled.
+
+    Call on the main process while holding the run-dir lock (nothing else may be writing). Removed: `.tmp-*`
+    (partial saves), `.deleting-*` (interrupted deletions) and `step_*` dirs without `meta.json` (half-deleted by
+    uvic versions that deleted in place). A `.old-step_N` whose `step_N` is missing (a kill between the two renames
+    of a re-save) is the complete copy of that step: it is renamed back, otherwise removed.
+    """
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    handled = []
+    for p in sorted(root.iterdir()):
+        if not p.is_dir():
+            continue
+        if p.name.startswith(".deleting-"):
+            shutil.rmtree(p)
+        elif p.name.startswith(".tmp-") or (_NAME.match(p.name) and not (p / META).is_file()):
+            remove_dir(p)
+        elif p.name.startswith(".old-"):
+            final = root / p.name[len(".old-"):]
+            if (p / META).is_file() and not (final / META).is_file():
+                if final.exists():
+                    remove_dir(final)
+                os.replace(p, final)
+                logger.warning("restored %s from %s (a re-save of that step was interrupted)", final, p.name)
+            else:
+                remove_dir(p)
+        else:
+            continue
+        handled.append(p.name)
+    if handled:
+        logger.info("removed leftovers of interrupted saves/deletions in %s: %s", root, ", ".join(handled))
+    return handled
 
 
 def abandon_newer_checkpoints(run_dir: str | Path, step: int) -> Path | None:
@@ -146,18 +363,20 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: `path` is not a complete checkpoint.
-        ValueError: a file in it cannot be read (truncated, corrupted, or from a different model).
+        CheckpointError (a ValueError): it fails `verify_checkpoint`, or a file in it cannot be read or is
+            from a different model.
     """
     path = Path(path)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
+    if not (path / META).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META})")
+    step = verify_checkpoint(path)
     try:
-        step = int(json.loads((path / "meta.json").read_text())["step"])
         accelerator.load_state(str(path))
         for name, model in (extra_models or {}).items():
             model.load_state_dict(load_file(str(path / f"{name}.safetensors")))
     except Exception as e:  # noqa: BLE001 - any failure here means "this checkpoint cannot be resumed"
-        raise ValueError(f"checkpoint {path} is unreadable or does not match this run: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"checkpoint {path} is unreadable or does not match this run: "
+                              f"{type(e).__name__}: {e}") from e
     logger.info("resumed from %s at step %d", path, step)
     return step
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +18,19 @@ from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
-from uvic.config import Config
+from uvic.config import RunConfig, validate_ranges
+from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     abandon_newer_checkpoints,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
+    sweep_leftovers,
 )
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
+from uvic.training.lock import hold_run_dir
 from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_curve
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import build_task
@@ -60,12 +64,36 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def train(cfg: Config) -> Path:
-    """Train `cfg.task` as configured; returns the run dir. Raises FloatingPointError on a NaN/Inf loss."""
+def train(cfg: RunConfig) -> Path:
+    """Train `cfg.task` as configured; returns the run dir.
+
+    The run dir is locked for the life of the run (`uvic.training.lock`), and leftovers of interrupted saves are
+    swept before anything is read from it.
+
+    Raises:
+        ConfigError: a config value out of range (`uvic.config.validate_ranges`).
+        RunLockedError: another run holds the run dir.
+        StorageError: a write failed (disk full, read-only, not a directory); names the last complete checkpoint.
+        CheckpointError: the checkpoint to resume fails verification.
+        FloatingPointError: the loss became NaN/Inf.
+    """
+    validate_ranges(cfg)  # configs built in Python skip load_config's check
+    run_dir = Path(cfg.train.run_dir)
+    try:
+        with ExitStack() as stack:  # holds the run-dir lock, taken by _train once the accelerator exists
+            return _train(cfg, stack)
+    except OSError as e:
+        if isinstance(e, UvicError) or e.errno is None:  # already clear, or a message of ours (FileNotFoundError)
+            raise
+        raise StorageError(f"training stopped: {describe_os_error(e)}. The last complete checkpoint is "
+                           f"{latest_checkpoint(run_dir) or 'none'}") from e
+
+
+def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     tc = cfg.train
     run_dir = Path(tc.run_dir)
 
-    # 1. Setup: accelerator, seeds, run dir, resolved config.
+    # 1. Setup: accelerator, the run-dir lock (and a sweep of what interrupted saves left), seeds, resolved config.
     accelerator = Accelerator(
         mixed_precision=tc.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -74,6 +102,10 @@ def train(cfg: Config) -> Path:
         log_with=None if tc.log_with == "none" else tc.log_with,
         project_dir=str(run_dir),
     )
+    stack.enter_context(hold_run_dir(run_dir, accelerator))
+    if accelerator.is_main_process:
+        sweep_leftovers(run_dir)
+    accelerator.wait_for_everyone()
     world = accelerator.num_processes
     if tc.batch_size % (world * tc.grad_accum_steps):
         raise ValueError(
@@ -81,7 +113,7 @@ def train(cfg: Config) -> Path:
             f"{world} x {tc.grad_accum_steps}"
         )
     local_batch = tc.batch_size // (world * tc.grad_accum_steps)
-    resume = _resume_path(run_dir, tc.resume)
+    resume = resume_checkpoint(run_dir, tc.resume)
     set_seed(tc.seed, device_specific=True)
     torch.backends.cuda.matmul.allow_tf32 = tc.allow_tf32
     torch.backends.cudnn.allow_tf32 = tc.allow_tf32
@@ -99,8 +131,9 @@ def train(cfg: Config) -> Path:
     if tc.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     ema = EMA(model, tc.ema_decay)
+    # The task names its weight-decay groups (U-ViT decays everything; the LM exempts norm gains and biases).
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps, weight_decay=tc.weight_decay
+        task.param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps
     )
     # Not passed to accelerate.prepare: its wrapper steps the schedule once per process.
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -212,8 +245,9 @@ def train(cfg: Config) -> Path:
     return run_dir
 
 
-def _resume_path(run_dir: Path, resume: str) -> Path | None:
-    """"" -> None (and no existing checkpoints allowed), "latest" -> the newest or None, else that checkpoint."""
+def resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint `train.resume` names: "" -> None (and `run_dir` must have no checkpoints), "latest" -> the
+    newest one or None, anything else -> that checkpoint dir (checked)."""
     if resume == "":
         if latest_checkpoint(run_dir) is not None:
             raise ValueError(
@@ -223,4 +257,4 @@ def _resume_path(run_dir: Path, resume: str) -> Path | None:
         return None
     if resume == "latest":
         return latest_checkpoint(run_dir)
-    return resolve_checkpoint(resume)
+    return resolve_checkpoint(resume, verify=False)  # load_checkpoint verifies it

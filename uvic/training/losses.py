@@ -1,5 +1,8 @@
 """Forward diffusion processes for training, and the epsilon-prediction loss.
 
+One epsilon loss (`eps_prediction_loss`, U-ViT's `LSimple`) serves every diffusion task; the text-to-image task
+adds classifier-free-guidance context dropout and latents drawn from stored VAE moments (`text_to_image_loss`).
+
 A noise process picks the time, perturbs x_0 and says which timestep value the network embeds (always through
 `uvic.schedulers.timesteps.network_timestep`, which the pipelines use too):
 - `VPSDENoise`: continuous VP-SDE (U-ViT CIFAR-10, `sde.LSimple`): t ~ U(0, 1), network time 999 t.
@@ -14,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from diffusers import DDPMScheduler
 
+from uvic.models.autoencoder import sample_latents
 from uvic.schedulers.timesteps import network_timestep
 from uvic.schedulers.vpsde import VPSDE
 from uvic.training.rng import ShardedRNG
@@ -98,3 +102,50 @@ def eps_prediction_loss(
     x_t = ab.sqrt() * x0 + (1.0 - ab).sqrt() * eps
     eps_hat = model(x_t, noise.model_time(t), **model_kwargs).sample
     return (eps - eps_hat.float()).pow(2).flatten(1).mean(1).mean()
+
+
+def drop_context(context: torch.Tensor, empty_context: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """Replace the whole context of the samples where `drop` is True by the empty-caption features.
+
+    Args:
+        context: (B, L, D) caption features.
+        empty_context: (L, D) or (1, L, D) features of "" (not zeros, not a learned token).
+        drop: (B,) bool.
+    Returns:
+        (B, L, D).
+    """
+    empty = empty_context.to(device=context.device, dtype=context.dtype).reshape(1, *context.shape[1:])
+    return torch.where(drop.to(context.device)[:, None, None], empty, context)
+
+
+def text_to_image_loss(
+    model: torch.nn.Module,
+    moments: torch.Tensor,
+    context: torch.Tensor,
+    empty_context: torch.Tensor,
+    noise: NoiseProcess,
+    scaling_factor: float,
+    rng: ShardedRNG,
+    p_uncond: float = 0.1,
+) -> torch.Tensor:
+    """`eps_prediction_loss` of a text-conditional U-ViT on stored features (U-ViT `LSimple` + `CFGDataset`).
+
+    Args:
+        model: called as `model(x_t, timestep, encoder_hidden_states=context)` returning `.sample` (B, C, h, w).
+        moments: (B, 2C, h, w) stored VAE moments [mean, logvar]; a latent is drawn from them here.
+        context: (B, L, D) caption features.
+        empty_context: (L, D) features of the empty caption (the guidance null condition).
+        noise: the forward process (U-ViT MS-COCO: `DiscreteNoise` with SD's scaled_linear betas).
+        scaling_factor: `vae.config.scaling_factor` (0.23010 for U-ViT MS-COCO).
+        rng: source of every random draw (latent, dropout, time, noise), in that order.
+        p_uncond: probability of training a sample on the empty context.
+    Returns:
+        Scalar float32 loss.
+    """
+    if not 0.0 <= p_uncond <= 1.0:
+        raise ValueError(f"p_uncond must be in [0, 1], got {p_uncond}")
+    B, two_c, h, w = moments.shape
+    device = moments.device
+    z0 = sample_latents(moments.float(), scaling_factor, eps=rng.randn(B, two_c // 2, h, w).to(device))
+    ctx = drop_context(context, empty_context, rng.rand(B).to(device) < p_uncond)
+    return eps_prediction_loss(model, z0, noise, rng, encoder_hidden_states=ctx)

@@ -1,38 +1,24 @@
-"""Text-to-image sampling helpers: FID folder from extracted val features (sharding, resume), prompts, samplers."""
+"""The one seeded generate / folder writer with text-to-image pipelines: FID folder from extracted val features
+(sharding, resume), prompts, sampler switch, sample.py. (Unconditional and class-conditional pipelines:
+test_pipeline_uvic.py and test_scripts.py.)"""
 
 import json
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from uvic.data.mscoco import MSCOCOFeatures, extract_features
+from uvic.data.mscoco import MSCOCOFeatures
 from uvic.models import build_preset
-from uvic.models.autoencoder import build_vae
-from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
-from uvic.pipelines.sampling_t2i import generate_t2i, load_t2i_pipeline, sample_t2i_to_folder
+from uvic.pipelines.sampling import generate, load_pretrained, mscoco_prompt_embeds, sample_to_folder
 from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, make_tiny_coco):
     tmp = tmp_path_factory.mktemp("t2i")
-    rng = np.random.default_rng(0)
-    (tmp / "img").mkdir()
-    images, anns = [], []
-    for i in range(3):
-        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp / "img" / f"{i}.png")
-        images.append({"id": i, "file_name": f"{i}.png"})
-        anns += [{"id": 10 * i + j, "image_id": i, "caption": f"photo {i} number {j}"} for j in range(2)]
-    (tmp / "cap.json").write_text(json.dumps({"images": images, "annotations": anns}))
-    torch.manual_seed(0)
-    vae = build_vae(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=4, sample_size=16)
-    te = CLIPTextEncoder(context_length=5, width=16, heads=2, layers=1).eval()
-    extract_features(tmp / "img", tmp / "cap.json", tmp / "feat", "val", vae, te, resolution=16, num_workers=0,
-                     device="cpu")
+    _, vae, te = make_tiny_coco(tmp, 3)
     pipe = UViCText2ImagePipeline(transformer=build_preset("uvic-tiny-t2i", attention_backend="torch").eval(),
                                   vae=vae.eval(), scheduler=UViTDPMSolverScheduler(), text_encoder=te)
     pipe.save_pretrained(tmp / "pipe")
@@ -45,45 +31,50 @@ def setup(tmp_path_factory):
 def test_fid_folder_is_sharded_resumable_and_follows_seeds(setup):
     tmp, pipe = setup
     pipe.set_progress_bar_config(disable=True)
-    kw = {"num_images": 5, "seed": 3, "num_inference_steps": 3, "guidance_scale": 2.0}
-    assert sample_t2i_to_folder(pipe, tmp / "feat", tmp / "one", batch_size=2, **kw) == 5
+    embeds, empty, captions = mscoco_prompt_embeds(tmp / "feat", 5, seed=3)
+    kw = {"seed": 3, "num_inference_steps": 3, "guidance_scale": 2.0, "prompt_embeds": embeds,
+          "negative_prompt_embeds": empty}
+    assert sample_to_folder(pipe, tmp / "one", 5, batch_size=2, **kw) == 5
     for rank in (0, 1):  # two "processes", different batch size
-        sample_t2i_to_folder(pipe, tmp / "feat", tmp / "two", batch_size=3, process_index=rank, num_processes=2, **kw)
+        sample_to_folder(pipe, tmp / "two", 5, batch_size=3, process_index=rank, num_processes=2, **kw)
     for i in range(5):
         a = np.asarray(Image.open(tmp / "one" / f"{i:06d}.png"))
         b = np.asarray(Image.open(tmp / "two" / f"{i:06d}.png"))
         assert a.shape == (16, 16, 3) and np.abs(a.astype(int) - b.astype(int)).max() <= 1
-    assert sample_t2i_to_folder(pipe, tmp / "feat", tmp / "one", batch_size=2, **kw) == 0  # resume: nothing left
+    assert sample_to_folder(pipe, tmp / "one", 5, batch_size=2, **kw) == 0  # resume: nothing left
 
     # Image i = caption row rows[i] with generator seed + i.
     features = MSCOCOFeatures(tmp / "feat", "val")
     rows = features.draw_caption_rows(5, 3)
-    captions = json.loads((tmp / "one" / "captions.json").read_text())
     assert captions == [features.captions[r] for r in rows]
-    ref = generate_t2i(pipe, [3 + 4], 1, 3, 2.0, prompt_embeds=features.context(rows[4:5]),
-                       negative_prompt_embeds=features.empty_context)
+    ref = generate(pipe, [3 + 4], batch_size=1, num_inference_steps=3, guidance_scale=2.0,
+                   prompt_embeds=features.context(rows[4:5]), negative_prompt_embeds=features.empty_context)
     assert np.abs(ref[0].astype(int) - np.asarray(Image.open(tmp / "one" / "000004.png")).astype(int)).max() <= 1
 
 
 def test_prompts_and_sampler_switch(setup):
     tmp, _ = setup
-    pipe = load_t2i_pipeline(tmp / "pipe", sampler="dpm_solver")
+    pipe = load_pretrained(tmp / "pipe", sampler="dpm_solver")
     pipe.set_progress_bar_config(disable=True)
     assert type(pipe.scheduler).__name__ == "DPMSolverMultistepScheduler"
     assert pipe.scheduler.config.beta_schedule == "scaled_linear"
-    images = generate_t2i(pipe, [0, 1], 2, 3, 2.0, prompts=["a cat", "a dog"])
+    images = generate(pipe, [0, 1], batch_size=2, num_inference_steps=3, prompts=["a cat", "a dog"])
     assert images.shape == (2, 16, 16, 3) and images.dtype == np.uint8
     # A pipeline without a text encoder gets one for prompts; the images equal the full pipeline's.
-    bare = load_t2i_pipeline(tmp / "bare", text_encoder=str(tmp / "clip"))
-    full = load_t2i_pipeline(tmp / "pipe")
+    bare = load_pretrained(tmp / "bare", text_encoder=str(tmp / "clip"))
+    full = load_pretrained(tmp / "pipe")
     for p in (bare, full):
         p.set_progress_bar_config(disable=True)
-    np.testing.assert_array_equal(generate_t2i(bare, [5], 1, 2, 2.0, prompts=["a cat"]),
-                                  generate_t2i(full, [5], 1, 2, 2.0, prompts=["a cat"]))
+    kw = {"batch_size": 1, "num_inference_steps": 2, "prompts": ["a cat"]}
+    np.testing.assert_array_equal(generate(bare, [5], **kw), generate(full, [5], **kw))
     with pytest.raises(FileNotFoundError, match="model_index.json"):
-        load_t2i_pipeline(tmp / "nowhere")
-    with pytest.raises(ValueError, match="unknown sampler"):
-        load_t2i_pipeline(tmp / "pipe", sampler="euler")
+        load_pretrained(tmp / "nowhere")
+    with pytest.raises(ValueError, match="does not apply to a discrete model"):
+        load_pretrained(tmp / "pipe", sampler="euler_maruyama")
+    with pytest.raises(ValueError, match="exactly one of prompts and prompt_embeds"):
+        generate(full, [5], batch_size=1)
+    with pytest.raises(ValueError, match="class_labels do not apply"):
+        generate(full, [5], prompts=["a cat"], class_labels=[0])
 
 
 def test_sample_script_text_to_image(setup):
@@ -106,7 +97,7 @@ def test_sample_script_text_to_image(setup):
     assert res.returncode == 0, res.stderr
     grid = np.asarray(Image.open(tmp / "grid.png"))
     pipe.set_progress_bar_config(disable=True)
-    expect = generate_t2i(pipe, [5, 6], 2, 2, 2.0, prompts=["a cat", "a dog"])
+    expect = generate(pipe, [5, 6], batch_size=2, num_inference_steps=2, prompts=["a cat", "a dog"])
     assert grid.ndim == 3 and grid.shape[2] == 3
     # The first grid cell is image 0 (the grid pads cells; find the exact image somewhere in the grid).
     h, w = expect.shape[1:3]
@@ -117,7 +108,10 @@ def test_sample_script_text_to_image(setup):
               "--features", str(tmp / "feat"), "--seed", "3")
     assert res.returncode == 0, res.stderr
     direct = tmp / "direct_fid"
-    sample_t2i_to_folder(pipe, tmp / "feat", direct, num_images=3, seed=3, batch_size=2, num_inference_steps=2)
+    embeds, empty, captions = mscoco_prompt_embeds(tmp / "feat", 3, seed=3)
+    sample_to_folder(pipe, direct, 3, seed=3, batch_size=2, num_inference_steps=2, prompt_embeds=embeds,
+                     negative_prompt_embeds=empty)
+    assert json.loads((tmp / "script_fid" / "captions.json").read_text()) == captions
     for i in range(3):
         a = np.asarray(Image.open(tmp / "script_fid" / f"{i:06d}.png")).astype(int)
         assert np.abs(a - np.asarray(Image.open(direct / f"{i:06d}.png")).astype(int)).max() <= 1

@@ -1,4 +1,5 @@
-"""Discrete t2i loss with CFG context dropout, the n = t + 1 convention, guidance, and the t2i training task."""
+"""The t2i task: the epsilon loss with CFG context dropout on stored latents, the n = t + 1 convention, and the
+task in the training loop."""
 
 import json
 from types import SimpleNamespace
@@ -8,16 +9,11 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from uvic.diffusion_t2i import (
-    Text2ImageTask,
-    drop_context,
-    guided_epsilon,
-    official_to_guidance_scale,
-    t2i_diffusion_loss,
-)
 from uvic.models import build_preset
 from uvic.schedulers.timesteps import network_timestep
+from uvic.training.losses import DiscreteNoise, drop_context, text_to_image_loss
 from uvic.training.rng import ShardedRNG
+from uvic.training.tasks import Text2ImageTask
 
 
 def _abar():
@@ -25,17 +21,12 @@ def _abar():
                          beta_schedule="scaled_linear").alphas_cumprod
 
 
+def _noise():
+    return DiscreteNoise(1000, "scaled_linear", 0.00085, 0.012)
+
+
 def _rng(seed=0):
     return ShardedRNG(seed, 0, 1, "cpu")
-
-
-def test_guidance_formula_and_scale_mapping():
-    g = torch.Generator().manual_seed(0)
-    e_c, e_u = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
-    for s in (0.0, 1.0, 3.5):
-        official = e_c + s * (e_c - e_u)  # U-ViT eval_t2i_discrete.cfg_nnet
-        torch.testing.assert_close(guided_epsilon(e_c, e_u, official_to_guidance_scale(s)), official)
-    assert official_to_guidance_scale(1.0) == 2.0
 
 
 def test_drop_context_replaces_whole_context():
@@ -62,7 +53,7 @@ def test_loss_feeds_t_plus_one_noised_latents_and_drops_context():
     moments = torch.zeros(B, 8, 16, 16)
     moments[:, 4:] = -30.0  # (almost) deterministic latent: z0 = scale * mean = 0
     ctx, empty = torch.randn(B, 3, 5), torch.zeros(3, 5)
-    loss = t2i_diffusion_loss(spy, moments, ctx, empty, abar, 0.2301, _rng(), p_uncond=0.1)
+    loss = text_to_image_loss(spy, moments, ctx, empty, _noise(), 0.2301, _rng(), p_uncond=0.1)
     x_t, n, c = spy.calls[0]
     # Network time n = t + 1 in 1..1000, uniform.
     assert n.dtype == torch.int64 and n.min() == 1 and n.max() == 1000 and abs(n.float().mean() - 500.5) < 20
@@ -77,13 +68,13 @@ def test_loss_feeds_t_plus_one_noised_latents_and_drops_context():
     # A zero prediction gives loss = E[eps^2] = 1.
     assert abs(loss.item() - 1.0) < 0.02
     with pytest.raises(ValueError, match="p_uncond"):
-        t2i_diffusion_loss(spy, moments, ctx, empty, abar, 0.2301, _rng(), p_uncond=1.5)
+        text_to_image_loss(spy, moments, ctx, empty, _noise(), 0.2301, _rng(), p_uncond=1.5)
 
 
 def test_a_few_training_steps_reduce_the_loss():
     torch.manual_seed(0)
     model = build_preset("uvit-tiny-t2i", attention_backend="torch")  # 4x8x8 latents, 5 context tokens of 16
-    abar = _abar()
+    noise = _noise()
     g = torch.Generator().manual_seed(1)
     moments = torch.cat([torch.randn(8, 4, 8, 8, generator=g) * 2, torch.full((8, 4, 8, 8), -4.0)], dim=1)
     ctx, empty = torch.randn(8, 5, 16, generator=g), torch.zeros(5, 16)
@@ -91,12 +82,12 @@ def test_a_few_training_steps_reduce_the_loss():
 
     def eval_loss():
         with torch.no_grad():
-            return t2i_diffusion_loss(model, moments.repeat(4, 1, 1, 1), ctx.repeat(4, 1, 1), empty, abar, 0.2301,
+            return text_to_image_loss(model, moments.repeat(4, 1, 1, 1), ctx.repeat(4, 1, 1), empty, noise, 0.2301,
                                       _rng(123)).item()
 
     before, rng = eval_loss(), _rng(1)
     for _ in range(20):
-        loss = t2i_diffusion_loss(model, moments, ctx, empty, abar, 0.2301, rng, p_uncond=0.1)
+        loss = text_to_image_loss(model, moments, ctx, empty, noise, 0.2301, rng, p_uncond=0.1)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -104,50 +95,31 @@ def test_a_few_training_steps_reduce_the_loss():
     assert np.isfinite(after) and after < 0.8 * before
 
 
-def _features(tmp_path):
-    """A tiny extracted-features folder in the uvic.data.mscoco format (written by the real extractor)."""
-    from PIL import Image
-
-    from uvic.data.mscoco import extract_features
-    from uvic.models.autoencoder import build_vae
-    from uvic.models.text_encoder import CLIPTextEncoder
-
-    rng = np.random.default_rng(0)
-    (tmp_path / "img").mkdir()
-    images, anns = [], []
-    for i in range(8):
-        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / "img" / f"{i}.png")
-        images.append({"id": i, "file_name": f"{i}.png"})
-        anns += [{"id": 10 * i + j, "image_id": i, "caption": f"picture {i} take {j}"} for j in range(2)]
-    (tmp_path / "cap.json").write_text(json.dumps({"images": images, "annotations": anns}))
-    torch.manual_seed(0)
-    vae = build_vae(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=4, sample_size=16)
-    te = CLIPTextEncoder(context_length=5, width=16, heads=2, layers=1)
-    for split in ("train", "val"):
-        extract_features(tmp_path / "img", tmp_path / "cap.json", tmp_path / "feat", split, vae, te, resolution=16,
-                         num_workers=0, device="cpu")
-    vae.save_pretrained(tmp_path / "vae")
-    return tmp_path / "feat", tmp_path / "vae"
-
-
-def test_text2image_task_in_the_training_loop(tmp_path):
+def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
     """`train(cfg)` with the t2i task from the task registry: trains, writes a sample grid and checkpoints, and
     exports a t2i pipeline that carries the config's latent scale and sampler."""
-    from uvic.config import Config, DataConfig, DiffusionConfig, SampleConfig, TrainConfig, UViTConfig
+    from uvic.config import (
+        DiffusionConfig,
+        SampleConfig,
+        Text2ImageDataConfig,
+        Text2ImageRunConfig,
+        TrainConfig,
+        UViTConfig,
+    )
     from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
     from uvic.training.loop import train
     from uvic.training.tasks import TASKS
 
     assert TASKS["t2i"] is Text2ImageTask
-    root, vae_dir = _features(tmp_path)
-    cfg = Config(
-        task="t2i",
+    root, vae, _ = make_tiny_coco(tmp_path, 8, splits=("train", "val"))
+    vae_dir = tmp_path / "vae"
+    vae.save_pretrained(vae_dir)
+    cfg = Text2ImageRunConfig(
         model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=32, depth=4, num_heads=2, clip_dim=16,
                          num_clip_token=5, attention="cog", attention_backend="torch"),
         diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
                                   beta_end=0.012),
-        data=DataConfig(name="mscoco_features", root=str(root), random_flip=False, num_workers=0, vae=str(vae_dir)),
+        data=Text2ImageDataConfig(root=str(root), num_workers=0, vae=str(vae_dir)),
         train=TrainConfig(run_dir=str(tmp_path / "run"), max_steps=3, batch_size=4, betas=(0.9, 0.9),
                           warmup_steps=2, log_every=1, sample_every=3, save_every=3, log_with="none"),
         sample=SampleConfig(sampler="uvit_dpm_solver", num_inference_steps=3, num_images=4),

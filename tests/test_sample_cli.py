@@ -1,0 +1,161 @@
+"""sample.py and the folder writer with bad input (issue 15, items 8 and 9): every case is one clear line and a
+non-zero exit before any sampling starts; a damaged file already in --out-dir is not counted as done."""
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import uvic.pipelines.sampling as sampling
+from uvic.config import DiffusionConfig
+from uvic.models import UViTModel
+from uvic.pipelines import UViCPipeline
+from uvic.pipelines.sampling import check_output, sample_to_folder
+from uvic.schedulers import build_scheduler
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pipe_dir(tmp_path_factory):
+    """A tiny unconditional UViCPipeline saved to disk."""
+    torch.manual_seed(0)
+    model = UViTModel(img_size=8, patch_size=2, in_chans=3, embed_dim=16, depth=2, num_heads=2)
+    path = tmp_path_factory.mktemp("pipe") / "pipe"
+    UViCPipeline(model.eval(), build_scheduler("dpm_solver", DiffusionConfig())).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def no_sampling(monkeypatch):
+    """Make any sampling fail loudly: validation must stop the CLI first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sampling started before the input was validated")
+
+    monkeypatch.setattr(sampling, "generate", refuse)
+    monkeypatch.setattr(sampling, "sample_to_folder", refuse)
+
+
+def _sample_cli(monkeypatch, capsys, *args):
+    """Run sample.py in this process; returns (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["sample.py", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "sample.py"), run_name="__main__")
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--num-images", "--steps", "--batch-size"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_counts_below_one_are_refused(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling, flag, value):
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "g.png", flag, value)
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"sample.py: error: argument {flag}: must be >= 1, got {int(value)}")
+
+
+def test_unknown_grid_extension_is_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling):
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "grid.pgn")
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith(
+        "sample.py: error: cannot write a grid as 'grid.pgn': unknown image extension '.pgn'; use one of ")
+    assert ".png" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("mode", ["--grid", "--out-dir"])
+def test_unwritable_output_is_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling, mode):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("in the way")
+    # The grid's folder is the file itself; the out-dir would be inside the file.
+    target, folder, reason = ((blocker / "grid.png", blocker, "a file is in the way") if mode == "--grid" else
+                              (blocker / "samples", blocker / "samples", "not a directory"))
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, mode, target)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith(f"sample.py: error: cannot write to {folder}: {reason}")
+
+
+def test_read_only_output_is_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling):
+    import errno
+
+    def read_only(self, data):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--out-dir", tmp_path / "out")
+    assert code == 2 and f"error: cannot write to {tmp_path / 'out'}: read-only file system" in err
+
+
+def test_prompt_for_an_unconditional_pipeline_is_refused(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling):
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "g.png", "--prompt", "a cat")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"sample.py: error: {pipe_dir} is not a text-to-image pipeline; --prompt/--prompts-file/--features do not "
+        f"apply")
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "broken model_index.json"])
+def test_corrupt_pipeline_dir_is_one_line(pipe_dir, tmp_path, damage):
+    import shutil
+
+    broken = tmp_path / "pipe"
+    shutil.copytree(pipe_dir, broken)
+    if damage == "truncated weights":
+        (weights,) = (broken / "transformer").glob("*.safetensors")
+        weights.write_bytes(weights.read_bytes()[:1000])
+        expected = f"sample.py: error: cannot load the pipeline in {broken}, a file in it is missing or damaged ("
+    else:
+        (broken / "model_index.json").write_text('{"_class_name": "UViCPipeline", ')
+        expected = f"sample.py: error: {broken / 'model_index.json'} is unreadable (JSONDecodeError"
+    # A real process: the whole stderr is checked for a traceback.
+    r = subprocess.run([sys.executable, "sample.py", str(broken), "--grid", str(tmp_path / "g.png")], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(expected)
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_check_output_accepts_good_paths(tmp_path):
+    check_output(grid=tmp_path / "new" / "grid.JPG")
+    check_output(out_dir=tmp_path / "samples")
+    assert (tmp_path / "new").is_dir() and sorted(os.listdir(tmp_path / "samples")) == []
+
+
+# 9. Files already in --out-dir.
+
+
+def test_damaged_files_are_generated_again_and_stale_temporaries_removed(pipe_dir, tmp_path, monkeypatch):
+    pipe = UViCPipeline.from_pretrained(pipe_dir)
+    pipe.set_progress_bar_config(disable=True)
+    out = tmp_path / "out"
+    kw = {"seed": 3, "batch_size": 1, "num_inference_steps": 2}  # batch 1: the same computation on a re-run
+    assert sample_to_folder(pipe, out, 4, **kw) == 4
+    first = {p.name: p.read_bytes() for p in sorted(out.glob("*.png"))}
+    data = (out / "000001.png").read_bytes()
+    (out / "000001.png").write_bytes(data[: len(data) // 2])  # truncated
+    (out / "000002.png").write_bytes(b"")  # 0 bytes
+    inode0 = (out / "000000.png").stat().st_ino
+    (out / ".000003.png.tmp99999").write_bytes(b"half")  # left by a killed run
+    (out / ".000009.png.tmp99999").write_bytes(b"half")  # not an image of this job: left alone
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(f"replace {Path(b).name}"), real_replace(a, b))[1])
+    assert sample_to_folder(pipe, out, 4, **kw) == 2
+    # The two damaged files were generated again (identical to the first run), the others untouched.
+    assert {p.name: p.read_bytes() for p in sorted(out.glob("*.png"))} == first
+    assert (out / "000000.png").stat().st_ino == inode0
+    assert not (out / ".000003.png.tmp99999").exists() and (out / ".000009.png.tmp99999").exists()
+    # Each file reached the disk before its rename: fsync, replace, per file, then the folder's fsync.
+    assert events == ["fsync", "replace 000001.png", "fsync", "fsync", "replace 000002.png", "fsync"]
+
+
+def test_folder_writer_checks_its_counts(pipe_dir, tmp_path):
+    pipe = UViCPipeline.from_pretrained(pipe_dir)
+    with pytest.raises(ValueError, match="num_images must be >= 1, got 0"):
+        sample_to_folder(pipe, tmp_path / "o", 0)
+    with pytest.raises(ValueError, match="num_inference_steps must be >= 1, got 4 and 0"):
+        sample_to_folder(pipe, tmp_path / "o", 2, batch_size=4, num_inference_steps=0)
+    assert not list((tmp_path / "o").glob("*.png"))

@@ -1,0 +1,210 @@
+"""The LM task through the one training loop: the paper's recipe (weight-decay groups, warm-up + cosine), the loss,
+the data wiring, exact resume, and a tiny Cogformer that learns a text file through `train(cfg)`."""
+
+import dataclasses
+import inspect
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from uvic.config import LMDataConfig, LMModelConfig, LMRunConfig, load_config
+from uvic.lm.data import unigram_entropy, write_token_bin
+from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
+from uvic.training import train
+from uvic.training.checkpoint import list_checkpoints
+from uvic.training.loop import lr_lambda
+from uvic.training.tasks.lm import LMTask, build_dataset, build_model, lm_loss, model_config_from_preset
+
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "configs" / "lm_tiny.yaml"
+
+
+def small_text(path):
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over the lazy dog while a cat sleeps near the warm fire".split()
+    path.write_text("\n".join(" ".join(rng.sample(words, 6)) + "." for _ in range(50)), encoding="utf-8")
+    return path
+
+
+def _overrides(run, text, **extra):
+    base = {"data.path": str(text), "data.block_size": 32, "train.run_dir": str(run), "train.batch_size": 8,
+            "train.max_steps": 6, "train.warmup_steps": 2, "train.save_every": 3, "train.log_every": 1,
+            "train.sample_every": 0, "train.log_with": "none", "train.cpu_threads": 1}  # fmt: skip
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _full_data_loss(model, dataset):
+    with torch.no_grad():
+        return float(np.mean([lm_loss(model.eval(), {"input_ids": dataset[i]["input_ids"][None]}).item()
+                              for i in range(len(dataset))]))
+
+
+def test_tiny_cogformer_learns_a_text_file(tmp_path):
+    """Through `train(cfg)` (configs/lm_tiny.yaml): the loss on a small file falls from above the unigram entropy
+    (the best context-free model) to well below it, and the export continues the text sensibly."""
+    text = small_text(tmp_path / "data.txt")
+    run = tmp_path / "run"
+    cfg = load_config(TINY, _overrides(run, text, **{"data.block_size": 64, "train.max_steps": 100,
+                                                      "train.save_every": 100, "train.log_every": 10}))
+    train(cfg)
+    h = unigram_entropy(np.frombuffer(text.read_bytes(), dtype=np.uint8))  # nats per token of the unigram model
+    dataset = build_dataset(cfg.data)
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] > h  # random init starts above the unigram model
+    model = AutoModelForCausalLM.from_pretrained(run / "pipeline")
+    assert _full_data_loss(model, dataset) < 0.5 * h
+    # The exported directory loads through the transformers Auto classes and continues the text sensibly.
+    tok = AutoTokenizer.from_pretrained(run / "pipeline")
+    assert isinstance(model, CogformerForCausalLM) and model.config.eos_token_id == tok.eos_token_id
+    ids = torch.tensor([tok.encode("the quick brown fox jumps over the", add_special_tokens=False)])
+    out = model.generate(ids, max_new_tokens=20, do_sample=False)
+    generated = tok.decode(out[0, ids.shape[1] :].tolist())
+    vocab = set("the quick brown fox jumps over the lazy dog while a cat sleeps near the warm fire .\n")
+    assert set(generated) <= vocab  # only characters of the training text
+
+
+def test_weight_decay_skips_norm_gains_but_not_weight_matrices(tmp_path):
+    """Through `train(cfg)`: one AdamW step with weight decay w against the same step with w = 0. AdamW decays
+    decoupled, p <- p (1 - lr w) - update, so the two runs differ by lr w p_init on decayed parameters and not at
+    all on the others (norm gains)."""
+    text = small_text(tmp_path / "data.txt")
+    lr, w = 1e-3, 0.5
+    weights = {}
+    for wd in (0.0, w):
+        run = tmp_path / f"wd{wd}"
+        train(load_config(TINY, _overrides(run, text, **{"train.max_steps": 1, "train.save_every": 1,
+                                                          "train.warmup_steps": 0, "train.lr": lr,
+                                                          "train.weight_decay": wd})))
+        weights[wd] = load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors"))
+    a, b = weights[0.0], weights[w]
+    gains = [k for k in a if k.endswith("norm.weight")]
+    matrices = [k for k in a if a[k].dim() == 2]
+    assert "model.norm.weight" in gains and "model.layers.0.self_attn.q_proj.weight" in matrices
+    for k in gains:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)  # not decayed
+    for k in matrices:
+        # (p_0 - p_w) / (lr w) = p_init = p_0 + update, and |update| is about lr for Adam's first step.
+        assert (a[k] - b[k]).abs().max() > 0
+        torch.testing.assert_close((a[k] - b[k]) / (lr * w), a[k], rtol=0, atol=2 * lr)
+
+
+def test_lm_config_has_the_paper_defaults():
+    cfg = load_config(ROOT / "configs" / "lm_cogformer_141m.yaml")
+    assert isinstance(cfg, LMRunConfig) and cfg.task == "lm"
+    assert {f.name for f in dataclasses.fields(cfg)} == {"task", "model", "data", "train"}  # no unused sections
+    assert cfg.model.num_hidden_layers == 12 and cfg.model.hidden_size == 768 and cfg.model.vocab_size == 32000
+    t = cfg.train
+    assert (t.betas, t.weight_decay, t.grad_clip, t.lr_schedule, t.min_lr_ratio) == ((0.9, 0.95), 0.1, 1.0, "cosine",
+                                                                                      0.04)
+    d = load_config(None, ["task=lm"]).train  # the defaults, not the CIFAR-10 ones
+    assert (d.lr, d.betas, d.weight_decay, d.grad_clip, d.min_lr_ratio, d.ema_decay) == (
+        2e-4, (0.9, 0.95), 0.1, 1.0, 0.04, 0.0)
+
+
+def test_lm_model_config_fields_are_cogformer_kwargs():
+    fields = {f.name for f in dataclasses.fields(LMModelConfig)}
+    params = set(inspect.signature(CogformerConfig.__init__).parameters)
+    assert fields <= params
+    # Architecture kwargs not in the dataclass are only token ids / cache / tying flags.
+    assert params - fields - {"self", "kwargs"} == {
+        "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+    }  # fmt: skip
+    with torch.device("meta"):
+        model = build_model(LMModelConfig())
+    assert model.config.hidden_size == 768 and model.config.attention_types()[:2] == ["softmax", "cog"]
+
+
+def test_schedule_is_warmup_then_cosine_to_4_percent():
+    """Paper Sec. 4.1: linear warm-up, then cosine decay to 4% of the peak, checked against the closed form."""
+    t = load_config(None, ["task=lm", "train.warmup_steps=10", "train.max_steps=100"]).train
+    f = lr_lambda(t.warmup_steps, t.lr_schedule, t.max_steps, t.min_lr_ratio)
+    got = [f(s) for s in range(101)]
+    expected = [s / 10 for s in range(10)] + [
+        0.04 + 0.96 * 0.5 * (1 + math.cos(math.pi * (s - 10) / 90)) for s in range(10, 101)
+    ]
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+    assert got[10] == pytest.approx(1.0) and got[100] == pytest.approx(0.04)
+
+
+def test_loss_ignores_padding_and_dataset_from_bin(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 257, size=600)
+    write_token_bin(tokens, tmp_path / "train.bin")
+    ds = build_dataset(LMDataConfig(path=str(tmp_path / "train.bin"), block_size=32))
+    assert len(ds) == 18 and ds[1]["input_ids"].tolist() == tokens[32:64].tolist()
+    batch = {"input_ids": torch.stack([ds[i]["input_ids"] for i in range(4)])}
+    torch.manual_seed(0)
+    model = build_model(model_config_from_preset("tiny")).eval()
+    ids = batch["input_ids"][:1, :20]
+    padded = torch.cat([torch.full((1, 5), 256), ids], 1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 20, dtype=torch.long)], 1)
+    with torch.no_grad():
+        a = lm_loss(model, {"input_ids": ids})
+        b = lm_loss(model, {"input_ids": padded, "attention_mask": mask})
+        right = torch.cat([ids, torch.full((1, 5), 256)], 1)
+        c = lm_loss(model, {"input_ids": right, "attention_mask": mask.flip(1)})
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    torch.testing.assert_close(a, c, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="no data path"):
+        build_dataset(LMDataConfig(path=str(tmp_path / "train.bin")), split="val")
+
+
+def test_lm_task_for_the_shared_loop(tmp_path):
+    """The Task-protocol object: dataset, loss, a text sample and a save_pretrained export."""
+    small_text(tmp_path / "data.txt")
+    task = LMTask(LMRunConfig(model=model_config_from_preset("tiny"),
+                              data=LMDataConfig(path=str(tmp_path / "data.txt"), block_size=32)))
+    task.sample_prompt, task.sample_tokens = "the", 5
+    model = task.build_model()
+    ds = task.build_dataset()
+    batch = {"input_ids": torch.stack([ds[i]["input_ids"] for i in range(4)])}
+    value = task.loss(model, batch, rng=None)
+    assert value.ndim == 0 and torch.isfinite(value)
+    task.on_sample(model, 7, tmp_path)
+    text = (tmp_path / "samples" / "step_0000007.txt").read_text(encoding="utf-8")
+    assert text.startswith("the") and len(text) > 3  # 5 random bytes follow (not always valid UTF-8)
+    task.export(model, tmp_path / "export")
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / "export"), CogformerForCausalLM)
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").encode("ab", add_special_tokens=False) == [97, 98]
+    small_vocab = LMTask(LMRunConfig(model=model_config_from_preset("tiny", vocab_size=50), data=task.data_cfg))
+    with pytest.raises(ValueError, match="vocab_size"):
+        small_vocab.build_dataset()
+
+
+def test_lm_resume_is_exact_and_export_loads(tmp_path, monkeypatch):
+    text = small_text(tmp_path / "data.txt")
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(load_config(TINY, _overrides(full, text)))
+    # Interrupt the second run during step 5 (after the step-3 checkpoint), with the same cosine schedule.
+    calls = {"n": 0}
+    real_loss = LMTask.loss
+
+    def interrupted(self, *args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real_loss(self, *args, **kw)
+
+    monkeypatch.setattr(LMTask, "loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(TINY, _overrides(part, text)))
+    monkeypatch.setattr(LMTask, "loss", real_loss)
+    assert [s for s, _ in list_checkpoints(part)] == [3]
+    train(load_config(TINY, _overrides(part, text, **{"train.resume": "latest"})))
+    a = load_file(str(list_checkpoints(full)[-1][1] / "model.safetensors"))
+    b = load_file(str(list_checkpoints(part)[-1][1] / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    model = AutoModelForCausalLM.from_pretrained(full / "pipeline")
+    assert type(model).__name__ == "CogformerForCausalLM"
+    for k, v in model.state_dict().items():  # the export is the trained model (no EMA for LMs)
+        torch.testing.assert_close(v, a[k], rtol=0, atol=0)

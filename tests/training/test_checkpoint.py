@@ -1,0 +1,293 @@
+"""Faults that could lose or corrupt a run: a second launch on the run dir, corrupted checkpoints, interrupted
+deletions and failed writes (issue 15, items 1-4). Each asserts the exact outcome and that nothing is lost."""
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import uvic.training.checkpoint as ckpt_mod
+from uvic.config import load_config
+from uvic.errors import CheckpointError, RunLockedError, StorageError
+from uvic.training import train
+from uvic.training.checkpoint import list_checkpoints, sweep_leftovers, verify_checkpoint
+from uvic.training.lock import RunDirLock
+
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _steps(run):
+    return [s for s, _ in list_checkpoints(run)]
+
+
+def _assert_same_weights(a, b):
+    for name in ("model", "ema"):
+        x, y = load_file(str(a / f"{name}.safetensors")), load_file(str(b / f"{name}.safetensors"))
+        assert x.keys() == y.keys()
+        for k in x:
+            torch.testing.assert_close(x[k], y[k], rtol=0, atol=0)
+
+
+@pytest.fixture
+def reference_run(tmp_path, image_dir, tiny_overrides):
+    """An uninterrupted 4-step run (checkpoints at 2 and 4): what a resumed run must reproduce bit for bit."""
+    run = tmp_path / "reference"
+    train(load_config(None, tiny_overrides(run, image_dir)))
+    return run
+
+
+# 1. Two launches on one run dir.
+
+
+def test_second_launch_on_a_locked_run_dir_fails_naming_the_holder(tmp_path, image_dir, tiny_overrides):
+    run = tmp_path / "run"
+    long = tiny_overrides(run, image_dir, **{"train.max_steps": 100_000, "train.save_every": 3,
+                                             "train.keep_checkpoints": 2, "train.log_every": 1})
+    first = subprocess.Popen([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *long], cwd=ROOT, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while len(_steps(run)) < 1 and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None and (run / ".lock").read_text().strip() == str(first.pid)
+        other_seed = tiny_overrides(run, image_dir, **{"train.seed": 7, "train.max_steps": 6})
+        second = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *other_seed], cwd=ROOT,
+                                env=ENV, capture_output=True, text=True, timeout=300)
+        assert first.poll() is None  # the first run was still training when the second gave up
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"error: {run} is in use by another training run (PID {first.pid}); wait for it to finish, or choose "
+        f"another train.run_dir")
+    assert "Traceback" not in second.stderr
+    # Nothing of the second launch reached the run dir: the first run's config, checkpoints and metrics are intact.
+    assert load_config(run / "config.yaml").train.seed == 1234
+    ckpts = list_checkpoints(run)
+    assert ckpts and all(verify_checkpoint(p) == s for s, p in ckpts)
+    steps = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except json.JSONDecodeError:  # the kill may cut the last line short
+            pass
+    assert steps == list(range(1, len(steps) + 1))  # one run's records, each step once
+    # kill -9 leaves no stale lock: the kernel dropped it with the process, so the run resumes.
+    last = ckpts[-1][0]
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": last + 1, "train.resume": "latest",
+                                                              "train.save_every": 100})))
+    assert _steps(run)[-1] == last + 1
+
+
+def test_lock_is_exclusive_and_released(tmp_path, image_dir, tiny_overrides):
+    lock = RunDirLock(tmp_path / "run")
+    lock.acquire()
+    with pytest.raises(RunLockedError, match=rf"in use by another training run \(PID {os.getpid()}\)"):
+        train(load_config(None, tiny_overrides(tmp_path / "run", image_dir, **{"train.max_steps": 2})))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    lock.release()
+    train(load_config(None, tiny_overrides(tmp_path / "run", image_dir, **{"train.max_steps": 2})))
+    assert _steps(tmp_path / "run") == [2]
+    RunDirLock(tmp_path / "run").acquire()  # train() released it on return
+
+
+# 2. Corrupted checkpoints are refused, naming the file and the newest checkpoint that verifies.
+
+
+def test_corrupted_weights_are_refused_and_the_good_checkpoint_resumes_exactly(tmp_path, image_dir, tiny_overrides,
+                                                                                reference_run):
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir)))
+    step2, step4 = (p for _, p in list_checkpoints(run))
+    # Overwrite 4 KB of the weights with valid floats: the file still loads, with wrong values.
+    f = step4 / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header : header + 4096] = np.full(1024, 0.5, dtype=np.float32).tobytes()
+    f.write_bytes(bytes(data))
+    assert load_file(str(f))  # still a valid safetensors file
+    resume = tiny_overrides(run, image_dir, **{"train.resume": "latest"})
+    with pytest.raises(CheckpointError) as e:
+        train(load_config(None, resume))
+    assert str(e.value) == (
+        f"checkpoint {step4} failed verification: {f} is corrupted (its SHA-256 differs from the one recorded when "
+        f"it was saved); the newest checkpoint of this run that verifies is {step2} (resume from it with --resume "
+        f"{step2})")
+    # The named checkpoint resumes to the uninterrupted run's weights, bit for bit.
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": str(step2)})))
+    _assert_same_weights(run / "checkpoints" / "step_000000004", reference_run / "checkpoints" / "step_000000004")
+
+
+def test_a_step_that_disagrees_with_its_directory_is_refused(tmp_path, image_dir, tiny_overrides):
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 6})))
+    step6 = run / "checkpoints" / "step_000000006"
+    meta = json.loads((step6 / "meta.json").read_text())
+    (step6 / "meta.json").write_text(json.dumps({**meta, "step": 5}))
+    with pytest.raises(CheckpointError, match=rf"{step6 / 'meta.json'} records step 5, but the directory is "
+                                              rf"step_000000006; the newest checkpoint of this run that verifies is "
+                                              rf"{run / 'checkpoints' / 'step_000000004'}"):
+        train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest", "train.max_steps": 8})))
+    (step6 / "meta.json").write_text(json.dumps(meta))
+    assert verify_checkpoint(step6) == 6
+    (step6 / "optimizer.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"optimizer.bin is missing"):
+        verify_checkpoint(step6)
+
+
+def test_export_refuses_a_corrupted_checkpoint(tmp_path, image_dir, tiny_overrides):
+    from uvic.training.runs import export
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, image_dir)
+    train(load_config(None, overrides))
+    step2, step4 = (p for _, p in list_checkpoints(run))
+    shutil.rmtree(run / "pipeline")
+    ema = step4 / "ema.safetensors"
+    ema.write_bytes(ema.read_bytes()[:-8] + bytes(8))  # the last float changed
+    message = (f"checkpoint {step4} failed verification: {ema} is corrupted (its SHA-256 differs from the one "
+               f"recorded when it was saved); the newest checkpoint of this run that verifies is {step2}")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}"):
+        export(run, run / "pipeline")
+    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+    assert not (run / "pipeline").exists()
+    assert export(step2, run / "pipeline") == run / "pipeline"  # the named one exports
+
+
+# 3. A kill while a checkpoint is being deleted.
+
+
+def test_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch,
+                                                                reference_run):
+    run = tmp_path / "run"
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        # Dies after deleting part of the rotated-out checkpoint (its weights first: meta.json survives).
+        if (Path(path) / "meta.json").is_file():
+            (Path(path) / "model.safetensors").unlink()
+            raise KeyboardInterrupt("simulated kill")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, tiny_overrides(run, image_dir, **{"train.keep_checkpoints": 1})))
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    # step 2 was renamed before its deletion began: no step_* dir is half-deleted, step 4 is complete.
+    assert _steps(run) == [4] and verify_checkpoint(run / "checkpoints" / "step_000000004") == 4
+    (leftover,) = (run / "checkpoints").glob(".deleting-step_000000002-*")
+    # Leftovers of interrupted runs: a step dir half-deleted by an older uvic (no meta.json), and a re-save of
+    # step 4 killed between its two renames (the complete old copy is aside as .old-step_*, a partial new one).
+    ckpts = run / "checkpoints"
+    shutil.copytree(ckpts / "step_000000004", ckpts / "step_000000001")
+    (ckpts / "step_000000001" / "meta.json").unlink()
+    os.replace(ckpts / "step_000000004", ckpts / ".old-step_000000004")
+    (ckpts / ".tmp-step_000000004-99999").mkdir()
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest", "train.max_steps": 4})))
+    assert not leftover.exists()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000004"]
+    _assert_same_weights(ckpts / "step_000000004", reference_run / "checkpoints" / "step_000000004")
+
+
+def test_sweep_restores_the_old_copy_of_an_interrupted_resave(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / ".old-step_000000003").mkdir(parents=True)
+    (ckpts / ".old-step_000000003" / "meta.json").write_text('{"step": 3}')
+    (ckpts / ".old-step_000000005").mkdir()  # step 5 exists: this old copy is just a leftover
+    (ckpts / "step_000000005").mkdir()
+    (ckpts / "step_000000005" / "meta.json").write_text('{"step": 5}')
+    assert sweep_leftovers(tmp_path) == [".old-step_000000003", ".old-step_000000005"]
+    assert _steps(tmp_path) == [3, 5]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000003", "step_000000005"]
+
+
+# 4. Failed writes: disk full, read-only, a file in the way.
+
+
+@pytest.mark.parametrize("failure, reason", [
+    (OSError(errno.ENOSPC, "No space left on device"), "disk full (No space left on device"),
+    (OSError(errno.EROFS, "Read-only file system"), "read-only file system (Read-only file system"),
+    (RuntimeError("basic_ios::clear: iostream error"), "write failed (RuntimeError: basic_ios::clear"),
+    (RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),
+     "disk full (RuntimeError: Error while serializing: I/O error: No space left on device (os error 28);"),
+])  # fmt: skip
+def test_failed_checkpoint_write_removes_the_partial_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch,
+                                                                reference_run, failure, reason):
+    run = tmp_path / "run"
+    real_save_file, calls = ckpt_mod.save_file, []
+
+    def failing_save_file(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the EMA weights of the second checkpoint
+            raise failure
+        return real_save_file(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", failing_save_file)
+    with pytest.raises(StorageError) as e:
+        train(load_config(None, tiny_overrides(run, image_dir)))
+    step2 = run / "checkpoints" / "step_000000002"
+    assert str(e.value).startswith(f"could not save checkpoint {run / 'checkpoints' / 'step_000000004'}: {reason}")
+    assert str(e.value).endswith(f"The partial checkpoint was removed; the last complete checkpoint is {step2}")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000002"]
+    assert verify_checkpoint(step2) == 2 and not (run / "pipeline").exists()
+    monkeypatch.setattr(ckpt_mod, "save_file", real_save_file)
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest"})))
+    _assert_same_weights(run / "checkpoints" / "step_000000004", reference_run / "checkpoints" / "step_000000004")
+
+
+def test_a_real_file_in_the_way_is_one_clear_line(tmp_path, image_dir, tiny_overrides):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file")
+    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml",
+                        *tiny_overrides(blocker / "run", image_dir)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot use {blocker / 'run'} as the run dir: not a directory (a file is in the way)"), r.stderr[-2000:]
+    with pytest.raises(StorageError, match=rf"^cannot use {blocker} as the run dir: a file is in the way"):
+        train(load_config(None, tiny_overrides(blocker, image_dir)))
+    # A real checkpoints/ path blocked by a file: the save itself fails, and the run stops with the reason.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("a file")
+    with pytest.raises(StorageError, match=r"could not save checkpoint .*step_000000002: a file is in the way.*"
+                                           r"the last complete checkpoint is none"):
+        train(load_config(None, tiny_overrides(run, image_dir)))
+
+
+def test_a_failed_write_outside_checkpoints_names_the_last_complete_checkpoint(tmp_path, image_dir, tiny_overrides,
+                                                                               monkeypatch):
+    import uvic.training.loop as loop_mod
+
+    real_append, calls = loop_mod.append_metrics, []
+
+    def append_on_a_full_disk(path, record):
+        calls.append(1)
+        if len(calls) == 3:  # the metrics line of step 3
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_append(path, record)
+
+    monkeypatch.setattr(loop_mod, "append_metrics", append_on_a_full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(StorageError) as e:
+        train(load_config(None, tiny_overrides(run, image_dir)))
+    assert str(e.value) == (f"training stopped: disk full (No space left on device: '{run / 'metrics.jsonl'}'). "
+                            f"The last complete checkpoint is {run / 'checkpoints' / 'step_000000002'}")
+    assert _steps(run) == [2] and verify_checkpoint(run / "checkpoints" / "step_000000002") == 2

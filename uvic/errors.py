@@ -1,0 +1,81 @@
+"""The library's own error types, and how the command-line scripts report them.
+
+Library code raises these (or ValueError / FileNotFoundError with a message that names the problem) for bad input
+and for faults of the environment (a full disk, a run dir held by another run). The scripts (`train.py`,
+`sample.py`, `python -m uvic.fid`) wrap their work in `cli_errors()`, which turns exactly these into one line on
+stderr and a non-zero exit; any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class UvicError(Exception):
+    """Base class of uvic's own errors: the message is complete and meant for the user."""
+
+
+class ConfigError(UvicError, ValueError):
+    """A config file or override that cannot be used: YAML syntax, unknown key, wrong type, value out of range."""
+
+
+class CheckpointError(UvicError, ValueError):
+    """A checkpoint that is incomplete, corrupted (SHA-256 mismatch) or does not match the run."""
+
+
+class DataError(UvicError, ValueError):
+    """Input data that cannot be used, e.g. an unreadable image file; the message names the file."""
+
+
+class StorageError(UvicError, OSError):
+    """Writing failed (disk full, read-only file system, a file where a directory should be); nothing half-written
+    is left behind, and the message says what failed and what is still intact."""
+
+
+class RunLockedError(UvicError, RuntimeError):
+    """The run dir is held by another live training run (its PID is in the message)."""
+
+
+# What the scripts report as one line: uvic's errors, and the standard types the library raises with full messages.
+USER_ERRORS: tuple[type[BaseException], ...] = (UvicError, ValueError, FileNotFoundError, FloatingPointError)
+
+_OS_REASONS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOTDIR: "not a directory (a file is in the way)",
+    errno.EEXIST: "a file is in the way",
+    errno.EISDIR: "is a directory",
+    errno.ENOENT: "no such file or directory",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """A short phrase for what went wrong, e.g. "disk full (No space left on device: '/runs/x/ckpt/model.bin')"."""
+    reason = _OS_REASONS.get(e.errno or -1, "I/O error")
+    detail = e.strerror or str(e)
+    if e.filename is not None:
+        detail += f": {str(e.filename)!r}"
+    return f"{reason} ({detail})"
+
+
+def one_line(message: str) -> str:
+    """`message` with its line breaks folded, so that a report stays one line."""
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+@contextmanager
+def cli_errors(status: int = 1) -> Iterator[None]:
+    """For the scripts only: on a `USER_ERRORS` exception, write `error: <message>` as one line to stderr and exit
+    with `status` (no traceback). Any other exception propagates with its traceback: it is a bug, not bad input.
+    """
+    try:
+        yield
+    except USER_ERRORS as e:
+        sys.stderr.write(f"error: {one_line(str(e)) or type(e).__name__}\n")
+        raise SystemExit(status) from None

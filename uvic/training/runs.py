@@ -1,0 +1,69 @@
+"""From what training leaves on disk to something that samples: run dir / checkpoint dir / pipeline dir.
+
+    pipe = load_pipeline("runs/cifar10_uvic_s2")              # EMA weights of the latest checkpoint
+    pipe = load_pipeline("runs/cifar10_uvic_s2/pipeline")     # an exported (or any saved) pipeline
+    export("runs/cifar10_uvic_s2", "runs/cifar10_uvic_s2/pipeline")
+
+A run dir is `train.run_dir` (`config.yaml`, `checkpoints/step_*/`); a checkpoint dir holds the model, EMA and
+the resolved config. The task named in that config rebuilds the model and turns it into a pipeline, so these
+functions work for every registered task (`uvic.training.tasks`). `sample.py` and `train.py --export` call them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from diffusers import DiffusionPipeline
+from torch import nn
+
+from uvic.config import Config, config_from_dict
+from uvic.pipelines.sampling import attach_text_encoder, is_pipeline_dir, load_pretrained
+from uvic.training.checkpoint import load_model_weights, read_checkpoint_config, resolve_checkpoint
+from uvic.training.tasks import build_task
+
+
+__all__ = ["export", "load_pipeline", "task_from_checkpoint"]
+
+
+def task_from_checkpoint(path: str | os.PathLike, weights: str = "ema") -> tuple[Any, nn.Module, Config]:
+    """(task, model with the checkpoint's `weights` in eval mode, config) from a checkpoint dir or a run dir (its
+    latest checkpoint). `weights` is "ema" or "model"."""
+    ckpt = resolve_checkpoint(path)
+    cfg = config_from_dict(read_checkpoint_config(ckpt))
+    task = build_task(cfg)
+    model = load_model_weights(task.build_model(), ckpt, weights)
+    return task, model.eval(), cfg
+
+
+def load_pipeline(
+    source: str | os.PathLike, sampler: str | None = None, text_encoder: str | None = None
+) -> DiffusionPipeline:
+    """A pipeline from a pipeline dir (`model_index.json`), a training run dir or a checkpoint dir.
+
+    From a run or checkpoint the EMA weights of the (latest) checkpoint are used, with the run's sampler.
+
+    Args:
+        source: the directory.
+        sampler: switch the scheduler (`uvic.schedulers.SAMPLERS`); None keeps the saved / configured one.
+        text_encoder: see `uvic.pipelines.sampling.load_pretrained` (text prompts with a pipeline that has none).
+    Raises:
+        FileNotFoundError: `source` is neither kind of directory. ValueError: the run's task has no pipeline.
+    """
+    source = Path(source)
+    if is_pipeline_dir(source):
+        return load_pretrained(source, sampler, text_encoder)
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} is neither a pipeline dir (model_index.json) nor a run/checkpoint dir")
+    task, model, cfg = task_from_checkpoint(source)
+    if not hasattr(task, "pipeline"):
+        raise ValueError(f"{source} is a {cfg.task!r} run, which has no image pipeline to sample from")
+    return attach_text_encoder(task.pipeline(model, sampler=sampler), text_encoder)
+
+
+def export(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Export the EMA weights of a checkpoint (or a run's latest) with its task's `export`; returns `out_dir`."""
+    task, model, _ = task_from_checkpoint(source)
+    task.export(model, Path(out_dir))
+    return Path(out_dir)

@@ -1,0 +1,134 @@
+"""Cogformer language modelling (`cfg.task == "lm"`), trained by the same loop as the diffusion tasks.
+
+The recipe is the paper's (Sec. 4.1; the `LMTrainConfig` defaults in `uvic.config`): AdamW betas (0.9, 0.95),
+weight decay 0.1 on weight matrices and embeddings only (norm gains and biases are not decayed: `param_groups`),
+gradient clipping at 1.0, linear warm-up then cosine decay to 4% of the peak, no EMA (the export is the trained
+model). The loss is the mean next-token cross-entropy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from uvic.config import LMDataConfig, LMModelConfig
+from uvic.lm.data import TokenDataset, load_tokenizer, load_tokens
+from uvic.models.cogformer import COGFORMER_PRESETS, CogformerConfig, CogformerForCausalLM
+from uvic.training.optim import decay_matrices
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LMTask", "build_dataset", "build_model", "lm_loss", "model_config_from_preset"]
+
+
+def build_model(cfg: LMModelConfig) -> CogformerForCausalLM:
+    """A randomly initialised Cogformer with the architecture in `cfg`."""
+    return CogformerForCausalLM(CogformerConfig(**dataclasses.asdict(cfg)))
+
+
+def model_config_from_preset(preset: str, **overrides: Any) -> LMModelConfig:
+    """`LMModelConfig` of a Cogformer preset ("tiny", "141M", "600M", "1B") with field overrides."""
+    if preset not in COGFORMER_PRESETS:
+        raise ValueError(f"unknown Cogformer preset {preset!r}; expected one of {sorted(COGFORMER_PRESETS)}")
+    return LMModelConfig(**{**COGFORMER_PRESETS[preset], **overrides})
+
+
+def build_dataset(cfg: LMDataConfig, split: str = "train") -> TokenDataset:
+    """Windows of `cfg.block_size` tokens from `cfg.path` (split="train") or `cfg.val_path` (split="val")."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    path = cfg.path if split == "train" else cfg.val_path
+    if not path:
+        raise ValueError(f"no data path configured for split {split!r} (set data.{'path' if split == 'train' else 'val_path'})")
+    tokens = load_tokens(path, cfg.format, cfg.tokenizer, cfg.token_dtype)
+    return TokenDataset(tokens, cfg.block_size)
+
+
+def lm_loss(model: CogformerForCausalLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) of a batch `{"input_ids": (B, L), "attention_mask"?: (B, L)}`.
+
+    Padding neither is predicted nor predicts: label t + 1 counts only when tokens t and t + 1 are both real.
+    """
+    input_ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    labels = input_ids
+    if mask is not None:
+        real = mask.bool()
+        keep = real.clone()
+        keep[:, 1:] &= real[:, :-1]  # the model predicts labels[t + 1] from position t
+        labels = input_ids.masked_fill(~keep, -100)
+    return model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
+
+
+class LMTask:
+    """The LM task (`uvic.training.tasks.Task`): `cfg.model` is an `LMModelConfig`, `cfg.data` an `LMDataConfig`.
+
+    Batches are `{"input_ids": (B, L)}` windows of `data.block_size` tokens. `on_sample` logs and writes a greedy
+    continuation of `sample_prompt`; `export` writes a `save_pretrained` directory (model, plus the tokenizer when
+    the data was tokenized with one), loadable by `AutoModelForCausalLM` and lm-eval's `hf` model.
+    """
+
+    sample_prompt = "The"
+    sample_tokens = 64
+
+    def __init__(self, cfg: Any) -> None:
+        self.model_cfg: LMModelConfig = cfg.model
+        self.data_cfg: LMDataConfig = cfg.data
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The tokenizer named by `data.tokenizer` (for `.bin` data: the one the ids were made with)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.data_cfg.tokenizer)
+        return self._tokenizer
+
+    def build_model(self) -> CogformerForCausalLM:
+        return build_model(self.model_cfg)
+
+    def build_dataset(self) -> TokenDataset:
+        dataset = build_dataset(self.data_cfg)
+        top = int(dataset.tokens.max())
+        if top >= self.model_cfg.vocab_size:
+            raise ValueError(f"the data holds token id {top} but model.vocab_size is {self.model_cfg.vocab_size}")
+        return dataset
+
+    def param_groups(self, model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+        """Decay on weight matrices and embeddings; none on RMSNorm gains (and biases, were there any)."""
+        return decay_matrices(model, weight_decay)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], rng: Any = None) -> torch.Tensor:
+        """Next-token loss; `rng` is unused (the LM loss has no randomness)."""
+        return lm_loss(model, batch)
+
+    @torch.no_grad()
+    def on_sample(self, ema_model: torch.nn.Module, step: int, run_dir: Path) -> None:
+        tok = self.tokenizer
+        device = next(ema_model.parameters()).device
+        ids = torch.tensor([tok.encode(self.sample_prompt, add_special_tokens=False)], device=device)
+        was_training = ema_model.training
+        ema_model.eval()
+        out = ema_model.generate(ids, max_new_tokens=self.sample_tokens, do_sample=False)
+        ema_model.train(was_training)
+        text = tok.decode(out[0].tolist())
+        path = Path(run_dir) / "samples" / f"step_{step:07d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        logger.info("sample at step %d: %r", step, text)
+
+    def export(self, ema_model: torch.nn.Module, out_dir: Path) -> None:
+        model = copy.deepcopy(ema_model).float().cpu()
+        tok = self.tokenizer
+        # generate() and lm-eval read these ids from the config.
+        if getattr(tok, "eos_token_id", None) is not None:
+            model.config.eos_token_id = model.config.bos_token_id = model.config.pad_token_id = tok.eos_token_id
+        model.save_pretrained(out_dir)
+        if hasattr(tok, "save_pretrained"):
+            tok.save_pretrained(out_dir)
+        logger.info("exported the model (save_pretrained) to %s", out_dir)

@@ -1,0 +1,131 @@
+"""MS-COCO text-to-image training on extracted features, as U-ViT trains it (`cfg.task == "t2i"`).
+
+Discrete-time latent diffusion (docs/conventions.md, "MS-COCO text-to-image"): the latent is re-drawn from the
+stored VAE moments at every step, the whole context is replaced by the empty-caption features with probability
+`data.p_uncond` (classifier-free guidance training), and the loss is the one epsilon loss of
+`uvic.training.losses` on the discrete schedule (network time t + 1).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL
+from torch import nn
+
+from uvic.data.mscoco import MSCOCOFeatures, load_empty_context
+from uvic.models import UViTModel
+from uvic.models.autoencoder import load_ldm_autoencoder
+from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
+from uvic.pipelines.sampling import generate, save_grid
+from uvic.schedulers import build_scheduler
+from uvic.training.losses import DiscreteNoise, build_noise_process, text_to_image_loss
+from uvic.training.optim import decay_all
+from uvic.training.rng import ShardedRNG
+
+
+logger = logging.getLogger(__name__)
+
+
+class Text2ImageTask:
+    """MS-COCO text-to-image training on extracted features (`cfg.task == "t2i"`; `uvic.training.tasks` API).
+
+    Reads: `cfg.model` (a text-conditional UViTConfig), `cfg.diffusion` (discrete, scaled_linear), `cfg.data.root`
+    (the output of `python -m uvic.data.mscoco`, split "train"), `cfg.data.p_uncond`, `cfg.data.latent_scale`,
+    `cfg.data.vae` (autoencoder for sample grids and the exported pipeline; "" skips both), `cfg.sample.sampler`
+    ("uvit_dpm_solver" is the official sampler), `cfg.sample.guidance_scale` and `cfg.sample.num_inference_steps`.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        if cfg.diffusion.schedule != "discrete":
+            raise ValueError("the t2i task trains the discrete schedule: set diffusion.schedule=discrete")
+        if cfg.model.clip_dim is None:
+            raise ValueError("the t2i task needs a text-conditional model: set model.clip_dim (768 for CLIP ViT-L/14)")
+        self.cfg = cfg
+        self.noise: DiscreteNoise = build_noise_process(cfg.diffusion)
+        self._empty_context: torch.Tensor | None = None
+
+    def build_model(self) -> nn.Module:
+        return UViTModel(**dataclasses.asdict(self.cfg.model))
+
+    def build_dataset(self) -> MSCOCOFeatures:
+        dataset = MSCOCOFeatures(self.cfg.data.root, "train")
+        m = self.cfg.model
+        item = dataset[0]
+        if tuple(item["x"].shape) != (2 * m.in_chans, m.img_size, m.img_size):
+            raise ValueError(f"features in {self.cfg.data.root} have moments {tuple(item['x'].shape)}, but the "
+                             f"model expects (2 * in_chans, img_size, img_size) = {(2 * m.in_chans, m.img_size, m.img_size)}")
+        if tuple(item["context"].shape) != (m.num_clip_token, m.clip_dim):
+            raise ValueError(f"features in {self.cfg.data.root} have contexts {tuple(item['context'].shape)}, but the "
+                             f"model expects (num_clip_token, clip_dim) = {(m.num_clip_token, m.clip_dim)}")
+        return dataset
+
+    @property
+    def empty_context(self) -> torch.Tensor:
+        """(L, D) features of the empty caption, the null condition (read once from `data.root`)."""
+        if self._empty_context is None:
+            self._empty_context = load_empty_context(self.cfg.data.root)
+        return self._empty_context
+
+    def param_groups(self, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+        """U-ViT decays every parameter."""
+        return decay_all(model, weight_decay)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: ShardedRNG) -> torch.Tensor:
+        return text_to_image_loss(model, batch["x"], batch["context"], self.empty_context, self.noise,
+                                  self.cfg.data.latent_scale, rng, p_uncond=self.cfg.data.p_uncond)
+
+    def load_vae(self) -> AutoencoderKL | None:
+        """The autoencoder named by `cfg.data.vae` with `scaling_factor = cfg.data.latent_scale`, or None if unset."""
+        spec = self.cfg.data.vae
+        if not spec:
+            return None
+        if Path(spec).is_dir():
+            return AutoencoderKL.from_pretrained(spec, scaling_factor=self.cfg.data.latent_scale)
+        return load_ldm_autoencoder(spec, scaling_factor=self.cfg.data.latent_scale)
+
+    def pipeline(self, model: nn.Module, vae: AutoencoderKL | None = None,
+                 sampler: str | None = None) -> UViCText2ImagePipeline:
+        """A `UViCText2ImagePipeline` around `model` with the configured (or given) sampler."""
+        vae = vae if vae is not None else self.load_vae()
+        if vae is None:
+            raise ValueError("data.vae is not set: a text-to-image pipeline needs the autoencoder")
+        scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
+        return UViCText2ImagePipeline(transformer=model, vae=vae, scheduler=scheduler)
+
+    def on_sample(self, ema_model: nn.Module, step: int, run_dir: Path) -> None:
+        """A grid for the first `num_images` captions of the val split (train if there is none)."""
+        vae = self.load_vae()
+        if vae is None:
+            logger.warning("data.vae is not set: no sample grid at step %d", step)
+            return
+        s, root = self.cfg.sample, Path(self.cfg.data.root)
+        split = "val" if (root / "val" / "meta.json").is_file() else "train"
+        features = MSCOCOFeatures(root, split)
+        rows = np.arange(min(s.num_images, len(features)))
+        device = next(ema_model.parameters()).device
+        pipe = self.pipeline(ema_model, vae=vae.to(device))
+        pipe.set_progress_bar_config(disable=True)
+        images = generate(pipe, [s.seed + int(r) for r in rows], batch_size=s.batch_size,
+                          num_inference_steps=s.num_inference_steps, prompt_embeds=features.context(rows),
+                          negative_prompt_embeds=self.empty_context, guidance_scale=s.guidance_scale)
+        path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
+        save_grid(images, path)
+        logger.info("wrote %s", path)
+
+    def export(self, ema_model: nn.Module, out_dir: Path) -> None:
+        """The EMA model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`)."""
+        model = copy.deepcopy(ema_model).float().cpu()
+        vae = self.load_vae()
+        if vae is None:
+            model.save_pretrained(Path(out_dir) / "transformer")
+            logger.warning("data.vae is not set: exported only %s/transformer", out_dir)
+            return
+        self.pipeline(model, vae=vae).save_pretrained(str(out_dir))
+        logger.info("exported the EMA model as a UViCText2ImagePipeline to %s", out_dir)
