@@ -142,6 +142,8 @@ def generate(
     """
     if batch_size < 1 or num_inference_steps < 1:
         raise ValueError(f"batch_size and num_inference_steps must be >= 1, got {batch_size} and {num_inference_steps}")
+    if len(seeds) == 0:
+        raise ValueError("no seeds: pass one seed per image")
     text = isinstance(pipe, UViCText2ImagePipeline)
     if text and (prompts is None) == (prompt_embeds is None):
         raise ValueError("a text-to-image pipeline needs exactly one of prompts and prompt_embeds")
@@ -149,7 +151,8 @@ def generate(
         raise ValueError("prompts / prompt_embeds need a text-to-image pipeline")
     if text and class_labels is not None:
         raise ValueError("class_labels do not apply to a text-to-image pipeline")
-    per_image = {"class_labels": class_labels, "prompt": prompts, "prompt_embeds": prompt_embeds}
+    per_image = {"class_labels": class_labels, "prompt": None if prompts is None else list(prompts),
+                 "prompt_embeds": prompt_embeds}
     for name, value in per_image.items():
         if value is not None and len(value) != len(seeds):
             raise ValueError(f"got {len(value)} {name} for {len(seeds)} seeds")

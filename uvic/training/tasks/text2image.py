@@ -9,7 +9,6 @@ stored VAE moments at every step, the whole context is replaced by the empty-cap
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,21 +19,23 @@ from diffusers import AutoencoderKL
 from torch import nn
 
 from uvic.data.mscoco import MSCOCOFeatures, load_empty_context
-from uvic.models import UViTModel
 from uvic.models.autoencoder import load_ldm_autoencoder
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
 from uvic.pipelines.sampling import generate, save_grid
 from uvic.schedulers import build_scheduler
-from uvic.training.losses import DiscreteNoise, build_noise_process, text_to_image_loss
-from uvic.training.optim import decay_all
+from uvic.training.losses import text_to_image_loss
 from uvic.training.rng import ShardedRNG
+from uvic.training.tasks.diffusion import DiffusionTask
 
 
 logger = logging.getLogger(__name__)
 
 
-class Text2ImageTask:
+class Text2ImageTask(DiffusionTask):
     """MS-COCO text-to-image training on extracted features (`cfg.task == "t2i"`; `uvic.training.tasks` API).
+
+    The model, the noise process and the parameter groups are `DiffusionTask`'s; the data, the loss (context
+    dropout), the sample grid and the pipeline are text-to-image ones.
 
     Reads: `cfg.model` (a text-conditional UViTConfig), `cfg.diffusion` (discrete, scaled_linear), `cfg.data.root`
     (the output of `python -m uvic.data.mscoco`, split "train"), `cfg.data.p_uncond`, `cfg.data.latent_scale`,
@@ -47,12 +48,8 @@ class Text2ImageTask:
             raise ValueError("the t2i task trains the discrete schedule: set diffusion.schedule=discrete")
         if cfg.model.clip_dim is None:
             raise ValueError("the t2i task needs a text-conditional model: set model.clip_dim (768 for CLIP ViT-L/14)")
-        self.cfg = cfg
-        self.noise: DiscreteNoise = build_noise_process(cfg.diffusion)
+        super().__init__(cfg)
         self._empty_context: torch.Tensor | None = None
-
-    def build_model(self) -> nn.Module:
-        return UViTModel(**dataclasses.asdict(self.cfg.model))
 
     def build_dataset(self) -> MSCOCOFeatures:
         dataset = MSCOCOFeatures(self.cfg.data.root, "train")
@@ -72,10 +69,6 @@ class Text2ImageTask:
         if self._empty_context is None:
             self._empty_context = load_empty_context(self.cfg.data.root)
         return self._empty_context
-
-    def param_groups(self, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-        """U-ViT decays every parameter."""
-        return decay_all(model, weight_decay)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: ShardedRNG) -> torch.Tensor:
         return text_to_image_loss(model, batch["x"], batch["context"], self.empty_context, self.noise,
