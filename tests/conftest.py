@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from PIL import Image
+from tiny_models import VAE_TINY
 
 
 @pytest.fixture
@@ -36,9 +37,6 @@ def _tiny_overrides(run_dir, image_dir, **extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
-# A tiny SD-style VAE (16x16 images -> 4x8x8 latents) for text-to-image tests.
-VAE_TINY = {"block_out_channels": (8, 16), "down_block_types": ("DownEncoderBlock2D",) * 2,
-            "up_block_types": ("UpDecoderBlock2D",) * 2, "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 16}
 
 
 @pytest.fixture(scope="session")

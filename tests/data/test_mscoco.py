@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_models import VAE_TINY
 
 from uvic.data.mscoco import MSCOCOFeatures, center_crop_resize, extract_features, load_empty_context, main
 from uvic.models.autoencoder import build_vae, encode_moments
@@ -13,8 +14,6 @@ from uvic.models.text_encoder import CLIPTextEncoder
 
 
 RES = 16
-VAE_TINY = {"block_out_channels": (8, 16), "down_block_types": ("DownEncoderBlock2D",) * 2,
-                "up_block_types": ("UpDecoderBlock2D",) * 2, "layers_per_block": 1, "norm_num_groups": 4, "sample_size": RES}
 SIZES = [(40, 24), (24, 40), (33, 33), (50, 21), (19, 30)]  # (W, H): landscape, portrait, square, odd
 
 

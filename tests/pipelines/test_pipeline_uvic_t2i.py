@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from conftest import VAE_TINY  # tests/conftest.py: the tiny VAE of the text-to-image tests
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
+from tiny_models import VAE_TINY
 
 from uvic.models import build_preset
 from uvic.models.autoencoder import build_vae
