@@ -168,21 +168,30 @@ def _score_tile(
     q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, cols, offs_d, LK, diag, scale2,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    ZERO_MASKS: tl.constexpr,
 ):  # fmt: skip
     """One (query block x key block) tile of the query-major kernels (forward and dQ): the k and v rows, q.k
-    (BLOCK_M, BLOCK_N) and the masked score (`_scores`, -inf where the entry is masked)."""
+    (BLOCK_M, BLOCK_N) and the masked score (`_scores`, -inf where the entry is masked).
+
+    ZERO_MASKS (the Cog backward): only the causal mask is applied to the score. Keys past LK and keys removed by
+    the key padding mask load as zero rows, so their q.k is exactly 0 and `_signed` already gives them weight 0;
+    the backward has no denominator that they would otherwise enter. This saves the mask select per score."""
     k, v, kpm_keep = _load_kv(k_base, v_base, kpm_base, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
                               LK, MASK, HAS_KPM)  # fmt: skip
     qk = _dot(q, tl.trans(k), DOT_PREC)
     s = _scores(qk, scale2, COG)
     # Masked keys become -inf AFTER the abs (an additive -1e6 before it would become the largest |p|).
-    if MASK:
-        keep = cols[None, :] < LK
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-        s = tl.where(keep, s, float("-inf"))
-    if HAS_KPM:
-        s = tl.where(kpm_keep[None, :], s, float("-inf"))
+    if ZERO_MASKS:  # keys past LK or removed by the key padding mask have zero k rows: q.k = 0, weight 0
+        if MASK and CAUSAL:
+            s = tl.where(cols[None, :] <= offs_m[:, None] + diag, s, float("-inf"))
+    else:
+        if MASK:
+            keep = cols[None, :] < LK
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(keep, s, float("-inf"))
+        if HAS_KPM:
+            s = tl.where(kpm_keep[None, :], s, float("-inf"))
     return k, v, qk, s
 
 
@@ -196,7 +205,7 @@ def _fwd_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                   offs_m, start_n + offs_n, offs_d, LK, diag, scale2,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC)  # fmt: skip
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False)  # fmt: skip
         if COG:
             # The max of |p| = scale2 * max |q.k| (scale2 > 0; rounding is monotone, so this is the max of the
             # rounded products). It starts at 0 and |p| >= 0: always finite, no -inf - -inf.
@@ -321,13 +330,17 @@ def _bwd_dkdv_inner(
         m = tl.where(m == float("-inf"), 0.0, m)  # empty rows: every score is -inf, so every weight is 0
         qkT = _dot(k, tl.trans(q), DOT_PREC)  # (BLOCK_N, BLOCK_M)
         sT = _scores(qkT, scale2, COG)
-        if MASK:
-            keep = rows[None, :] < LQ
-            if CAUSAL:
-                keep = keep & (offs_n[:, None] <= rows[None, :] + diag)
-            sT = tl.where(keep, sT, float("-inf"))
-        if HAS_KPM:
-            sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
+        if COG:  # as `_score_tile` with ZERO_MASKS: rows past LQ and removed keys have q.k = 0, so weight 0
+            if MASK and CAUSAL:
+                sT = tl.where(offs_n[:, None] <= rows[None, :] + diag, sT, float("-inf"))
+        else:
+            if MASK:
+                keep = rows[None, :] < LQ
+                if CAUSAL:
+                    keep = keep & (offs_n[:, None] <= rows[None, :] + diag)
+                sT = tl.where(keep, sT, float("-inf"))
+            if HAS_KPM:
+                sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
         wT = tl.math.exp2(_exp2_arg(sT, scale2, m[None, :], COG))
         aT = _signed(wT, qkT, COG)
         dv += _dot(aT.to(do.dtype), do, DOT_PREC)
@@ -416,7 +429,7 @@ def _bwd_dq_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                   offs_m, start_n + offs_n, offs_d, LK, diag, scale2,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC)  # fmt: skip
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG)  # fmt: skip
         w = tl.math.exp2(_exp2_arg(s, scale2, m[:, None], COG))
         a = _signed(w, qk, COG)
         g = _dot(do, tl.trans(v), DOT_PREC)  # g_ij = dO_i . v_j
