@@ -1,14 +1,20 @@
 """Compile the attention kernels ahead of time for sm_80 / sm_90 (no GPU needed) and read their resource usage.
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90, 32))` builds PTX and a cubin on a CPU-only
-machine (docs/kernel_math.md Sec. 3(b)). The ptxas shipped with triton is then run with `-v` on that PTX, with the
-flags triton itself uses, to read registers and spill bytes; shared memory is triton's `metadata.shared`.
+machine ("Checking without a GPU: AOT compile and the SASS proxy" in docs/kernel_math.md). The ptxas shipped with
+triton is then run with `-v` on that PTX, with the flags triton itself uses, to read registers and spill bytes;
+shared memory is triton's `metadata.shared`.
 
 Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`) is compiled with the mask
 variant that has the most code (causal + key padding mask), in Cog mode and in softmax mode.
 
+`--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
+candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
+Cog against the same kernel's softmax mode, with issue 16's targets (`SASS_RATIO_TARGET`).
+
     python -m uvic.kernels.aot                 # full report, exit code 1 if any config spills or overflows smem
     python -m uvic.kernels.aot --arch 90 --dtype bf16 --head-dim 128 --workers 2
+    python -m uvic.kernels.aot --sass-mix --workers 2     # sm_90, bf16 + fp16, hd 64 + 128; exit 1 on a miss
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Written for uvic. The structure follows the Triton fused-attention tutorial (python/tutorials/06-fused-attention.py)
 and FlashAttention-2 (online softmax in base 2, one fp32 log-sum-exp per row, recompute in backward, D = rowsum(dO*O)
-preprocessing); the Cog math and its pitfalls are derived in docs/kernel_math.md Sec. 2.
+preprocessing). docs/kernel_math.md derives the Cog math ("Forward: online softmax over |p|", "Backward: dS and the
+D preprocess") and the sign step's exact semantics ("Zero scores and masked entries").
 
     p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v        (COG=True)
     attn = softmax(p)                                                           (COG=False, the same kernels)
@@ -19,11 +20,13 @@ Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
     - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk, with L * hd < 2**31 (offsets inside one
       (batch, head) slice are 32-bit; a strided input whose slice spans more is copied first, `_int32_addressable`);
       causal is bottom-right aligned (key j is masked for query i when j > i + Lk - Lq, as FlashAttention-2);
-      key_padding_mask (B, Lk) bool, True = keep.
-    - any finite scale (a negative scale flips the signs of p, as in the reference).
+      key_padding_mask (B, Lk) bool, True = keep. The k and v rows of removed keys are never read (a NaN or Inf
+      stored there reaches no output or gradient; their dK/dV are 0), unlike SDPA's additive-mask behaviour.
+    - any finite scale (a negative scale flips the signs of p, as in the reference; for Cog the launcher passes
+      -q and |scale|, or q = 0 for scale 0, since the kernels take sign(p) from the bits of q.k).
 Known differences from `uvic.attention.attention_ref`:
     - rounding: P and dS are cast to the input dtype before their matmuls (as every flash kernel); fp32 math
-      elsewhere. Errors are within 2x those of computing the reference in the input dtype, plus one rounding of
+      elsewhere; the exp2 argument |q.k| * scale * log2(e) - m is one fused multiply-add. Errors are within 2x those of computing the reference in the input dtype, plus one rounding of
       the largest value for 16-bit inputs (tests/kernels/interpret_numerics.py).
     - a row with no kept key gives O = 0, LSE = -inf and zero gradients, like the reference (which zeroes such
       rows) and `torch._safe_softmax`; the plain softmax formula would give NaN there.
@@ -35,15 +38,14 @@ Code map: this file holds the @triton.jit kernels and their launchers; `uvic.ker
 torch.library custom ops (fake + autograd, so torch.compile traces them without graph breaks);
 `uvic.kernels.configs` lists the autotune candidates; `uvic.kernels.aot` compiles them for sm_80/sm_90.
 Cautions:
-    - verified here only under the interpreter (numerics) and by AOT compilation for sm_80/sm_90 (ptxas resource
-      usage); the GPU launch path (autotuner, real timings) has not yet run on a GPU in this project.
     - TRITON_INTERPRET=1 must be set before triton is first imported (triton builds its own @jit helpers then);
       under the interpreter a fixed small config runs (INTERPRET_CONFIGS) and bf16 dots are done in fp32
       (exact products, see `_dot`) because the triton 3.8 interpreter's bf16 tl.dot is wrong.
     - autotuning benchmarks every candidate the first time a (head dim, dtype, causal, mask, length bucket) key
       is seen, re-running the kernel; the kernels only write their outputs, so this is safe.
     - the candidates live in `uvic.kernels.configs`; `python -m uvic.kernels.aot` compiles all of them for
-      sm_80 and sm_90 and reports registers, spills and shared memory. Keep that report clean when editing.
+      sm_80 and sm_90 and reports registers, spills and shared memory. Keep that report clean when editing, and
+      compare `python -m uvic.kernels.aot --sass-mix` (instruction mix, Cog vs softmax mode) before and after.
     - Lq and Lk are runtime values (no recompile per length); the autotune key uses a power-of-two bucket.
 """
 
@@ -101,7 +103,7 @@ def _load_kv(
 ):  # fmt: skip
     """The k and v rows of keys `cols` (BLOCK_N, HEAD_DIM) and, with a key padding mask, which of them it keeps
     (BLOCK_N,). Rows past LK (MASK) and rows of removed keys load as zeros: their memory is never read, so a NaN
-    or Inf stored there cannot reach any output or gradient ("Masking" in docs/kernel_math.md)."""
+    or Inf stored there cannot reach any output or gradient ("Masking and key padding" in docs/kernel_math.md)."""
     k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
     kpm_keep = cols < LK

@@ -4,7 +4,7 @@ This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these c
 checks them with ptxas (no register spills, shared memory under the limit), and the autotuner in
 `uvic.kernels.attention` only ever picks from them. Change a list here and the AOT test re-checks it.
 
-Choices follow the register data in docs/kernel_math.md Sec. 3(b): Cog's sign handling costs registers, so the
+Choices follow "Tiles and shared memory" in docs/kernel_math.md: Cog's sign handling costs registers, so the
 128-wide tiles use 8 warps, and the (32, 128, 4 warps) dK/dV tile of the Triton tutorial is left out (it spills).
 Configs that ptxas showed to spill for some dtype/head dim are dropped for that case (comments below).
 """
