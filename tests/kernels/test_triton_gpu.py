@@ -115,9 +115,13 @@ def test_zero_scores_on_gpu(scale):
     do = torch.randn(1, 1, 66, hd, device="cuda", generator=g, dtype=torch.float64)
     from uvic.kernels import fused_attention
 
+    dtype = torch.bfloat16
     exact = _grads(lambda *a: attention_ref(*a, scale=scale), q, k, v, do, torch.float64)
-    fused = _grads(lambda *a: fused_attention(*a, scale=scale), q, k, v, do, torch.bfloat16)
-    for name, f, ex in zip(("out", "dq", "dk", "dv"), fused, exact):
-        torch.testing.assert_close(f, ex, rtol=2e-2, atol=2e-2, msg=name)
+    plain = _grads(lambda *a: attention_ref(*a, scale=scale, upcast=False), q, k, v, do, dtype)
+    fused = _grads(lambda *a: fused_attention(*a, scale=scale), q, k, v, do, dtype)
+    for name, f, p, ex in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
+        floor = 0.5 * torch.finfo(dtype).eps * ex.abs().max().item()
+        err, err_plain = (f - ex).abs().max().item(), (p - ex).abs().max().item()
+        assert err <= 2 * err_plain + floor, f"{name}: fused err {err:.3g} vs plain err {err_plain:.3g}"
     assert torch.equal(fused[0][0, 0, 2::3], torch.zeros_like(fused[0][0, 0, 2::3]))  # zero queries: output 0
     assert torch.equal(fused[2][0, 0, 2::4], torch.zeros_like(fused[2][0, 0, 2::4]))  # e[2] keys: no gradient
