@@ -198,6 +198,21 @@ def _score_tile(
 
 
 @triton.jit
+def _key_range(start_m, LK, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The keys query block `start_m` visits (forward and dQ): [0, full_hi) need no mask for any of its rows,
+    [full_hi, hi) get the causal / boundary mask; keys from hi on are causally masked for every row."""
+    full_lk = (LK // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        row0 = start_m * BLOCK_M
+        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
+        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
+    else:
+        full_hi = full_lk
+        hi = LK
+    return full_hi, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2,
@@ -259,15 +274,7 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Keys [0, full_hi) need no mask for any row of this block; [full_hi, hi) get the causal/boundary mask.
-    full_lk = (LK // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        row0 = start_m * BLOCK_M
-        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
-        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
-    else:
-        full_hi = full_lk
-        hi = LK
+    full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
@@ -474,14 +481,7 @@ def _attn_bwd_dq(
     diag = LK - LQ
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    full_lk = (LK // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        row0 = start_m * BLOCK_M
-        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
-        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
-    else:
-        full_hi = full_lk
-        hi = LK
+    full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _bwd_dq_inner(
         dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
