@@ -389,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--sass-mix", action="store_true",
                         help="instead: SASS opcode mix, Cog vs softmax mode, of each kernel's first candidate "
-                             "(default sm_90, bf16 and fp16, head dims 64 and 128); exit code 1 if a target is missed")  # fmt: skip
+                             "(default sm_90, bf16 and fp16, head dims 64 and 128); exit code 1 if a target "
+                             "is missed")  # fmt: skip
     parser.add_argument("--causal", action="store_true", help="--sass-mix: compile the causal variant")
     parser.add_argument("--key-padding-mask", action="store_true", help="--sass-mix: compile with a key padding mask")
     args = parser.parse_args(argv)

@@ -26,8 +26,9 @@ Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
       -q and |scale|, or q = 0 for scale 0, since the kernels take sign(p) from the bits of q.k).
 Known differences from `uvic.attention.attention_ref`:
     - rounding: P and dS are cast to the input dtype before their matmuls (as every flash kernel); fp32 math
-      elsewhere; the exp2 argument |q.k| * scale * log2(e) - m is one fused multiply-add. Errors are within 2x those of computing the reference in the input dtype, plus one rounding of
-      the largest value for 16-bit inputs (tests/kernels/interpret_numerics.py).
+      elsewhere; the exp2 argument |q.k| * scale * log2(e) - m is one fused multiply-add. Errors are within 2x those
+      of computing the reference in the input dtype, plus one rounding of the largest value for 16-bit inputs
+      (tests/kernels/interpret_numerics.py).
     - a row with no kept key gives O = 0, LSE = -inf and zero gradients, like the reference (which zeroes such
       rows) and `torch._safe_softmax`; the plain softmax formula would give NaN there.
     - no dropout and no attention bias (no backend of uvic.attention has them).
