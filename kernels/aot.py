@@ -1,14 +1,20 @@
 """Compile the attention kernels ahead of time for sm_80 / sm_90 (no GPU needed) and read their resource usage.
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", 80 | 90, 32))` builds PTX and a cubin on a CPU-only
-machine (docs/kernel_math.md Sec. 3(b)). The ptxas shipped with triton is then run with `-v` on that PTX, with the
-flags triton itself uses, to read registers and spill bytes; shared memory is triton's `metadata.shared`.
+machine ("Checking without a GPU: AOT compile and the SASS proxy" in docs/kernel_math.md). The ptxas shipped with
+triton is then run with `-v` on that PTX, with the flags triton itself uses, to read registers and spill bytes;
+shared memory is triton's `metadata.shared`.
 
 Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`) is compiled with the mask
 variant that has the most code (causal + key padding mask), in Cog mode and in softmax mode.
 
+`--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
+candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
+Cog against the same kernel's softmax mode, with issue 16's targets (`SASS_RATIO_TARGET`).
+
     python -m uvic.kernels.aot                 # full report, exit code 1 if any config spills or overflows smem
     python -m uvic.kernels.aot --arch 90 --dtype bf16 --head-dim 128 --workers 2
+    python -m uvic.kernels.aot --sass-mix --workers 2     # sm_90, bf16 + fp16, hd 64 + 128; exit 1 on a miss
 """
 
 from __future__ import annotations
@@ -187,12 +193,8 @@ def _write_memo(memo: Path, usage: tuple[int, int, int]) -> None:
     tmp_file.replace(memo)
 
 
-def compile_spec(spec: Spec) -> Result:
-    """Compile one spec with triton for its GPU target and read ptxas -v's register and spill counts.
-
-    On a fresh compile the counts come from the ptxas run triton does itself (TRITON_DUMP_PTXAS_LOG, set by the
-    worker); when triton's cache already holds the kernel, ptxas -v is run again on the cached PTX.
-    """
+def _compile(spec: Spec, log: io.StringIO | None = None):
+    """triton.compile of one spec for its GPU target (stdout, where triton prints ptxas logs, goes to `log`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -201,14 +203,23 @@ def compile_spec(spec: Spec) -> Result:
 
     fn = KERNEL_FNS[spec.kernel]
     sig, consts, attrs = _signature(spec, fn.arg_names)
-    t0 = time.perf_counter()
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        compiled = triton.compile(
+    with contextlib.redirect_stdout(log or io.StringIO()):
+        return triton.compile(
             ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs),
             target=GPUTarget("cuda", spec.arch, 32),
             options={"num_warps": spec.config.num_warps, "num_stages": spec.config.num_stages},
         )
+
+
+def compile_spec(spec: Spec) -> Result:
+    """Compile one spec with triton for its GPU target and read ptxas -v's register and spill counts.
+
+    On a fresh compile the counts come from the ptxas run triton does itself (TRITON_DUMP_PTXAS_LOG, set by the
+    worker); when triton's cache already holds the kernel, ptxas -v is run again on the cached PTX.
+    """
+    t0 = time.perf_counter()
+    log = io.StringIO()
+    compiled = _compile(spec, log)
     usage = _parse_ptxas_log(log.getvalue())
     if usage is None:  # cache hit: triton did not run ptxas
         usage = _ptxas_usage(compiled.asm["ptx"], spec.arch)
@@ -231,6 +242,125 @@ def compile_all(specs: list[Spec], workers: int = 1) -> list[Result]:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_worker_init) as pool:
         return list(pool.map(compile_spec, specs, chunksize=2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SASS instruction mix: Cog mode against softmax mode (a static stand-in for GPU timings)
+# ---------------------------------------------------------------------------------------------------------
+
+# Opcode classes of the SASS mix report, by base opcode (the name before any ".MODIFIER"). Everything else
+# (loads/stores, conversions, barriers, branches, moves, NOPs) counts only in the total.
+SASS_CLASSES: dict[str, frozenset[str]] = {
+    "fp32": frozenset({"FADD", "FMUL", "FFMA", "FMNMX", "FADD32I", "FMUL32I", "FFMA32I", "FCHK", "FSWZADD"}),
+    "int": frozenset({"IADD3", "IADD", "IADD32I", "VIADD", "IMAD", "IMUL", "LOP3", "LOP", "LOP32I", "SHF", "SHL",
+                      "SHR", "LEA", "IMNMX", "VIMNMX", "IABS", "POPC", "FLO", "PRMT", "BMSK", "SGXT", "ISCADD"}),
+    "mufu": frozenset({"MUFU"}),
+    "mma": frozenset({"HGMMA", "HMMA", "IMMA", "BMMA", "DMMA", "WGMMA", "QGMMA"}),
+    "sel/cmp": frozenset({"FSETP", "FSET", "FSEL", "ISETP", "ISET", "SEL", "PLOP3", "PSETP"}),
+}
+SASS_COLUMNS = ("total", *SASS_CLASSES)
+# Issue 16's targets: whole-kernel instruction count of Cog over softmax mode, per kernel; MUFU and MMA equal.
+SASS_RATIO_TARGET = {"fwd": 1.05, "bwd_dkdv": 1.10, "bwd_dq": 1.10}
+SASS_EQUAL_CLASSES = ("mufu", "mma")
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+@dataclass(frozen=True)
+class SassMix:
+    """Opcode counts of one compiled kernel (base opcode -> count), read from `cuobjdump -sass` of its cubin."""
+
+    spec: Spec
+    opcodes: dict[str, int]
+
+    def counts(self) -> dict[str, int]:
+        """{"total", "fp32", "int", "mufu", "mma", "sel/cmp"} -> number of instructions."""
+        out = {"total": sum(self.opcodes.values())}
+        for name, ops in SASS_CLASSES.items():
+            out[name] = sum(n for op, n in self.opcodes.items() if op in ops)
+        return out
+
+
+def parse_sass(text: str) -> dict[str, int]:
+    """Base-opcode counts of `cuobjdump -sass` output (predicates and modifiers stripped)."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        m = _SASS_LINE.match(line)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def disassemble(cubin: bytes) -> str:
+    """`cuobjdump -sass` of a cubin, with the cuobjdump shipped in the triton wheel."""
+    import triton
+
+    tool = triton.knobs.nvidia.cuobjdump.path
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([tool, "-sass", str(path)], check=True, capture_output=True, text=True).stdout
+
+
+def sass_mix(spec: Spec) -> SassMix:
+    """Compile one spec for its GPU target and count the opcodes of its machine code."""
+    return SassMix(spec, parse_sass(disassemble(_compile(spec).asm["cubin"])))
+
+
+def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=(64, 128), kernels=tuple(SASS_RATIO_TARGET),
+               causal: bool = False, has_kpm: bool = False) -> list[Spec]:  # fmt: skip
+    """(Cog, softmax) spec pairs, flattened, for the config each kernel's candidate list ranks first."""
+    specs = []
+    for arch in archs:
+        for dtype in dtypes:
+            for hd in head_dims:
+                for kernel in kernels:
+                    c = candidate_configs(kernel, arch, dtype, hd)[0]
+                    for cog in (True, False):
+                        specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=causal, has_kpm=has_kpm))
+    return specs
+
+
+def sass_mix_all(specs: list[Spec], workers: int = 1) -> list[SassMix]:
+    """`sass_mix` of many specs in `workers` freshly spawned processes."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_worker_init) as pool:
+        return list(pool.map(sass_mix, specs, chunksize=1))
+
+
+def sass_pairs(mixes: list[SassMix]) -> list[tuple[SassMix, SassMix]]:
+    """Pair each Cog-mode kernel with the softmax-mode kernel of the same spec otherwise."""
+    by_key = {(m.spec.kernel, m.spec.arch, m.spec.dtype, m.spec.head_dim, m.spec.config, m.spec.causal,
+               m.spec.has_kpm, m.spec.cog): m for m in mixes}  # fmt: skip
+    return [(m, by_key[k[:-1] + (False,)]) for k, m in by_key.items() if k[-1] and k[:-1] + (False,) in by_key]
+
+
+def sass_target_failures(pairs: list[tuple[SassMix, SassMix]]) -> list[str]:
+    """One line per pair that misses issue 16's targets (ratio of totals; MUFU and MMA counts equal)."""
+    bad = []
+    for cog, soft in pairs:
+        s, c, n = cog.spec, cog.counts(), soft.counts()
+        where = f"sm_{s.arch} {s.dtype} hd {s.head_dim} {s.kernel} {s.config}"
+        limit = SASS_RATIO_TARGET.get(s.kernel)
+        if limit is not None and c["total"] > limit * n["total"]:
+            bad.append(f"{where}: cog/softmax = {c['total']}/{n['total']} = {c['total'] / n['total']:.3f} > {limit}")
+        for cls in SASS_EQUAL_CLASSES:
+            if c[cls] != n[cls]:
+                bad.append(f"{where}: {cls} cog {c[cls]} != softmax {n[cls]}")
+    return bad
+
+
+def format_sass_mix(pairs: list[tuple[SassMix, SassMix]]) -> str:
+    """A fixed-width table: per kernel, 'cog/softmax' counts of each opcode class and the ratio of totals."""
+    head = f"{'arch':<6}{'dtype':<6}{'hd':>4} {'kernel':<9}{'config':<20}"
+    lines = [head + "".join(f"{c:>12}" for c in SASS_COLUMNS) + f"{'ratio':>7}{'target':>8}"]
+    for cog, soft in pairs:
+        s, c, n = cog.spec, cog.counts(), soft.counts()
+        cells = "".join(f"{f'{c[k]}/{n[k]}':>12}" for k in SASS_COLUMNS)
+        target = SASS_RATIO_TARGET.get(s.kernel)
+        lines.append(f"sm_{s.arch:<3}{s.dtype:<6}{s.head_dim:>4} {s.kernel:<9}{str(s.config):<20}{cells}"
+                     f"{c['total'] / n['total']:>7.3f}{f'<={target}' if target else '':>8}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def format_report(results: list[Result]) -> str:
@@ -257,8 +387,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cog-only", action="store_true", help="skip the softmax mode")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--sass-mix", action="store_true",
+                        help="instead: SASS opcode mix, Cog vs softmax mode, of each kernel's first candidate "
+                             "(default sm_90, bf16 and fp16, head dims 64 and 128); exit code 1 if a target "
+                             "is missed")  # fmt: skip
+    parser.add_argument("--causal", action="store_true", help="--sass-mix: compile the causal variant")
+    parser.add_argument("--key-padding-mask", action="store_true", help="--sass-mix: compile with a key padding mask")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.sass_mix:
+        return _main_sass_mix(args)
     specs = all_specs(
         archs=args.arch or ARCHS,
         dtypes=args.dtype or DTYPES,
@@ -276,6 +414,24 @@ def main(argv: list[str] | None = None) -> int:
                 triton.__version__, time.perf_counter() - t0, len(bad))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "config": str(r.spec.config)} for r in results], indent=1))
+    return 1 if bad else 0
+
+
+def _main_sass_mix(args: argparse.Namespace) -> int:
+    kernels = [k for k in (args.kernel or SASS_RATIO_TARGET) if k != "bwd_pre"]
+    specs = sass_specs(archs=args.arch or (90,), dtypes=args.dtype or ("bf16", "fp16"),
+                       head_dims=args.head_dim or (64, 128), kernels=kernels, causal=args.causal,
+                       has_kpm=args.key_padding_mask)  # fmt: skip
+    mixes = sass_mix_all(specs, workers=args.workers)
+    pairs = sass_pairs(mixes)
+    logger.info("SASS instruction counts, cog/softmax (causal=%s, key_padding_mask=%s):\n%s", args.causal,
+                args.key_padding_mask, format_sass_mix(pairs))  # fmt: skip
+    bad = sass_target_failures(pairs)
+    logger.info("targets: total cog/softmax <= %s, %s counts equal; %d misses%s", SASS_RATIO_TARGET,
+                "/".join(SASS_EQUAL_CLASSES), len(bad), "".join("\n  " + b for b in bad))  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(m.spec), "config": str(m.spec.config), "counts": m.counts(),
+                                          "opcodes": m.opcodes} for m in mixes], indent=1))  # fmt: skip
     return 1 if bad else 0
 
 

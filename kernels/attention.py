@@ -2,7 +2,8 @@
 
 Written for uvic. The structure follows the Triton fused-attention tutorial (python/tutorials/06-fused-attention.py)
 and FlashAttention-2 (online softmax in base 2, one fp32 log-sum-exp per row, recompute in backward, D = rowsum(dO*O)
-preprocessing); the Cog math and its pitfalls are derived in docs/kernel_math.md Sec. 2.
+preprocessing). docs/kernel_math.md derives the Cog math ("Forward: online softmax over |p|", "Backward: dS and the
+D preprocess") and the sign step's exact semantics ("Zero scores and masked entries").
 
     p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v        (COG=True)
     attn = softmax(p)                                                           (COG=False, the same kernels)
@@ -19,12 +20,15 @@ Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
     - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk, with L * hd < 2**31 (offsets inside one
       (batch, head) slice are 32-bit; a strided input whose slice spans more is copied first, `_int32_addressable`);
       causal is bottom-right aligned (key j is masked for query i when j > i + Lk - Lq, as FlashAttention-2);
-      key_padding_mask (B, Lk) bool, True = keep.
-    - any finite scale (a negative scale flips the signs of p, as in the reference).
+      key_padding_mask (B, Lk) bool, True = keep. The k and v rows of removed keys are never read (a NaN or Inf
+      stored there reaches no output or gradient; their dK/dV are 0), unlike SDPA's additive-mask behaviour.
+    - any finite scale (a negative scale flips the signs of p, as in the reference; for Cog the launcher passes
+      -q and |scale|, or q = 0 for scale 0, since the kernels take sign(p) from the bits of q.k).
 Known differences from `uvic.attention.attention_ref`:
     - rounding: P and dS are cast to the input dtype before their matmuls (as every flash kernel); fp32 math
-      elsewhere. Errors are within 2x those of computing the reference in the input dtype, plus one rounding of
-      the largest value for 16-bit inputs (tests/kernels/interpret_numerics.py).
+      elsewhere; the exp2 argument |q.k| * scale * log2(e) - m is one fused multiply-add. Errors are within 2x those
+      of computing the reference in the input dtype, plus one rounding of the largest value for 16-bit inputs
+      (tests/kernels/interpret_numerics.py).
     - a row with no kept key gives O = 0, LSE = -inf and zero gradients, like the reference (which zeroes such
       rows) and `torch._safe_softmax`; the plain softmax formula would give NaN there.
     - no dropout and no attention bias (no backend of uvic.attention has them).
@@ -35,15 +39,14 @@ Code map: this file holds the @triton.jit kernels and their launchers; `uvic.ker
 torch.library custom ops (fake + autograd, so torch.compile traces them without graph breaks);
 `uvic.kernels.configs` lists the autotune candidates; `uvic.kernels.aot` compiles them for sm_80/sm_90.
 Cautions:
-    - verified here only under the interpreter (numerics) and by AOT compilation for sm_80/sm_90 (ptxas resource
-      usage); the GPU launch path (autotuner, real timings) has not yet run on a GPU in this project.
     - TRITON_INTERPRET=1 must be set before triton is first imported (triton builds its own @jit helpers then);
       under the interpreter a fixed small config runs (INTERPRET_CONFIGS) and bf16 dots are done in fp32
       (exact products, see `_dot`) because the triton 3.8 interpreter's bf16 tl.dot is wrong.
     - autotuning benchmarks every candidate the first time a (head dim, dtype, causal, mask, length bucket) key
       is seen, re-running the kernel; the kernels only write their outputs, so this is safe.
     - the candidates live in `uvic.kernels.configs`; `python -m uvic.kernels.aot` compiles all of them for
-      sm_80 and sm_90 and reports registers, spills and shared memory. Keep that report clean when editing.
+      sm_80 and sm_90 and reports registers, spills and shared memory. Keep that report clean when editing, and
+      compare `python -m uvic.kernels.aot --sass-mix` (instruction mix, Cog vs softmax mode) before and after.
     - Lq and Lk are runtime values (no recompile per length); the autotune key uses a power-of-two bucket.
 """
 
@@ -91,24 +94,123 @@ def _dot(a, b, DOT_PREC: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PREC)
 
 
+_SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32: the sign bit of a float32
+
+
+@triton.jit
+def _load_kv(
+    k_base, v_base, kpm_base, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, LK,
+    MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+):  # fmt: skip
+    """The k and v rows of keys `cols` (BLOCK_N, HEAD_DIM) and, with a key padding mask, which of them it keeps
+    (BLOCK_N,). Rows past LK (MASK) and rows of removed keys load as zeros: their memory is never read, so a NaN
+    or Inf stored there cannot reach any output or gradient ("Masking and key padding" in docs/kernel_math.md)."""
+    k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    kpm_keep = cols < LK
+    if HAS_KPM:
+        kpm_keep = tl.load(kpm_base + cols, mask=cols < LK, other=0) != 0
+        k = tl.load(k_ptrs, mask=kpm_keep[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kpm_keep[:, None], other=0.0)
+    elif MASK:
+        k = tl.load(k_ptrs, mask=kpm_keep[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kpm_keep[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v, kpm_keep
+
+
 @triton.jit
 def _scores(qk, scale2, COG: tl.constexpr):
-    """(signed p in base-2 units, the score the softmax sees): |p| for Cog, p for softmax."""
-    p = qk * scale2
+    """The score the softmax sees, before scaling for Cog: |q.k| (the kernels apply scale2 > 0 inside the exp2
+    argument's FMA, so the rounded product p = scale2 * q.k is never formed), scale2 * q.k for softmax."""
     if COG:
-        s = tl.abs(p)
+        s = tl.abs(qk)
     else:
-        s = p
-    return p, s
+        s = qk * scale2
+    return s
 
 
 @triton.jit
-def _signed(w, p, COG: tl.constexpr):
-    """sign(p) * w (exact zero where p == 0) for Cog, w for softmax."""
+def _exp2_arg(s, scale2, m, COG: tl.constexpr):
+    """The exponent s - m of a weight in base 2: one FMA for Cog (|q.k| * scale2 - m), one add for softmax."""
     if COG:
-        return tl.where(p > 0, w, tl.where(p < 0, -w, 0.0))
+        return s * scale2 - m
+    else:
+        return s - m
+
+
+@triton.jit
+def _signed(w, qk, COG: tl.constexpr):
+    """sign(p) * w for Cog (w >= 0; p = scale2 * q.k with scale2 > 0, so sign(p) = sign(q.k)), w for softmax.
+
+    q.k's sign bit goes into w's bits (one LOP3 bit-select, integer pipe); where q.k is exactly zero the result is
+    q.k itself (+-0), so sign(0) * w = 0 exactly (one compare and one select). Masked entries have w = 0, so they
+    give +-0 either way ("Zero scores and masked entries" in docs/kernel_math.md)."""
+    if COG:
+        wb = w.to(tl.int32, bitcast=True)
+        bits = wb ^ ((wb ^ qk.to(tl.int32, bitcast=True)) & _SIGN_BIT)
+        return tl.where(qk != 0.0, bits.to(tl.float32, bitcast=True), qk)
     else:
         return w
+
+
+@triton.jit
+def _dscore(a, w, g, dlt, COG: tl.constexpr):
+    """dL/dp from the weight and g = dO . v: A * (sign(p) * g - D) for Cog, written as |A| g - A D (sign(p) A = |A|),
+    which costs what the softmax form W * (g - D) costs."""
+    if COG:
+        return tl.abs(a) * g - a * dlt
+    else:
+        return w * (g - dlt)
+
+
+@triton.jit
+def _score_tile(
+    q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, cols, offs_d, LK, diag, scale2,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    ZERO_MASKS: tl.constexpr,
+):  # fmt: skip
+    """One (query block x key block) tile of the query-major kernels (forward and dQ): the k and v rows, q.k
+    (BLOCK_M, BLOCK_N) and the masked score (`_scores`, -inf where the entry is masked).
+
+    ZERO_MASKS (the Cog backward): only the causal mask is applied to the score. Keys past LK and keys removed by
+    the key padding mask load as zero rows, so their q.k is exactly 0 and `_signed` already gives them weight 0;
+    the backward has no denominator that they would otherwise enter. This saves the mask select per score."""
+    k, v, kpm_keep = _load_kv(k_base, v_base, kpm_base, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                              LK, MASK, HAS_KPM)  # fmt: skip
+    qk = _dot(q, tl.trans(k), DOT_PREC)
+    s = _scores(qk, scale2, COG)
+    # Masked keys become -inf AFTER the abs (an additive -1e6 before it would become the largest |p|).
+    if ZERO_MASKS:  # keys past LK or removed by the key padding mask have zero k rows: q.k = 0, weight 0
+        if MASK and CAUSAL:
+            s = tl.where(cols[None, :] <= offs_m[:, None] + diag, s, float("-inf"))
+    else:
+        if MASK:
+            keep = cols[None, :] < LK
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(keep, s, float("-inf"))
+        if HAS_KPM:
+            s = tl.where(kpm_keep[None, :], s, float("-inf"))
+    return k, v, qk, s
+
+
+@triton.jit
+def _key_range(start_m, LK, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The keys query block `start_m` visits (forward and dQ): [0, full_hi) need no mask for any of its rows,
+    [full_hi, hi) get the causal / boundary mask; keys from hi on are causally masked for every row."""
+    full_lk = (LK // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        row0 = start_m * BLOCK_M
+        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
+        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
+    else:
+        full_hi = full_lk
+        hi = LK
+    return full_hi, hi
 
 
 @triton.jit
@@ -119,35 +221,21 @@ def _fwd_inner(
     COG: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     for start_n in tl.range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < LK, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < LK, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        qk = _dot(q, tl.trans(k), DOT_PREC)
-        p, s = _scores(qk, scale2, COG)
-        # Masked keys become -inf AFTER the abs (an additive -1e6 before it would become the largest |p|).
-        if MASK:
-            keep = cols[None, :] < LK
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-            s = tl.where(keep, s, float("-inf"))
-        if HAS_KPM:
-            kpm = tl.load(kpm_base + cols, mask=cols < LK, other=0)
-            s = tl.where(kpm[None, :] != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  offs_m, start_n + offs_n, offs_d, LK, diag, scale2,
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False)  # fmt: skip
         if COG:
-            m_use = m_new  # starts at 0 and |p| >= 0: always finite, no -inf - -inf
+            # The max of |p| = scale2 * max |q.k| (scale2 > 0; rounding is monotone, so this is the max of the
+            # rounded products). It starts at 0 and |p| >= 0: always finite, no -inf - -inf.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+            m_use = m_new
         else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
-        w = tl.math.exp2(s - m_use[:, None])
+        w = tl.math.exp2(_exp2_arg(s, scale2, m_use[:, None], COG))
         l_i = l_i * alpha + tl.sum(w, 1)  # the denominator sums the UNSIGNED weights
-        a = _signed(w, p, COG)
+        a = _signed(w, qk, COG)
         acc = acc * alpha[:, None] + _dot(a.to(v.dtype), v, DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -187,15 +275,7 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Keys [0, full_hi) need no mask for any row of this block; [full_hi, hi) get the causal/boundary mask.
-    full_lk = (LK // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        row0 = start_m * BLOCK_M
-        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
-        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
-    else:
-        full_hi = full_lk
-        hi = LK
+    full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
@@ -259,23 +339,23 @@ def _bwd_dkdv_inner(
             dlt = tl.load(delta_base + rows)
         m = tl.where(m == float("-inf"), 0.0, m)  # empty rows: every score is -inf, so every weight is 0
         qkT = _dot(k, tl.trans(q), DOT_PREC)  # (BLOCK_N, BLOCK_M)
-        pT, sT = _scores(qkT, scale2, COG)
-        if MASK:
-            keep = rows[None, :] < LQ
-            if CAUSAL:
-                keep = keep & (offs_n[:, None] <= rows[None, :] + diag)
-            sT = tl.where(keep, sT, float("-inf"))
-        if HAS_KPM:
-            sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
-        wT = tl.math.exp2(sT - m[None, :])
-        aT = _signed(wT, pT, COG)
+        sT = _scores(qkT, scale2, COG)
+        if COG:  # as `_score_tile` with ZERO_MASKS: rows past LQ and removed keys have q.k = 0, so weight 0
+            if MASK and CAUSAL:
+                sT = tl.where(offs_n[:, None] <= rows[None, :] + diag, sT, float("-inf"))
+        else:
+            if MASK:
+                keep = rows[None, :] < LQ
+                if CAUSAL:
+                    keep = keep & (offs_n[:, None] <= rows[None, :] + diag)
+                sT = tl.where(keep, sT, float("-inf"))
+            if HAS_KPM:
+                sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
+        wT = tl.math.exp2(_exp2_arg(sT, scale2, m[None, :], COG))
+        aT = _signed(wT, qkT, COG)
         dv += _dot(aT.to(do.dtype), do, DOT_PREC)
         gT = _dot(v, tl.trans(do), DOT_PREC)  # g_ij = dO_i . v_j
-        # dP = A * (sign(p) * g - D); for softmax dP = P * (g - D).
-        if COG:
-            dsT = aT * (tl.where(pT < 0, -gT, gT) - dlt[None, :])
-        else:
-            dsT = wT * (gT - dlt[None, :])
+        dsT = _dscore(aT, wT, gT, dlt[None, :], COG)
         dk += _dot(dsT.to(q.dtype), q, DOT_PREC)
     return dk, dv
 
@@ -302,12 +382,8 @@ def _attn_bwd_dkdv(
     col_ok = offs_n < LK
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
-    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=col_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=col_ok[:, None], other=0.0)
-    if HAS_KPM:
-        kpm_keep = tl.load(KPM + off_b * stride_kpmb + offs_n, mask=col_ok, other=0) != 0
-    else:
-        kpm_keep = col_ok
+    k, v, kpm_keep = _load_kv(k_base, v_base, KPM + off_b * stride_kpmb, offs_n, offs_d, stride_kn, stride_kd,
+                              stride_vn, stride_vd, LK, True, HAS_KPM)  # fmt: skip
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     do_base = DO + bh64 * LQ * HEAD_DIM
     lse_base = LSE + bh64 * LQ
@@ -318,7 +394,8 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
     # Query blocks: [lo, s1) masked (causal diagonal), [s1, s2) unmasked, [s2, end) masked (ragged tail of Lq).
-    # Keys beyond Lk load as zeros and their dK/dV rows are not stored, so they need no mask here.
+    # Keys beyond Lk and keys removed by the key padding mask load as zeros; the former's dK/dV rows are not stored,
+    # the latter get exact zeros (their weights are masked to 0 below, and q.k = 0, g = 0 with zero k and v rows).
     end = tl.cdiv(LQ, BLOCK_M) * BLOCK_M
     full_lq = (LQ // BLOCK_M) * BLOCK_M
     if CAUSAL:
@@ -360,32 +437,13 @@ def _bwd_dq_inner(
     COG: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     for start_n in tl.range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < LK, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < LK, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        qk = _dot(q, tl.trans(k), DOT_PREC)
-        p, s = _scores(qk, scale2, COG)
-        if MASK:
-            keep = cols[None, :] < LK
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-            s = tl.where(keep, s, float("-inf"))
-        if HAS_KPM:
-            kpm = tl.load(kpm_base + cols, mask=cols < LK, other=0)
-            s = tl.where(kpm[None, :] != 0, s, float("-inf"))
-        w = tl.math.exp2(s - m[:, None])
-        g = _dot(do, tl.trans(v), DOT_PREC)
-        if COG:
-            a = _signed(w, p, COG)
-            ds = a * (tl.where(p < 0, -g, g) - dlt[:, None])
-        else:
-            ds = w * (g - dlt[:, None])
+        k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  offs_m, start_n + offs_n, offs_d, LK, diag, scale2,
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG)  # fmt: skip
+        w = tl.math.exp2(_exp2_arg(s, scale2, m[:, None], COG))
+        a = _signed(w, qk, COG)
+        g = _dot(do, tl.trans(v), DOT_PREC)  # g_ij = dO_i . v_j
+        ds = _dscore(a, w, g, dlt[:, None], COG)
         dq += _dot(ds.to(k.dtype), k, DOT_PREC)
     return dq
 
@@ -424,14 +482,7 @@ def _attn_bwd_dq(
     diag = LK - LQ
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    full_lk = (LK // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        row0 = start_m * BLOCK_M
-        full_hi = tl.minimum((tl.maximum(row0 + diag + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
-        hi = tl.minimum(tl.maximum(row0 + BLOCK_M + diag, 0), LK)
-    else:
-        full_hi = full_lk
-        hi = LK
+    full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _bwd_dq_inner(
         dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
@@ -561,6 +612,18 @@ def _kpm_arg(q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[to
     return kpm, kpm.stride(0)
 
 
+def _cog_scale(q: torch.Tensor, scale: float, cog: bool) -> tuple[torch.Tensor, float, float]:
+    """(q', scale', sign) with scale' > 0 and scale' * q' = scale * q for Cog, which needs a positive scale: the
+    kernels take sign(p) from the bits of q.k and fold scale * log2(e) into the exp2 argument's FMA. A negative
+    scale negates q (sign(p) flips, |p| does not); scale 0 zeroes q (every score is exactly 0, as p = 0 * q.k).
+    dL/dq = sign * dL/dq'. Softmax mode and positive scales pass through unchanged (sign 1)."""
+    if not cog or scale > 0:
+        return q, scale, 1.0
+    if scale < 0:
+        return -q, -scale, -1.0
+    return torch.zeros_like(q), 1.0, 0.0
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -578,6 +641,7 @@ def attention_forward(
     """
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
+    q, scale, _ = _cog_scale(q, scale, cog)
     q, k, v = (_int32_addressable(t) for t in (q, k, v))
     out = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, nh, Lq), dtype=torch.float32, device=q.device)
@@ -606,6 +670,7 @@ def attention_backward(
     (contiguous, in the dtype of q, k, v)."""
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
+    q, scale, q_sign = _cog_scale(q, scale, cog)
     q, k, v = (_int32_addressable(t) for t in (q, k, v))
     # The kernels index dO, O and LSE as contiguous (B*nh, Lq[, hd]) arrays.
     do = do.contiguous()
@@ -625,4 +690,6 @@ def attention_backward(
                 (q, k, v, do, dk, dv, lse, delta, kpm, float(scale), *strides), consts)  # fmt: skip
         _launch("bwd_dq", q.device, Lq, "BLOCK_M", B * nh, (q, k, v, do, dq, lse, delta, kpm, float(scale), *strides),
                 consts)  # fmt: skip
+    if q_sign != 1.0:
+        dq = dq * q_sign
     return dq, dk, dv

@@ -245,3 +245,64 @@ def test_packed_qkv_beyond_32_bit_offsets(tmp_path):
     for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
         err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
         assert err <= 2 * err_plain + _floor(dtype, e), f"{name}: fused err {err:.3g} vs plain {dtype} err {err_plain:.3g}"
+
+
+@pytest.mark.parametrize("cog", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_keys_are_never_read(cog, dtype):
+    """NaN / Inf in the k and v rows of keys that key_padding_mask removes reach no output and no gradient: out,
+    dq and the dk/dv of kept keys are bitwise those of the same inputs with finite rows there, and the removed
+    keys' dk/dv are exactly zero. Covers a batch item with no kept key, causal and ragged lengths."""
+    B, nh, Lq, Lk, hd = 2, 2, 37, 45, 16
+    q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=11)
+    kpm = _mask("empty_batch", B, Lk, seed=12)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    drop = ~kpm[:, None, :, None].expand(B, nh, Lk, hd)
+    poisoned_k[drop] = float("nan")
+    poisoned_v[drop] = torch.tensor([float("inf"), float("-inf"), float("nan")]).repeat(drop.sum() // 3 + 1)[
+        : drop.sum()
+    ].double()
+    for causal in (False, True):
+        kw = {"causal": causal, "key_padding_mask": kpm, "cog": cog}
+        clean = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, dtype, **kw)
+        dirty = _run(lambda *a, **k_: fused_attention(*a, **k_), q, poisoned_k, poisoned_v, do, dtype, **kw)
+        for name, c, d in zip(("out", "dq", "dk", "dv"), clean, dirty):
+            assert torch.isfinite(d).all(), f"{name}: a removed key's NaN/Inf leaked"
+            assert torch.equal(c, d), f"{name} depends on the removed keys' k/v rows"
+        for g in dirty[2:]:
+            assert torch.equal(g[drop], torch.zeros_like(g[drop]))
+        # and the clean run still matches the reference
+        _check(q, k, v, do, dtype, causal=causal, kpm=kpm, cog=cog)
+
+
+@pytest.mark.parametrize("scale", [0.5, -0.5, 0.0])
+def test_sign_of_zero_scores_and_masked_entries(scale):
+    """The sign step's exact semantics: a score of exactly 0 (orthogonal one-hot q and k, a zero key row; -0 when
+    the scale is negative) has weight 0 in the numerator but exp(0 - m) in the denominator; a masked entry has
+    weight 0 in both; neither gets a gradient. Checked against the closed form sign(p) e^|p| / sum e^|p|."""
+    hd = 16
+    e = torch.eye(hd, dtype=torch.float64)
+    q = e[0].expand(1, 1, 2, hd).clone()  # two identical queries (so a key block holds several rows)
+    q[0, 0, 1] = 0.0  # ... except that the second is a zero vector: all its scores are 0
+    k = torch.stack([2 * e[0], -3 * e[0], e[1], torch.zeros(hd), 10 * e[0], e[2]])[None, None]  # (1, 1, 6, hd)
+    kpm = torch.tensor([[True, True, True, True, False, True]])  # key 4 (the largest |p|) is masked
+    g = torch.Generator().manual_seed(13)
+    v = torch.randn(1, 1, 6, hd, generator=g, dtype=torch.float64)
+    do = torch.randn(1, 1, 2, hd, generator=g, dtype=torch.float64)
+    out, dq, dk, dv = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, torch.float32, scale=scale,
+                           key_padding_mask=kpm)  # fmt: skip
+    # Closed form for query 0: scores p = scale * (2, -3, 0, 0, -, 0); keys 2, 3, 5 count only in the denominator.
+    p = scale * torch.tensor([2.0, -3.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    kept = [0, 1, 2, 3, 5]
+    w = torch.exp(p.abs() - p.abs().max())
+    want = (torch.sign(p) * w / w.sum()) @ v[0, 0, kept]
+    torch.testing.assert_close(out[0, 0, 0], want, rtol=1e-6, atol=1e-7)
+    # Query 1 (zero vector): every score is 0, so every weight is 0 and the output is exactly 0.
+    assert torch.equal(out[0, 0, 1], torch.zeros(hd, dtype=torch.float64))
+    # No gradient reaches a zero-score or masked key, nor (for the zero query) q.
+    for j in (2, 3, 4, 5):
+        assert torch.equal(dk[0, 0, j], torch.zeros(hd, dtype=torch.float64)), j
+        assert torch.equal(dv[0, 0, j], torch.zeros(hd, dtype=torch.float64)), j
+    assert torch.equal(dq[0, 0, 1], torch.zeros(hd, dtype=torch.float64))
+    # Everything else as the float64 reference.
+    _check(q, k, v, do, torch.float32, causal=False, kpm=kpm, cog=True, scale=scale)

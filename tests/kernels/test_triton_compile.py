@@ -9,7 +9,19 @@ import logging
 
 import pytest
 
-from uvic.kernels.aot import all_specs, compile_all, format_report
+from uvic.kernels.aot import (
+    SASS_EQUAL_CLASSES,
+    SASS_RATIO_TARGET,
+    all_specs,
+    compile_all,
+    format_report,
+    format_sass_mix,
+    parse_sass,
+    sass_mix_all,
+    sass_pairs,
+    sass_specs,
+    sass_target_failures,
+)
 from uvic.kernels.configs import ARCHS, DTYPES, HEAD_DIMS, KERNELS, SMEM_LIMIT, SMEM_NEEDED, candidate_configs
 
 
@@ -62,3 +74,51 @@ def test_shared_memory_within_what_config_arch_assumes(results):
     for arch in ARCHS:
         need = max(r.shared for r in results if r.spec.arch == arch)
         assert need <= SMEM_NEEDED[arch], f"sm_{arch} candidates need {need} bytes: raise SMEM_NEEDED[{arch}]"
+
+
+# --- SASS instruction mix (issue 16's static stand-in for GPU timings) -------------------------------------------
+
+
+def test_parse_sass_counts_base_opcodes():
+    text = """
+        /*0070*/                   FSETP.NEU.AND P2, PT, R24, RZ, PT ;             /* 0x000000ff1800720b */
+        /*0080*/              @!P3 FSEL R48, -R48, RZ, !P4 ;                        /* 0x000000ff30308208 */
+        /*0090*/                   LOP3.LUT R98, R98, 0x80000000, R25, 0xb8, !PT ;  /* 0x8000000062627812 */
+        /*00a0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT ;
+        .L_x_1:
+        /*00b0*/                   FSEL R22, |R56|, -INF , P5 ;
+    """
+    assert parse_sass(text) == {"FSETP": 1, "FSEL": 2, "LOP3": 1, "HGMMA": 1}
+
+
+@pytest.fixture(scope="module")
+def sass_mix_pairs():
+    """sm_90 bf16 head dim 64, no mask, the first candidate config of each kernel, Cog and softmax mode."""
+    pairs = sass_pairs(sass_mix_all(sass_specs(dtypes=("bf16",), head_dims=(64,)), workers=2))
+    logger.info("\n%s", format_sass_mix(pairs))
+    return {cog.spec.kernel: (cog, soft) for cog, soft in pairs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["bwd_dkdv", "bwd_dq"])
+def test_sass_mix_backward_meets_targets(sass_mix_pairs, kernel):
+    """Read from the compiled cubins: Cog/softmax total instructions within the target, MUFU and MMA equal."""
+    cog, soft = sass_mix_pairs[kernel]
+    assert cog.counts()["mma"] > 0 and cog.counts()["mufu"] > 0  # the classes are really found
+    assert sass_target_failures([(cog, soft)]) == []
+    assert cog.counts()["total"] <= SASS_RATIO_TARGET[kernel] * soft.counts()["total"]
+
+
+@pytest.mark.slow
+def test_sass_mix_forward_exp_and_mma_equal(sass_mix_pairs):
+    cog, soft = sass_mix_pairs["fwd"]
+    for cls in SASS_EQUAL_CLASSES:
+        assert cog.counts()[cls] == soft.counts()[cls] > 0, cls
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 16's forward target (<= 1.05) is not met: the exact sign(0) = 0 costs "
+                   "a compare and a select per score beside the bit operation (see the README's SASS table)")
+def test_sass_mix_forward_meets_ratio_target(sass_mix_pairs):
+    cog, soft = sass_mix_pairs["fwd"]
+    assert cog.counts()["total"] <= SASS_RATIO_TARGET["fwd"] * soft.counts()["total"]

@@ -81,3 +81,47 @@ def test_this_gpu_gets_a_tile_table():
     arch, why = config_arch(major, minor, smem, is_hip)
     assert why is None, why
     assert arch == (90 if major in (9, 10) else 80)
+
+
+@pytest.mark.parametrize("cog", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_removed_keys_are_never_read_on_gpu(cog, causal):
+    """NaN / Inf in the k, v rows of keys removed by key_padding_mask change nothing (GPU launch path, bf16)."""
+    from uvic.kernels import fused_attention
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (torch.randn(2, 3, 300, 64, device="cuda", generator=g, dtype=torch.float64) for _ in range(4))
+    kpm = torch.rand(2, 300, device="cuda", generator=g) > 0.3
+    kpm[1] = False
+    drop = ~kpm[:, None, :, None].expand_as(k)
+    kw = {"causal": causal, "key_padding_mask": kpm, "cog": cog}
+    clean = _grads(lambda *a: fused_attention(*a, **kw), q, k, v, do, torch.bfloat16)
+    dirty = _grads(lambda *a: fused_attention(*a, **kw), q, k.masked_fill(drop, float("nan")),
+                   v.masked_fill(drop, float("inf")), do, torch.bfloat16)  # fmt: skip
+    for c, d in zip(clean, dirty):
+        assert torch.equal(c, d)
+    assert torch.equal(dirty[2][drop], torch.zeros_like(dirty[2][drop]))
+
+
+@pytest.mark.parametrize("scale", [0.5, -0.5, 0.0])
+def test_zero_scores_on_gpu(scale):
+    """sign(0) = 0 on the GPU path: one-hot queries and keys give exact-zero scores (-0 for a negative scale)."""
+    hd = 64
+    e = torch.eye(hd, dtype=torch.float64, device="cuda")
+    q = torch.stack([e[0], e[1], torch.zeros(hd, dtype=torch.float64, device="cuda")] * 22)[None, None]  # (1,1,66,hd)
+    k = torch.stack([2 * e[0], -3 * e[0], e[2], 5 * e[1]] * 20)[None, None]  # (1, 1, 80, hd)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    v = torch.randn(1, 1, 80, hd, device="cuda", generator=g, dtype=torch.float64)
+    do = torch.randn(1, 1, 66, hd, device="cuda", generator=g, dtype=torch.float64)
+    from uvic.kernels import fused_attention
+
+    dtype = torch.bfloat16
+    exact = _grads(lambda *a: attention_ref(*a, scale=scale), q, k, v, do, torch.float64)
+    plain = _grads(lambda *a: attention_ref(*a, scale=scale, upcast=False), q, k, v, do, dtype)
+    fused = _grads(lambda *a: fused_attention(*a, scale=scale), q, k, v, do, dtype)
+    for name, f, p, ex in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
+        floor = 0.5 * torch.finfo(dtype).eps * ex.abs().max().item()
+        err, err_plain = (f - ex).abs().max().item(), (p - ex).abs().max().item()
+        assert err <= 2 * err_plain + floor, f"{name}: fused err {err:.3g} vs plain err {err_plain:.3g}"
+    assert torch.equal(fused[0][0, 0, 2::3], torch.zeros_like(fused[0][0, 0, 2::3]))  # zero queries: output 0
+    assert torch.equal(fused[2][0, 0, 2::4], torch.zeros_like(fused[2][0, 0, 2::4]))  # e[2] keys: no gradient
