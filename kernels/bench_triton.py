@@ -51,9 +51,9 @@ def _configs() -> list[triton.testing.Benchmark]:
 
 def _attention(provider: str):
     if provider == "cog":
-        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, cog=True)
+        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, attention="cog")
     if provider == "softmax":
-        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, cog=False)
+        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, attention="softmax")
 
     def sdpa(q, k, v, causal):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):

@@ -22,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import uvic.kernels.attention as kattn
 from uvic.attention import attention_ref, cog_attention, softmax_attention
-from uvic.kernels import fused_attention, unsupported_reason
+from uvic.kernels import fused_attention
 from uvic.kernels.configs import HEAD_DIMS, KernelConfig, candidate_configs
 
 
@@ -74,9 +74,10 @@ def _run(fn, q, k, v, do, dtype, layout="contiguous", **kw):
 
 def _check(q, k, v, do, dtype, *, causal, kpm, cog, scale=None, layout="contiguous"):
     kw = {"causal": causal, "key_padding_mask": kpm, "scale": scale}
-    exact = _run(lambda *a, **k_: attention_ref(*a, cog=cog, **k_), q, k, v, do, torch.float64, **kw)
-    plain = _run(lambda *a, **k_: attention_ref(*a, cog=cog, upcast=False, **k_), q, k, v, do, dtype, **kw)
-    fused = _run(lambda *a, **k_: fused_attention(*a, cog=cog, **k_), q, k, v, do, dtype, layout=layout, **kw)
+    kw["attention"] = "cog" if cog else "softmax"
+    exact = _run(lambda *a, **k_: attention_ref(*a, **k_), q, k, v, do, torch.float64, **kw)
+    plain = _run(lambda *a, **k_: attention_ref(*a, upcast=False, **k_), q, k, v, do, dtype, **kw)
+    fused = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, dtype, layout=layout, **kw)
     for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
         assert torch.isfinite(f).all(), f"{name} has NaN/inf"
         err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
@@ -176,24 +177,6 @@ def test_dispatcher_triton_backend_matches_reference(op):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
-def test_unsupported_reason(monkeypatch):
-    q = torch.randn(1, 2, 8, 32)
-    assert unsupported_reason(q, q, q) is None  # CPU is fine under the interpreter
-    assert "dtype" in unsupported_reason(q.double(), q.double(), q.double())
-    assert "head dim" in unsupported_reason(q[..., :24], q[..., :24], q[..., :24])
-    wide = torch.randn(1, 2, 8, 256)
-    assert unsupported_reason(wide, wide, wide) is None
-    assert "head dim" in unsupported_reason(*(torch.randn(1, 2, 8, 512),) * 3)
-    assert "key_padding_mask" in unsupported_reason(q, q, q, torch.ones(1, 8))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert "CUDA" in unsupported_reason(q, q, q)
-    with pytest.raises(ValueError, match="CUDA"):
-        fused_attention(q, q, q)
-    with pytest.raises(ValueError, match="CUDA"):
-        cog_attention(q, q, q, backend="triton")
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    assert unsupported_reason(q, q, q) == "triton is not installed"
-
 
 def test_autotuner_picks_only_checked_candidates():
     """The prune hook never leaves the candidate list that the AOT test compiles."""
@@ -263,7 +246,7 @@ def test_masked_keys_are_never_read(cog, dtype):
         : drop.sum()
     ].double()
     for causal in (False, True):
-        kw = {"causal": causal, "key_padding_mask": kpm, "cog": cog}
+        kw = {"causal": causal, "key_padding_mask": kpm, "attention": "cog" if cog else "softmax"}
         clean = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, dtype, **kw)
         dirty = _run(lambda *a, **k_: fused_attention(*a, **k_), q, poisoned_k, poisoned_v, do, dtype, **kw)
         for name, c, d in zip(("out", "dq", "dk", "dv"), clean, dirty):

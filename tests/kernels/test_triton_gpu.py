@@ -33,7 +33,7 @@ def test_fused_matches_reference_on_gpu(L, hd, causal, dtype, cog):
     q, k, v, do = (torch.randn(2, 3, L, hd, device="cuda", generator=g, dtype=torch.float64) for _ in range(4))
     kpm = torch.rand(2, L, device="cuda", generator=g) > 0.3
     kpm[1, : L // 2] = False
-    kw = {"causal": causal, "key_padding_mask": kpm, "cog": cog}
+    kw = {"causal": causal, "key_padding_mask": kpm, "attention": "cog" if cog else "softmax"}
     exact = _grads(lambda *a: attention_ref(*a, **kw), q, k, v, do, torch.float64)
     plain = _grads(lambda *a: attention_ref(*a, upcast=False, **kw), q, k, v, do, dtype)
     from uvic.kernels import fused_attention
@@ -94,7 +94,7 @@ def test_removed_keys_are_never_read_on_gpu(cog, causal):
     kpm = torch.rand(2, 300, device="cuda", generator=g) > 0.3
     kpm[1] = False
     drop = ~kpm[:, None, :, None].expand_as(k)
-    kw = {"causal": causal, "key_padding_mask": kpm, "cog": cog}
+    kw = {"causal": causal, "key_padding_mask": kpm, "attention": "cog" if cog else "softmax"}
     clean = _grads(lambda *a: fused_attention(*a, **kw), q, k, v, do, torch.bfloat16)
     dirty = _grads(lambda *a: fused_attention(*a, **kw), q, k.masked_fill(drop, float("nan")),
                    v.masked_fill(drop, float("inf")), do, torch.bfloat16)  # fmt: skip
