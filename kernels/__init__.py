@@ -1,9 +1,10 @@
 """Fused Triton kernels for Cog attention (the "triton" backend of `uvic.attention`).
 
 Importing this package does not import triton: it holds the kernel's envelope (the limits that
-`uvic.attention.unsupported_reason` checks) and the device query, and `fused_attention` (in `uvic.kernels.ops`,
-which imports triton) is loaded on first use. So `import uvic.kernels` works on any machine. This package imports
-nothing from `uvic.attention`; the checked entry point is `uvic.attention.cog_attention(..., backend="triton")`.
+`uvic.attention.unsupported_reason` checks) and the device query, so `import uvic.kernels` works on any machine.
+The op itself, `fused_attention`, is in `uvic.kernels.ops` (which imports triton). This package imports nothing
+from its submodules or from `uvic.attention`, so no import circle runs through it; the checked entry point is
+`uvic.attention.cog_attention(..., backend="triton")`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "cuda_device_info",
-    "fused_attention",
 ]
 
 
@@ -60,10 +60,3 @@ def cuda_device_info(index: int) -> tuple[int, int, int, bool]:
 # triton, and importing this package must not.
 cuda_device_info._dynamo_marked_constant = True
 
-
-def __getattr__(name: str):
-    if name == "fused_attention":  # imports triton, so only on first use
-        from uvic.kernels.ops import fused_attention
-
-        return fused_attention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

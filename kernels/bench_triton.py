@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from uvic.kernels import fused_attention
+from uvic.kernels.ops import fused_attention
 
 
 PROVIDERS = ["cog", "softmax", "sdpa-flash"]

@@ -549,7 +549,7 @@ def _attention(q, k, v, causal: bool, key_padding_mask, scale, backend: str, att
         if backend == "reference":
             return attention_ref(q, k, v, attention=attention, **kw)
         if backend == "triton":
-            from uvic.kernels import fused_attention
+            from uvic.kernels.ops import fused_attention
 
             return fused_attention(q, k, v, attention=attention, **kw)
         return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None)

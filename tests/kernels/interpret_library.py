@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from uvic.attention import attention_ref, cog_attention, softmax_attention, unsupported_reason
-from uvic.kernels import fused_attention
-from uvic.kernels.ops import _bwd_op, _fwd_op
+from uvic.kernels.ops import _bwd_op, _fwd_op, fused_attention
 
 
 if os.environ.get("TRITON_INTERPRET") != "1":

@@ -22,8 +22,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import uvic.kernels.attention as kattn
 from uvic.attention import attention_ref, cog_attention, softmax_attention
-from uvic.kernels import fused_attention
 from uvic.kernels.configs import HEAD_DIMS, KernelConfig, candidate_configs
+from uvic.kernels.ops import fused_attention
 
 
 def _floor(dtype, ref):

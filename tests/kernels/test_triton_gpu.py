@@ -36,7 +36,7 @@ def test_fused_matches_reference_on_gpu(L, hd, causal, dtype, cog):
     kw = {"causal": causal, "key_padding_mask": kpm, "attention": "cog" if cog else "softmax"}
     exact = _grads(lambda *a: attention_ref(*a, **kw), q, k, v, do, torch.float64)
     plain = _grads(lambda *a: attention_ref(*a, upcast=False, **kw), q, k, v, do, dtype)
-    from uvic.kernels import fused_attention
+    from uvic.kernels.ops import fused_attention
 
     fused = _grads(lambda *a: fused_attention(*a, **kw), q, k, v, do, dtype)
     for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
@@ -87,7 +87,7 @@ def test_this_gpu_gets_a_tile_table():
 @pytest.mark.parametrize("causal", [False, True])
 def test_removed_keys_are_never_read_on_gpu(cog, causal):
     """NaN / Inf in the k, v rows of keys removed by key_padding_mask change nothing (GPU launch path, bf16)."""
-    from uvic.kernels import fused_attention
+    from uvic.kernels.ops import fused_attention
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, do = (torch.randn(2, 3, 300, 64, device="cuda", generator=g, dtype=torch.float64) for _ in range(4))
@@ -113,7 +113,7 @@ def test_zero_scores_on_gpu(scale):
     g = torch.Generator(device="cuda").manual_seed(2)
     v = torch.randn(1, 1, 80, hd, device="cuda", generator=g, dtype=torch.float64)
     do = torch.randn(1, 1, 66, hd, device="cuda", generator=g, dtype=torch.float64)
-    from uvic.kernels import fused_attention
+    from uvic.kernels.ops import fused_attention
 
     dtype = torch.bfloat16
     exact = _grads(lambda *a: attention_ref(*a, scale=scale), q, k, v, do, torch.float64)

@@ -1,0 +1,108 @@
+"""The import graph of the installed package, read from the source with `ast` (nothing is imported).
+
+Every `import uvic...` / `from uvic...` (and relative import) counts, including the lazy ones inside functions.
+kernels/ is the package `uvic.kernels` and fid/ is `uvic.fid` (pyproject `package-dir`). Layering: models,
+schedulers and pipelines never import training (training builds on them), and only `uvic.attention` imports
+`uvic.kernels` from outside it.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"uvic": ROOT / "uvic", "uvic.kernels": ROOT / "kernels", "uvic.fid": ROOT / "fid"}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The module that defines `name` (a module, or an attribute of one): its longest known prefix."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `module` imports anywhere in its source (top level or inside functions)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            for alias in node.names:
+                # `from pkg import sub` imports the submodule; `from pkg import name` runs pkg/__init__.py.
+                targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    owners = {_owner(t, modules) for t in targets if t == "uvic" or t.startswith("uvic.")}
+    return owners - {None, module}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (as a path that ends where it starts), or None."""
+    state = {}  # 1 = on the current path, 2 = done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_the_graph_sees_eager_and_lazy_imports(graph):
+    assert len(graph) > 40 and sum(map(len, graph.values())) > 80
+    assert "uvic.kernels" in graph["uvic.attention"]  # top-level `from uvic.kernels import ...`
+    assert "uvic.kernels.ops" in graph["uvic.attention"]  # inside `_attention`, on first use of the triton backend
+    assert "uvic.fid.metric" in graph["uvic.fid"]  # relative import in fid/__init__.py
+
+
+def test_the_cycle_finder_finds_a_lazy_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_circle(graph):
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
+
+
+def test_models_schedulers_pipelines_never_import_training(graph):
+    lower = ("uvic.models", "uvic.schedulers", "uvic.pipelines")
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith(lower)
+                    for t in ts if t == "uvic.training" or t.startswith("uvic.training."))  # fmt: skip
+    assert not upward
+
+
+def test_only_the_attention_op_imports_the_kernels(graph):
+    importers = {m for m, ts in graph.items() if not m.startswith("uvic.kernels")
+                 and any(t == "uvic.kernels" or t.startswith("uvic.kernels.") for t in ts)}  # fmt: skip
+    assert importers == {"uvic.attention"}
