@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
-from tiny_models import VAE_TINY
+from tiny_models import VAE_TINY, vae_state_to_ldm
 
 from uvic.models import build_preset
 from uvic.models.autoencoder import build_vae
@@ -135,25 +135,10 @@ def test_clear_errors():
 
 def test_from_official_checkpoints(pipe, tmp_path):
     """Official-format files (bare nnet state dict, LDM autoencoder) give the same sampler output."""
-    import re
-
     from uvic.models.autoencoder import sd_v1_vae_config
 
     torch.save(pipe.transformer.state_dict(), tmp_path / "nnet_ema.pth")
-    ldm = {}
-    for k, v in pipe.vae.state_dict().items():  # diffusers -> LDM names (2 levels), as in test_autoencoder.py
-        k = re.sub(r"down_blocks\.(\d+)\.resnets\.(\d+)", r"down.\1.block.\2", k)
-        k = re.sub(r"down_blocks\.(\d+)\.downsamplers\.0", r"down.\1.downsample", k)
-        k = re.sub(r"up_blocks\.(\d+)\.resnets\.(\d+)", lambda m: f"up.{1 - int(m[1])}.block.{m[2]}", k)
-        k = re.sub(r"up_blocks\.(\d+)\.upsamplers\.0", lambda m: f"up.{1 - int(m[1])}.upsample", k)
-        k = re.sub(r"mid_block\.resnets\.(\d+)", lambda m: f"mid.block_{int(m[1]) + 1}", k)
-        k = k.replace("conv_shortcut", "nin_shortcut").replace("conv_norm_out", "norm_out")
-        if "mid_block.attentions.0" in k:
-            k = k.replace("mid_block.attentions.0", "mid.attn_1")
-            for a, b in [("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "proj_out")]:
-                k = k.replace(f".{a}.", f".{b}.")
-            v = v[:, :, None, None] if v.dim() == 2 else v
-        ldm[k] = v
+    ldm = vae_state_to_ldm(pipe.vae.state_dict(), n_levels=len(pipe.vae.config.block_out_channels))
     torch.save(ldm, tmp_path / "autoencoder_kl.pth")
     c = pipe.transformer.config
     nnet = {"name": "uvit_t2i_np", "img_size": c.img_size, "in_chans": c.in_chans, "patch_size": c.patch_size,
