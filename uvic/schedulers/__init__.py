@@ -1,10 +1,11 @@
 """Noise schedules and samplers, and the ONE table that maps a sampler name to a scheduler class.
 
 Continuous VP-SDE models (U-ViT CIFAR-10) use the schedulers in `scheduling_vpsde` (timesteps: continuous t);
-discrete DDPM models use diffusers' stock schedulers unchanged (timesteps: 0-based DDPM steps) or the official
-U-ViT DPM-Solver++ (`scheduling_dpmsolver_uvit`). Either way the network input for a scheduler timestep
-(999 t, or t + 1) comes from `timesteps.network_timestep`, the one place that conversion lives; the training
-losses use the same function (docs/conventions.md, "Timesteps").
+discrete DDPM models use diffusers' stock schedulers unchanged (timesteps: 0-based DDPM steps). U-ViT's own
+DPM-Solver (`scheduling_dpmsolver_uvit`, "uvit_dpm_solver") serves both: the CIFAR-10 training monitor's
+DPM-Solver-fast on the VP-SDE, the MS-COCO sampler's DPM-Solver++ on the discrete schedule. Either way the network
+input for a scheduler timestep (999 t, or t + 1) comes from `timesteps.network_timestep`, the one place that
+conversion lives; the training losses use the same function (docs/conventions.md, "Timesteps").
 
 Every sampler choice in the project (training configs, `sample.py --sampler`, the pipelines' sampler switch) goes
 through `build_scheduler` / `convert_scheduler` below.

@@ -109,12 +109,12 @@ class UViTDPMSolverScheduler(SchedulerMixin, ConfigMixin):
             "solver_steps" vpsde.
     """
 
-    # Same betas config as these diffusers schedulers, so `from_config` switches between them.
-    _compatibles = ["DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler"]
-    order = 1  # one model evaluation per `step()` call (diffusers uses this for progress-bar bookkeeping)
+    # `from_config` switches to and from these: the same betas config as the diffusers schedulers (discrete), the
+    # same VP-SDE config as the project's VP-SDE schedulers (schedule "vpsde").
     _compatibles = [
         "DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler", *_VPSDE_SCHEDULERS,
     ]  # fmt: skip
+    order = 1  # one model evaluation per `step()` call (diffusers uses this for progress-bar bookkeeping)
 
     @register_to_config
     def __init__(
