@@ -63,12 +63,17 @@ def _attention(provider: str):
 
 
 @triton.testing.perf_report(_configs())
-def bench(L: int, hd: int, nh: int, causal: bool, mode: str, provider: str) -> float:
-    """TFLOP/s of one (length, head dim, causal, mode, provider) point."""
-    B = max(1, TOKENS // L)
+def bench(L: int, hd: int, nh: int, causal: bool, mode: str, provider: str, *, fn=None, device: str = "cuda",
+          tokens: int = TOKENS, do_bench=triton.testing.do_bench) -> float:
+    """TFLOP/s of one (length, head dim, causal, mode, provider) point.
+
+    `fn(q, k, v, causal)` is the attention timed (default: `provider`'s), on `device`, with B * L = `tokens`, timed
+    by `do_bench(run, grad_to_none=...)`; the keyword arguments let tests run the wiring on CPU.
+    """
+    B = max(1, tokens // L)
     shape = (B, nh, L, hd)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    fn = _attention(provider)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fn = _attention(provider) if fn is None else fn
     if mode == "fwd":
         run = lambda: fn(q, k, v, causal)
     else:
@@ -79,7 +84,7 @@ def bench(L: int, hd: int, nh: int, causal: bool, mode: str, provider: str) -> f
         else:
             run = lambda: fn(q, k, v, causal).backward(do)
     # Backward accumulates into q/k/v.grad; do_bench resets them before each run, so no accumulation is timed.
-    ms = triton.testing.do_bench(run, grad_to_none=[q, k, v])
+    ms = do_bench(run, grad_to_none=[q, k, v])
     flops = 4.0 * B * nh * L * L * hd * (0.5 if causal else 1.0)
     flops *= {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
     return flops * 1e-12 / (ms * 1e-3)
