@@ -252,9 +252,19 @@ def _attempt(fn: Callable[[], Any], where: Path) -> str | None:
     except OSError as e:
         return describe_os_error(e)
     except Exception as e:  # noqa: BLE001 - torch.save / safetensors report a failed write in their own types
-        text = " ".join(str(e).split())
-        if not _WRITE_FAILURE.search(text):
+        # torch.save on a full disk raises "basic_ios::clear", and then, from its zip writer's __exit__, an
+        # "unexpected pos" assertion whose context is that error: the sign of a failed write may sit down the chain.
+        chain, link = [], e
+        while link is not None and len(chain) < 8:
+            chain.append(link)
+            link = link.__cause__ or link.__context__
+        os_error = next((c for c in chain if isinstance(c, OSError) and c.errno is not None), None)
+        if os_error is not None:
+            return describe_os_error(os_error)
+        cause = next((c for c in chain if _WRITE_FAILURE.search(" ".join(str(c).split()))), None)
+        if cause is None:
             raise
+        text = " ".join(str(cause).split())
         try:
             free_mib = shutil.disk_usage(where).free / 2**20
         except OSError:
@@ -263,7 +273,7 @@ def _attempt(fn: Callable[[], Any], where: Path) -> str | None:
         if reason is None and free_mib is not None and free_mib < 1:
             reason = "write failed, probably disk full"
         free = "" if free_mib is None else f"; {free_mib:.1f} MiB free there"
-        return f"{reason or 'write failed'} ({type(e).__name__}: {text}{free})"
+        return f"{reason or 'write failed'} ({type(cause).__name__}: {text}{free})"
 
 
 def _agree(accelerator: Accelerator, failure: str | None) -> str | None:
