@@ -7,16 +7,23 @@ the layer's own projections; each kept layer against diffusers' stock processor.
 import pytest
 import torch
 from diffusers import DiTTransformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
-from diffusers.models.attention_processor import AttnProcessor2_0, JointAttnProcessor2_0, SlicedAttnProcessor
+from diffusers.models.attention_processor import (
+    Attention,
+    AttnProcessor,
+    AttnProcessor2_0,
+    JointAttnProcessor2_0,
+    SlicedAttnProcessor,
+)
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from uvic.integrations.diffusers import apply_cog_attention
 
 
-def paper_attention(q, k, v, key_kept=None, cog=True):
-    """(B, nh, Lq, hd) x (B, nh, Lk, hd): sign(p) * softmax(|p|) @ v (or softmax(p) @ v), p = q k^T / sqrt(hd)."""
-    p = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+def paper_attention(q, k, v, key_kept=None, cog=True, scale=None):
+    """(B, nh, Lq, hd) x (B, nh, Lk, hd): sign(p) * softmax(|p|) @ v (or softmax(p) @ v), p = scale q k^T, the scale
+    hd ** -0.5 unless given."""
+    p = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
     scores = p.abs() if cog else p
     if key_kept is not None:
         scores = scores.masked_fill(~key_kept[:, None, None, :], float("-inf"))
@@ -34,14 +41,36 @@ def merge(t):
     return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
 
 
-def paper_layer(attn, x, context=None, mask=None):
-    """A self- or cross-attention layer of these tiny models with Cog attention, from its weights."""
-    assert attn.spatial_norm is None and attn.group_norm is None and attn.norm_q is None and attn.norm_k is None
-    assert not attn.residual_connection and attn.rescale_output_factor == 1.0 and not attn.norm_cross
-    context = x if context is None else context
-    key_kept = None if mask is None else mask.reshape(mask.shape[0], -1) == 0  # diffusers' additive (B, 1, Lk)
+def paper_layer(attn, x, context=None, key_kept=None, temb=None, cog=True, scale=None):
+    """A diffusers `Attention` layer written out from its sub-layers: spatial norm, (B, C, H, W) -> (B, HW, C),
+    group norm, cross-attention norm, q/k projections and norms, attention over the kept keys (key_kept (B, Lk)),
+    output projection, back to (B, C, H, W), residual, rescale."""
+    residual = x
+    if attn.spatial_norm is not None:
+        x = attn.spatial_norm(x, temb)
+    if x.ndim == 4:
+        x = x.flatten(2).transpose(1, 2)
+    if attn.group_norm is not None:
+        x = attn.group_norm(x.transpose(1, 2)).transpose(1, 2)
+    if context is None:
+        context = x
+    elif attn.norm_cross is not None:
+        assert isinstance(attn.norm_cross, torch.nn.LayerNorm)
+        context = attn.norm_cross(context)
     q, k, v = (heads(f(t), attn.heads) for f, t in ((attn.to_q, x), (attn.to_k, context), (attn.to_v, context)))
-    return attn.to_out[0](merge(paper_attention(q, k, v, key_kept)))
+    if attn.norm_q is not None:
+        q, k = attn.norm_q(q), attn.norm_k(k)
+    out = attn.to_out[0](merge(paper_attention(q, k, v, key_kept, cog, scale)))
+    if residual.ndim == 4:
+        out = out.transpose(1, 2).reshape(residual.shape)
+    if attn.residual_connection:
+        out = out + residual
+    return out / attn.rescale_output_factor
+
+
+def kept_keys(mask):
+    """diffusers' additive key mask (B, 1, Lk) (0 = keep) as (B, Lk) bool, or None."""
+    return None if mask is None else mask.reshape(mask.shape[0], -1) == 0
 
 
 def paper_joint_layer(attn, x, context):
@@ -165,6 +194,68 @@ def record_layers(model):
 # ---------------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Single diffusers Attention layers with every input the default processors handle
+# ---------------------------------------------------------------------------------------------------------
+
+
+def layer_zoo():
+    """Attention layers that use what the tiny models above do not: 4-D inputs with spatial norm (its GroupNorm
+    has 32 groups) and group norm,
+    residual and rescale (as in VAEs and UNet2DModel); cross-attention norm and q/k norms; scale_qk=False (whose
+    default processor is AttnProcessor, scale 1). Each with its inputs: [(kwargs, key_kept (B, Lk) or None)]."""
+    torch.manual_seed(0)
+    zoo = torch.nn.ModuleDict({
+        "spatial": Attention(query_dim=32, heads=2, dim_head=16, norm_num_groups=4, spatial_norm_dim=3,
+                             residual_connection=True, rescale_output_factor=2.0, bias=True),
+        "cross": Attention(query_dim=16, cross_attention_dim=12, heads=2, dim_head=8, qk_norm="layer_norm",
+                           cross_attention_norm="layer_norm"),
+        "unscaled": Attention(query_dim=16, cross_attention_dim=12, heads=2, dim_head=8, scale_qk=False),
+    })  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    x, context = torch.randn(2, 6, 16, generator=g), torch.randn(2, 5, 12, generator=g)
+    kept = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    additive = torch.where(kept, 0.0, -10000.0)[:, None]  # (B, 1, Lk), as UNet2DConditionModel builds it
+    inputs = {
+        "spatial": [({"hidden_states": torch.randn(2, 32, 4, 4, generator=g), "temb": torch.randn(2, 3, 2, 2,
+                                                                                                   generator=g)}, None)],
+        "cross": [({"hidden_states": x, "encoder_hidden_states": context}, None),
+                  ({"hidden_states": x, "encoder_hidden_states": context, "attention_mask": additive}, kept),
+                  ({"hidden_states": x, "encoder_hidden_states": context, "attention_mask": kept}, kept)],
+        "unscaled": [({"hidden_states": x, "encoder_hidden_states": context, "attention_mask": additive}, kept)],
+    }  # fmt: skip
+    return zoo.eval(), inputs
+
+
+def test_every_input_of_the_default_processors():
+    zoo, inputs = layer_zoo()
+    assert [type(attn.processor) for attn in zoo.values()] == [AttnProcessor2_0, AttnProcessor2_0, AttnProcessor]
+    with torch.no_grad():
+        stock = {name: [zoo[name](**kw) for kw, _ in runs] for name, runs in inputs.items()}
+        for name, runs in inputs.items():  # the reference written out above is the stock layer in softmax mode
+            for (kw, kept), want in zip(runs, stock[name]):
+                got = paper_layer(zoo[name], kw["hidden_states"], kw.get("encoder_hidden_states"), kept,
+                                  kw.get("temb"), cog=False, scale=zoo[name].scale)  # fmt: skip
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+        assert apply_cog_attention(zoo, keep_softmax=5) == []
+        assert [p.layer_scale for p in (attn.processor for attn in zoo.values())] == [False, False, True]
+        for name, runs in inputs.items():
+            for (kw, _), want in zip(runs, stock[name]):
+                tol = 1e-5 if name == "unscaled" else 0  # AttnProcessor's explicit softmax; else the same SDPA call
+                torch.testing.assert_close(zoo[name](**kw), want, rtol=tol, atol=tol)
+
+        assert apply_cog_attention(zoo, keep_softmax=0) == ["spatial", "cross", "unscaled"]  # each layer a block
+        assert zoo["unscaled"].processor.layer_scale  # kept when a Cog processor is re-placed
+        for name, runs in inputs.items():
+            for (kw, kept), want in zip(runs, stock[name]):
+                got = zoo[name](**kw)
+                expect = paper_layer(zoo[name], kw["hidden_states"], kw.get("encoder_hidden_states"), kept,
+                                     kw.get("temb"), scale=zoo[name].scale)  # fmt: skip
+                assert got.shape == want.shape and not torch.allclose(got, want, atol=1e-3)
+                torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_softmax_mode_reproduces_the_stock_model(kind):
     model, inputs, sample = MODELS[kind]()
@@ -202,7 +293,7 @@ def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
                 expect = paper_joint_layer(attn, x, context) if name in switched else \
                     JointAttnProcessor2_0()(attn, x, encoder_hidden_states=context)  # fmt: skip
             else:
-                expect = paper_layer(attn, x, context, mask) if name in switched else \
+                expect = paper_layer(attn, x, context, kept_keys(mask)) if name in switched else \
                     AttnProcessor2_0()(attn, x, encoder_hidden_states=context, attention_mask=mask)  # fmt: skip
             for got, want in zip(out if isinstance(out, tuple) else (out,), expect if isinstance(expect, tuple)
                                  else (expect,)):  # fmt: skip
@@ -250,7 +341,7 @@ def test_masks_that_are_not_key_masks_are_refused_with_the_module_name():
         attn(x, encoder_hidden_states=context, attention_mask=per_query)
     kept = torch.zeros(2, 1, 7)
     kept[0, 0, 5:] = float("-inf")  # a key mask (with -inf): the paper formula without keys 5 and 6 of item 0
-    expect = paper_layer(attn, x, context, mask=torch.where(kept == 0, 0.0, -1.0))
+    expect = paper_layer(attn, x, context, key_kept=kept[:, 0] == 0)
     torch.testing.assert_close(attn(x, encoder_hidden_states=context, attention_mask=kept), expect)
 
 

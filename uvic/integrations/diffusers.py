@@ -5,7 +5,8 @@
 
 `CogAttnProcessor` computes what diffusers' default `AttnProcessor2_0` computes (spatial norm, group norm, 4-D
 inputs, cross-attention, norm_q / norm_k, residual, rescale), with `uvic.attention.cog_attention` in place of
-`F.scaled_dot_product_attention`; `CogJointAttnProcessor` does the same for `JointAttnProcessor2_0` (the MMDiT
+`F.scaled_dot_product_attention` (and, with `layer_scale=True`, what `AttnProcessor` computes: the default of layers
+built with `scale_qk=False`); `CogJointAttnProcessor` does the same for `JointAttnProcessor2_0` (the MMDiT
 blocks of `SD3Transformer2DModel`) and `CogFluxAttnProcessor` for `FluxAttnProcessor` (FluxTransformer2DModel's
 double- and single-stream blocks). In `attention="softmax"` mode each makes the stock attention call, so a kept
 layer gives the stock output. Shapes: B batch, L tokens, C channels, nh heads, hd head dim.
@@ -88,12 +89,15 @@ class _Attend:
             raise ValueError(f"attention must be 'cog' or 'softmax', got {attention!r}")
         self.attention, self.backend, self.name = attention, backend, name
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), mask as SDPA takes it or None -> (B, nh, Lq, hd)."""
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+    ) -> torch.Tensor:
+        """q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), mask as SDPA takes it or None, scale of q k^T (None:
+        hd ** -0.5) -> (B, nh, Lq, hd)."""
         if self.attention == "softmax":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scale)
         kpm = key_padding_mask_from(mask, self.name)
-        return cog_attention(q, k, v, key_padding_mask=kpm, backend=self.backend)
+        return cog_attention(q, k, v, key_padding_mask=kpm, scale=scale, backend=self.backend)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(attention={self.attention!r}, backend={self.backend!r}, name={self.name!r})"
@@ -102,13 +106,22 @@ class _Attend:
 class CogAttnProcessor(_Attend):
     """diffusers' `AttnProcessor2_0` with Cog attention (`attention="cog"`) or its own SDPA call ("softmax").
 
-    Like the stock processor it uses the default scale hd ** -0.5 (it does not read `attn.scale`).
-
     Args:
         attention: "cog" or "softmax".
         backend: the `uvic.attention.cog_attention` backend ("auto": the fused kernel on GPUs where it fits).
         name: the module's name, used in error messages.
+        layer_scale: scale q k^T by the layer's `attn.scale`, as diffusers' `AttnProcessor` does (the default
+            processor of layers built with `scale_qk=False`, whose `attn.scale` is 1). False (the default): the
+            scale hd ** -0.5, as `AttnProcessor2_0` (which does not read `attn.scale`).
     """
+
+    def __init__(self, attention: AttentionKind = "cog", backend: Backend = "auto", name: str = "attention",
+                 layer_scale: bool = False):  # fmt: skip
+        super().__init__(attention, backend, name)
+        self.layer_scale = layer_scale
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, layer_scale={self.layer_scale})"
 
     def __call__(
         self,
@@ -143,7 +156,8 @@ class CogAttnProcessor(_Attend):
         query, key, value = _qkv_heads(attn, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, hidden_states,
                                        encoder_hidden_states)  # fmt: skip
 
-        hidden_states = _merge_heads(self.attend(query, key, value, attention_mask), query.dtype)
+        scale = attn.scale if self.layer_scale else None
+        hidden_states = _merge_heads(self.attend(query, key, value, attention_mask, scale), query.dtype)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))  # linear projection, dropout
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
@@ -249,6 +263,7 @@ class CogFluxAttnProcessor(_Attend):
 
 
 # The stock processors each Cog processor reproduces (a Cog processor replaces itself, so the call can be repeated).
+# AttnProcessor is AttnProcessor2_0 with attn.scale and the explicit softmax: CogAttnProcessor with layer_scale.
 _REPLACEMENTS = {
     AttnProcessor2_0: CogAttnProcessor,
     AttnProcessor: CogAttnProcessor,
@@ -313,7 +328,11 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
     switched = []
     for name, module, block in layers:
         attention = "cog" if block in cog_blocks else "softmax"
-        module.set_processor(_REPLACEMENTS[type(module.processor)](attention, backend, name))
+        old = module.processor
+        new = _REPLACEMENTS[type(old)](attention, backend, name)
+        if isinstance(new, CogAttnProcessor):  # AttnProcessor (and a Cog processor that replaced one) reads attn.scale
+            new.layer_scale = type(old) is AttnProcessor or getattr(old, "layer_scale", False)
+        module.set_processor(new)
         if attention == "cog":
             switched.append(name)
     return switched
