@@ -4,7 +4,7 @@ Independent references used here:
 - parameter counts, key lists and shapes written out from docs/conventions.md ("Official checkpoints",
   "Cog placement") and the U-ViT paper's Table 1;
 - `_official_forward`: a functional re-implementation of the official `UViT.forward` (math attention path)
-  that reads only a state dict and the doc's rules (token order, LIFO skips, Cog placement, unpatchify layout).
+  that reads only a state dict and those rules (token order, LIFO skips, Cog placement, unpatchify layout).
 """
 
 import math
@@ -25,7 +25,7 @@ from uvic.models import UVIT_PRESETS, UViTModel, build_preset, uvit_from_officia
 def _closed_form_params(img_size, patch_size, in_chans, embed_dim, depth, mlp_ratio=4.0, qkv_bias=False,
                         mlp_time_embed=False, num_classes=-1, clip_dim=None, num_clip_token=77, conv=True,
                         skip=True, **_):  # fmt: skip
-    """Parameter count from the architecture description (doc 1.4), not from the module."""
+    """Parameter count from the architecture (docs/conventions.md, "Token order"), not from the module."""
     D, h, n = embed_dim, int(embed_dim * mlp_ratio), depth // 2
     block = 4 * D + 3 * D * D + (3 * D if qkv_bias else 0) + D * D + D + D * h + h + h * D + D
     total = (2 * n + 1) * block + (n * (2 * D * D + D) if skip else 0)
@@ -45,7 +45,7 @@ mlp.fc1.weight mlp.fc1.bias mlp.fc2.weight mlp.fc2.bias""".split()
 
 
 def _official_keys(depth: int, text: bool, label: bool = False) -> list[str]:
-    """The doc 1.3 key list, in order."""
+    """The official key list, in order (docs/conventions.md, "Official checkpoints")."""
     keys = ["pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"]
     keys += ["label_emb.weight"] if label else []
     keys += ["context_embed.weight", "context_embed.bias"] if text else []
@@ -60,7 +60,7 @@ def _official_keys(depth: int, text: bool, label: bool = False) -> list[str]:
 
 
 def _official_shapes(key, D, C, p, n_tokens, clip_dim=None, hidden=None):
-    """Shape of an official key (doc 1.3 tables), generalised to any width."""
+    """Shape of an official key (docs/conventions.md, "Official checkpoints"), generalised to any width."""
     hidden = hidden or 4 * D
     table = {
         "pos_embed": (1, n_tokens, D), "patch_embed.proj.weight": (D, C, p, p), "patch_embed.proj.bias": (D,),
@@ -78,7 +78,8 @@ def _official_shapes(key, D, C, p, n_tokens, clip_dim=None, hidden=None):
 
 
 def _cog_flags(depth: int, cog: bool) -> tuple[list[bool], bool, list[bool]]:
-    """Doc 1.5: np and layer_idx != 0 (in), np (mid), np and layer_idx != depth//2 - 1 (out)."""
+    """The official rule (docs/conventions.md, "Cog placement"): np and layer_idx != 0 (in), np (mid), np and
+    layer_idx != depth//2 - 1 (out)."""
     n = depth // 2
     return [cog and i != 0 for i in range(n)], cog, [cog and i != n - 1 for i in range(n)]
 
@@ -167,7 +168,7 @@ TINY = ["tiny-cifar", "tiny-t2i", "tiny-class"]
 def test_small_presets_exact_parameter_counts(prefix, name, expected):
     with torch.device("meta"):
         model = build_preset(f"{prefix}-{name}")
-    assert sum(p.numel() for p in model.parameters()) == expected  # doc 1.4 (official code instantiated)
+    assert sum(p.numel() for p in model.parameters()) == expected  # docs/conventions.md, "Official checkpoints"
 
 
 @pytest.mark.parametrize(
@@ -226,7 +227,7 @@ def test_which_blocks_are_cog(depth, expected):
     with torch.device("meta"):
         uvic = build_preset("uvic-s2-mscoco", depth=depth)
         uvit = build_preset("uvit-s2-mscoco", depth=depth)
-    assert uvic.cog_block_names() == expected  # doc 1.5: 11 of 13 / 15 of 17
+    assert uvic.cog_block_names() == expected  # "Cog placement": 11 of 13 / 15 of 17
     assert uvit.cog_block_names() == []
     assert [uvic.in_blocks[0].attn.attention, uvic.out_blocks[-1].attn.attention, uvic.mid_block.attn.attention] == [
         "softmax", "softmax", "cog"]
@@ -483,7 +484,7 @@ _TINY_OFFICIAL_T2I = {"name": "uvit_t2i_np", "img_size": 8, "in_chans": 4, "patc
 
 
 def _synthetic_official_checkpoint(path, cfg):
-    """A random state dict built from the doc 1.3 key list and shapes alone (not from UViTModel)."""
+    """A random state dict built from the official key list and shapes alone (not from UViTModel)."""
     D, C, p = cfg["embed_dim"], cfg["in_chans"], cfg["patch_size"]
     n_tokens = 1 + cfg["num_clip_token"] + (cfg["img_size"] // p) ** 2
     g = torch.Generator().manual_seed(7)
