@@ -1,4 +1,4 @@
-"""sample.py and the folder writer with bad input (issue 15, items 8 and 9): every case is one clear line and a
+"""sample.py and the folder writer with bad input: every case is one clear line and a
 non-zero exit before any sampling starts; a damaged file already in --out-dir is not counted as done."""
 
 import os

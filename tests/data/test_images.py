@@ -1,4 +1,4 @@
-"""Image folders with files that are not readable images (issue 15, item 7)."""
+"""Image folders with files that are not readable images."""
 
 import io
 

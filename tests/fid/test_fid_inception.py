@@ -1,4 +1,4 @@
-"""Weights files that are not the FID Inception network (issue 15, item 10)."""
+"""Weights files that are not the FID Inception network."""
 
 import pickle
 

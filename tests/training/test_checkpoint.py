@@ -1,5 +1,5 @@
 """Faults that could lose or corrupt a run: a second launch on the run dir, corrupted checkpoints, interrupted
-deletions and failed writes (issue 15, items 1-4). Each asserts the exact outcome and that nothing is lost."""
+deletions and failed writes. Each asserts the exact outcome and that nothing is lost."""
 
 import errno
 import json
