@@ -64,7 +64,7 @@ def test_patch_embed_row_major_tokens():
             torch.testing.assert_close(tokens[0, i * 2 + j], expect, rtol=1e-5, atol=1e-6)
 
 
-def _manual_attention(attn: Attention, x: torch.Tensor, cog: bool) -> torch.Tensor:
+def _manual_attention(attn: Attention, x: torch.Tensor, attention: str) -> torch.Tensor:
     """U-ViT's math path: qkv rows [q | k | v], heads contiguous in each third, scale hd ** -0.5."""
     B, L, D = x.shape
     nh = attn.num_heads
@@ -77,18 +77,18 @@ def _manual_attention(attn: Attention, x: torch.Tensor, cog: bool) -> torch.Tens
         k = x @ W[D : 2 * D][rows].T
         v = x @ W[2 * D : 3 * D][rows].T
         p = q @ k.transpose(-1, -2) / math.sqrt(hd)
-        w = torch.sign(p) * torch.softmax(p.abs(), dim=-1) if cog else torch.softmax(p, dim=-1)
+        w = torch.sign(p) * torch.softmax(p.abs(), dim=-1) if attention == "cog" else torch.softmax(p, dim=-1)
         outs.append(w @ v)
     return torch.cat(outs, dim=-1) @ attn.proj.weight.T + attn.proj.bias
 
 
-@pytest.mark.parametrize("cog", [False, True])
+@pytest.mark.parametrize("attention", ["softmax", "cog"])
 @pytest.mark.parametrize("backend", ["reference", "torch"])
-def test_attention_matches_manual_formula(cog, backend):
+def test_attention_matches_manual_formula(attention, backend):
     torch.manual_seed(1)
-    attn = Attention(24, num_heads=3, attention="cog" if cog else "softmax", backend=backend).double()
+    attn = Attention(24, num_heads=3, attention=attention, backend=backend).double()
     x = torch.randn(2, 7, 24, dtype=torch.float64)
-    torch.testing.assert_close(attn(x), _manual_attention(attn, x, cog), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(attn(x), _manual_attention(attn, x, attention), rtol=1e-10, atol=1e-10)
     assert [n for n, _ in attn.named_parameters()] == ["qkv.weight", "proj.weight", "proj.bias"]
 
 
