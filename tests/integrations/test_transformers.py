@@ -4,6 +4,8 @@ Each layer's output is checked against the paper's formula (Cog layers) or softm
 from the layer's own projections and transformers' rotary embedding.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -78,7 +80,10 @@ def test_layers_follow_the_placement_rule_and_the_formula(family):
     model = tiny(family)
     ids, mask = batch()
     with torch.no_grad():
+        stock_calls, handles = record_attention(model)
         stock = model(ids, attention_mask=mask).logits
+        for h in handles:
+            h.remove()
         switched = apply_cog_attention(model, keep_softmax=1)
         assert switched == ["model.layers.1.self_attn", "model.layers.2.self_attn"]
         calls, handles = record_attention(model)
@@ -88,6 +93,8 @@ def test_layers_follow_the_placement_rule_and_the_formula(family):
     real = mask.bool()
     assert not torch.allclose(logits[real], stock[real], atol=1e-3)
     assert len(calls) == 4
+    first = "model.layers.0.self_attn"  # same input as in the stock model: a kept layer gives the stock output
+    torch.testing.assert_close(calls[first][1][real], stock_calls[first][1][real], rtol=1e-6, atol=1e-6)
     for name, (kw, out) in calls.items():
         attn = model.get_submodule(name)
         cos, sin = kw["position_embeddings"]
@@ -137,6 +144,23 @@ def test_generate_gives_the_same_tokens_with_and_without_the_cache(family):
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_from_config_with_cog_uses_the_default_placement(family):
+    model = tiny(family)
+    config = copy.deepcopy(model.config)  # from_config keeps the config object and sets its implementation
+    built = AutoModelForCausalLM.from_config(config, attn_implementation="cog").eval()
+    built.load_state_dict(model.state_dict())
+    assert built.config._attn_implementation == "cog" and not hasattr(built.config, "cog_keep_softmax")
+    ids, mask = batch()
+    real = mask.bool()
+    with torch.no_grad():
+        stock = model(ids, attention_mask=mask).logits
+        from_config = built(ids, attention_mask=mask).logits
+        apply_cog_attention(model, keep_softmax=1)  # the default: softmax in the first and last layer
+        torch.testing.assert_close(from_config[real], model(ids, attention_mask=mask).logits[real])
+    assert not torch.allclose(from_config[real], stock[real], atol=1e-3)
+
+
 def test_save_and_load_keep_the_rule(tmp_path):
     model = tiny("llama", layers=6)
     apply_cog_attention(model, keep_softmax=2)
@@ -171,11 +195,14 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match="keys that end at the current token"):
+    with pytest.raises(ValueError, match="Llama attention mask: Cog attention needs keys that end at the current"):
         model(ids, past_key_values=cache, use_cache=True)
+    packed = torch.cat([torch.arange(4), torch.arange(5)])[None].expand(2, -1)  # two documents in each row
+    with pytest.raises(ValueError, match="Llama attention mask: .*another pattern .*packed sequences"):
+        model(ids, position_ids=packed, use_cache=False)
     short_window = tiny("mistral", sliding_window=4)
     apply_cog_attention(short_window)
-    with pytest.raises(ValueError, match="a sliding window shorter than the sequence"):
+    with pytest.raises(ValueError, match="Mistral attention mask: .*a sliding window shorter than the sequence"):
         short_window(ids)
     for bad in (-1, 2.0):
         with pytest.raises(ValueError, match="keep_softmax"):

@@ -60,13 +60,16 @@ def cog_mask(
 
     Raises:
         ValueError: a mask pattern other than causal or bidirectional (sliding windows that cut keys, packed
-            sequences, block masks), or a cache whose keys do not end at the current token (StaticCache).
+            sequences, block masks), or a cache whose keys do not end at the current token (StaticCache). The mask
+            is built once for all layers, so the message names the model (from `config`), not a layer.
     """
+    config = kwargs.get("config")
+    where = "attention mask" if config is None else f"{type(config).__name__.removesuffix('Config')} attention mask"
     q_offset = int(q_offset)
     if kv_offset != 0 or q_offset + q_length != kv_length:
-        raise ValueError(f"Cog attention needs keys that end at the current token (self-attention with no cache or a "
-                         f"DynamicCache); got {kv_length} keys at offset {kv_offset} for the {q_length} queries at "
-                         f"{q_offset} (a static or sliding cache, or cross-attention)")  # fmt: skip
+        raise ValueError(f"{where}: Cog attention needs keys that end at the current token (self-attention with no "
+                         f"cache or a DynamicCache); got {kv_length} keys at offset {kv_offset} for the {q_length} "
+                         f"queries at {q_offset} (a static or sliding cache, or cross-attention)")  # fmt: skip
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         # Any other pattern (e.g. a sliding window longer than the sequence) is accepted only if it is the causal one.
         device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
@@ -75,9 +78,9 @@ def cog_mask(
         b = torch.arange(batch_size, device=device)[:, None, None]
         pattern = mask_function(b, torch.zeros_like(b), i, j)
         if not bool((pattern == (j <= i)).all()):
-            raise ValueError("Cog attention supports causal or bidirectional masks with key padding; this model asks "
-                             f"for another pattern ({getattr(mask_function, '__name__', mask_function)}: a sliding "
-                             "window shorter than the sequence, packed sequences or a block mask)")  # fmt: skip
+            raise ValueError(f"{where}: Cog attention supports causal or bidirectional masks with key padding; "
+                             f"this model asks for another pattern ({getattr(mask_function, '__name__', mask_function)}"
+                             ": a sliding window shorter than the sequence, packed sequences or a block mask)")  # fmt: skip
     if attention_mask is None:
         return None
     kpm = attention_mask[:, -kv_length:].to(torch.bool)
@@ -137,6 +140,7 @@ AttentionMaskInterface.register(IMPLEMENTATION, cog_mask)
 
 
 def _attention_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of the model's per-layer attention modules (an `...Attention` class with an int `layer_idx`)."""
     return [(name, m) for name, m in model.named_modules()
             if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
 
