@@ -34,8 +34,10 @@ def keep_mask_f64(Lq, Lk, causal, kpm, B):
     return keep
 
 
-def cog_f64(q, k, v, causal=False, kpm=None, scale=None, cog=True):
-    """attn_ij = s_ij exp(|p_ij| - m_i) / sum_{j kept} exp(|p_ij| - m_i); empty rows give 0."""
+def cog_f64(q, k, v, causal=False, kpm=None, scale=None, attention="cog"):
+    """attn_ij = s_ij exp(|p_ij| - m_i) / sum_{j kept} exp(|p_ij| - m_i); empty rows give 0 (attention="softmax":
+    exp(p_ij - m_i) and no sign)."""
+    cog = attention == "cog"
     q, k, v = q.double(), k.double(), v.double()
     B, _, Lq, hd = q.shape
     Lk = k.shape[2]
@@ -82,23 +84,23 @@ def max_err(a, b):
     return [(x.double() - y.double()).abs().max().item() for x, y in zip(a, b)]
 
 
-def plain_formula(q, k, v, causal=False, key_padding_mask=None, scale=None, cog=True):
+def plain_formula(q, k, v, causal=False, key_padding_mask=None, scale=None, attention="cog"):
     """The paper's 'faster' formula computed in the input dtype (no upcast): the error baseline."""
     return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                         attention="cog" if cog else "softmax", upcast=False)
+                         attention=attention, upcast=False)
 
 
-def check_backend(backend, q, k, v, do, cog=True, factor=4.0, floor=1e-6, **kw):
+def check_backend(backend, q, k, v, do, attention="cog", factor=4.0, floor=1e-6, **kw):
     """FlashAttention's rule: error vs float64 at most `factor` x that of the plain formula (plus a tiny floor).
     `backend` is a backend name, or a function with cog_attention's signature less `backend`."""
     if callable(backend):
         op, backend_kw = backend, {}
     else:
-        op, backend_kw = (cog_attention if cog else softmax_attention), {"backend": backend}
-    truth = fwd_bwd(lambda *a, **k_: cog_f64(*a, cog=cog, **k_), q.double(), k.double(), v.double(), do.double(),
+        op, backend_kw = {"cog": cog_attention, "softmax": softmax_attention}[attention], {"backend": backend}
+    truth = fwd_bwd(lambda *a, **k_: cog_f64(*a, attention=attention, **k_), q.double(), k.double(), v.double(), do.double(),
                     causal=kw.get("causal", False), kpm=kw.get("key_padding_mask"), scale=kw.get("scale"))
     got = fwd_bwd(lambda *a, **k_: op(*a, **backend_kw, **k_), q, k, v, do, **kw)
-    base = fwd_bwd(lambda *a, **k_: plain_formula(*a, cog=cog, **k_), q, k, v, do, **kw)
+    base = fwd_bwd(lambda *a, **k_: plain_formula(*a, attention=attention, **k_), q, k, v, do, **kw)
     for t in got:
         assert t.dtype == q.dtype
         assert torch.isfinite(t).all()
@@ -323,7 +325,7 @@ def test_softmax_matches_f64(backend, Lq, Lk, causal, pad):
         kpm = torch.ones(2, Lk, dtype=torch.bool)
         kpm[0, -2:] = False
         kpm[1] = False
-    check_backend(backend, q, k, v, do, cog=False, causal=causal, key_padding_mask=kpm)
+    check_backend(backend, q, k, v, do, attention="softmax", causal=causal, key_padding_mask=kpm)
 
 
 def test_softmax_torch_backend_is_sdpa():
@@ -410,7 +412,7 @@ def test_padded_keys_are_never_read(op, backend, causal):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     _, _, dk, dv = dirty
     assert (dk[0, :, 6:] == 0).all() and (dv[1, :, :2] == 0).all()
-    expect = cog_f64(q, k, v, causal=causal, kpm=kpm, cog=op is not softmax_attention)
+    expect = cog_f64(q, k, v, causal=causal, kpm=kpm, attention="softmax" if op is softmax_attention else "cog")
     assert (dirty[0].double() - expect).abs().max() < 1e-5
 
 
@@ -476,5 +478,6 @@ def test_autocast_bf16(op, backend):
         out = op(q, k, v, causal=True, backend=backend)
     out.backward(do)
     assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
-    expect = cog_f64(q.detach(), k.detach(), v.detach(), causal=True, cog=op is cog_attention)
+    expect = cog_f64(q.detach(), k.detach(), v.detach(), causal=True,
+                     attention="cog" if op is cog_attention else "softmax")
     assert (out.double() - expect).abs().max() < 0.05
