@@ -277,7 +277,8 @@ class MSCOCOFeatures(Dataset):
     unseeded RNG; indexing (image, caption) pairs instead keeps every draw in the training sampler, so runs
     resume exactly. The two differ only for the ~0.2% of COCO images with more than 5 captions, which are drawn
     slightly more often. Latents are drawn from the moments at training time (`uvic.models.autoencoder.
-    sample_latents`) and the CFG context dropout is applied by the loss (`uvic.diffusion_t2i`).
+    sample_latents`) and the CFG context dropout is applied by the loss
+    (`uvic.training.losses.text_to_image_loss`).
 
     Args:
         root: the extraction output folder (holding `{split}/` and `empty_context.npy`).
