@@ -340,7 +340,7 @@ def uvit_from_official(
     """Build a `UViTModel` from an official U-ViT / U-ViC config's `nnet` section and load its weights strictly.
 
     `config_nnet` is the `config.nnet` dict of a baofff/U-ViT or trestad/CogAttn config (an ml_collections
-    ConfigDict works too), for example `configs/mscoco_uvit_small.py`'s
+    ConfigDict works too), for example U-ViT's `configs/mscoco_uvit_small.py`'s
     `dict(name="uvit_t2i", img_size=32, in_chans=4, patch_size=2, embed_dim=512, depth=12, num_heads=8,
     mlp_ratio=4, qkv_bias=False, mlp_time_embed=False, clip_dim=768, num_clip_token=77)`.
 
@@ -428,11 +428,11 @@ _M = {"embed_dim": 768, "depth": 16, "num_heads": 12}
 _L = {"embed_dim": 1024, "depth": 20, "num_heads": 16}
 _H = {"embed_dim": 1152, "depth": 28, "num_heads": 16, "conv": False}  # the Huge configs drop the final conv
 _BASE_PRESETS: dict[str, dict[str, Any]] = {
-    # U-ViT-S/2 CIFAR-10 (configs/cifar10_uvit_small.py): 44,255,328.
+    # U-ViT-S/2 CIFAR-10 (U-ViT configs/cifar10_uvit_small.py): 44,255,328.
     "s2-cifar10": {"img_size": 32, "patch_size": 2, "in_chans": 3, **_S},
-    # U-ViT-S/4 CelebA 64 (configs/celeba64_uvit_small.py): 44,292,228.
+    # U-ViT-S/4 CelebA 64 (U-ViT configs/celeba64_uvit_small.py): 44,292,228.
     "s4-celeba64": {"img_size": 64, "patch_size": 4, "in_chans": 3, **_S},
-    # U-ViT-S/2 MS-COCO on 4x32x32 SD latents (configs/mscoco_uvit_small.py; U-ViC: CogAttn
+    # U-ViT-S/2 MS-COCO on 4x32x32 SD latents (U-ViT configs/mscoco_uvit_small.py; U-ViC: CogAttn
     # U-ViC/configs/mscoco_uvit_small_np_0_last.py): 44,692,644.
     "s2-mscoco": {"img_size": 32, "patch_size": 2, "in_chans": 4, **_S, **_T2I},
     # U-ViT-S/2-Deep MS-COCO (README: --config.nnet.depth=16): 58,345,636.

@@ -89,7 +89,7 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
             autoencoder_path: `assets/stable-diffusion/autoencoder_kl.pth` (LDM format, scale 0.23010).
             attention: "cog" for U-ViC (`uvit_t2i_np`, np=True), "softmax" for U-ViT; the weights cannot tell.
             text_encoder: e.g. `CLIPTextEncoder.from_open_clip()`; None for stored-feature sampling.
-            nnet_config: official `config.nnet` (default: `configs/mscoco_uvit_small.py`'s, S/2).
+            nnet_config: official `config.nnet` (default: U-ViT `configs/mscoco_uvit_small.py`'s, S/2).
             vae_config: AutoencoderKL kwargs (default: SD v1 KL-f8).
         """
         from uvic.models.autoencoder import UVIT_VAE_SCALE, load_ldm_autoencoder
