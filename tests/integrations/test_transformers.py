@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BartConfig,
+    BartForConditionalGeneration,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -209,3 +211,7 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
             apply_cog_attention(model, keep_softmax=bad)
     with pytest.raises(ValueError, match="Linear is not a transformers model"):
         apply_cog_attention(torch.nn.Linear(2, 2))
+    bart = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                   encoder_ffn_dim=32, decoder_ffn_dim=32))  # fmt: skip
+    with pytest.raises(ValueError, match="BartForConditionalGeneration is an encoder-decoder model"):
+        apply_cog_attention(bart)

@@ -159,13 +159,17 @@ def apply_cog_attention(model: PreTrainedModel, keep_softmax: int = 1, backend: 
     Returns:
         The names of the attention modules that now run Cog attention.
     Raises:
-        ValueError: a bad `keep_softmax`, or a model that cannot take the "cog" implementation (named).
+        ValueError: a bad `keep_softmax`, or a model that cannot take the "cog" implementation (named): not a
+            transformers model, an encoder-decoder model, or one that does not use `AttentionInterface`.
     """
     if not isinstance(keep_softmax, int) or isinstance(keep_softmax, bool) or keep_softmax < 0:
         raise ValueError(f"keep_softmax must be an int >= 0, got {keep_softmax!r}")
     layers = _attention_layers(model)
     if not isinstance(model, PreTrainedModel) or not layers or not hasattr(model.config, "num_hidden_layers"):
         raise ValueError(f"{type(model).__name__} is not a transformers model with per-layer attention modules")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; Cog attention covers decoder-only "
+                         "models (its mask has no cross-attention)")  # fmt: skip
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} does not dispatch its attention through transformers' "
