@@ -16,12 +16,14 @@ the work is split across processes, and files that already exist are skipped (re
 import argparse
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from uvic.errors import StorageError, cli_errors
+from uvic.errors import StorageError, UvicError, cli_errors, describe_os_error
 from uvic.pipelines import UViCText2ImagePipeline
 from uvic.pipelines.sampling import (
     balanced_class_labels,
@@ -41,6 +43,20 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+@contextmanager
+def storage_errors(out_dir: str | None) -> Iterator[None]:
+    """A failed write while sampling (disk full, the file system gone read-only) as one `StorageError` line that
+    says what is intact: no partial file stays behind, and a re-run of --out-dir skips the finished images."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, UvicError) or e.errno is None:  # already a complete message
+            raise
+        intact = (f"; the images already in {out_dir} are complete: run the same command again to finish"
+                  if out_dir else "")
+        raise StorageError(f"sampling stopped: {describe_os_error(e)}{intact}") from None
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -89,7 +105,7 @@ def main() -> None:
     pipe.to(state.device)
     pipe.set_progress_bar_config(disable=True)
     common = {"batch_size": args.batch_size, "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
-    with torch.inference_mode(), cli_errors():  # e.g. the disk fills up: one line, exit 1
+    with torch.inference_mode(), cli_errors(), storage_errors(args.out_dir):  # e.g. disk full: one line, exit 1
         if args.grid:
             if state.is_main_process:  # a grid is small: the main process draws it alone
                 seeds = list(range(args.seed, args.seed + args.num_images))

@@ -12,6 +12,7 @@ import torch
 
 import uvic.pipelines.sampling as sampling
 from uvic.config import DiffusionConfig
+from uvic.data.images import check_image
 from uvic.models import UViTModel
 from uvic.pipelines import UViCPipeline
 from uvic.pipelines.sampling import check_output, sample_to_folder
@@ -159,3 +160,58 @@ def test_folder_writer_checks_its_counts(pipe_dir, tmp_path):
     with pytest.raises(ValueError, match="num_inference_steps must be >= 1, got 4 and 0"):
         sample_to_folder(pipe, tmp_path / "o", 2, batch_size=4, num_inference_steps=0)
     assert not list((tmp_path / "o").glob("*.png"))
+
+
+# A write that fails while sampling (disk full): one line, no partial file, and --out-dir resumes.
+
+
+@pytest.fixture
+def disk_full_on_save(monkeypatch):
+    """PIL's save fails with ENOSPC from its `n`-th call on (set `.n`), after writing a few bytes."""
+    import errno
+
+    from PIL import Image
+
+    real_save, state = Image.Image.save, {"calls": 0, "n": 1}
+
+    def save(self, fp, *args, **kwargs):
+        state["calls"] += 1
+        if state["calls"] >= state["n"]:  # a partial file, as a full disk leaves it
+            if isinstance(fp, (str, os.PathLike)):
+                Path(fp).write_bytes(b"\x89PNG\r\n")
+            else:
+                fp.write(b"\x89PNG\r\n")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+    return state
+
+
+def test_disk_full_in_out_dir_is_one_line_and_a_rerun_finishes(pipe_dir, tmp_path, monkeypatch, capsys,
+                                                                disk_full_on_save):
+    out = tmp_path / "out"
+    args = (pipe_dir, "--out-dir", out, "--num-images", 4, "--steps", 1, "--batch-size", 2)
+    disk_full_on_save["n"] = 3  # images 0 and 1 are written, image 2 fails
+    code, err = _sample_cli(monkeypatch, capsys, *args)
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: sampling stopped: disk full (No space left on device); the images already in {out} are complete: "
+        f"run the same command again to finish")
+    assert sorted(os.listdir(out)) == ["000000.png", "000001.png"]  # no partial file or temporary
+    inodes = [(out / f"00000{i}.png").stat().st_ino for i in range(2)]
+    disk_full_on_save["n"] = 10**9
+    monkeypatch.setattr(sys, "argv", ["sample.py", *map(str, args)])
+    runpy.run_path(str(ROOT / "sample.py"), run_name="__main__")
+    assert sorted(os.listdir(out)) == [f"{i:06d}.png" for i in range(4)]
+    assert [(out / f"00000{i}.png").stat().st_ino for i in range(2)] == inodes  # kept, not generated again
+    assert all(check_image(out / f"{i:06d}.png") is None for i in range(4))
+
+
+def test_disk_full_while_writing_the_grid_leaves_no_partial_grid(pipe_dir, tmp_path, monkeypatch, capsys,
+                                                                 disk_full_on_save):
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "g.png", "--num-images", 2,
+                            "--steps", 1)
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "error: sampling stopped: disk full (No space left on device)"
+    assert os.listdir(tmp_path) == []

@@ -218,11 +218,15 @@ def sample_to_folder(
         for i, img in zip(chunk, images):
             final = out_dir / f"{i:06d}.png"
             tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:  # on disk before the rename, so a power cut never leaves a short file
-                Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            try:
+                with open(tmp, "wb") as f:  # on disk before the rename, so a power cut never leaves a short file
+                    Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, final)
+            except OSError:  # e.g. disk full: no partial file stays behind, the finished ones are complete
+                _unlink_quietly(tmp)
+                raise
         _fsync_dir(out_dir)  # the renames themselves
     logger.info("process %d wrote %d images to %s", process_index, len(todo), out_dir)
     return len(todo)
@@ -244,6 +248,13 @@ def _remove_stale_temporaries(out_dir: Path, indices: set[int]) -> None:
     for tmp in out_dir.glob(".??????.png.tmp*"):
         if tmp.name[1:7].isdigit() and int(tmp.name[1:7]) in indices:
             tmp.unlink(missing_ok=True)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # e.g. the file system went read-only: the next run's sweep removes it
+        pass
 
 
 def _fsync_dir(path: Path) -> None:
@@ -330,5 +341,20 @@ def save_grid(images: np.ndarray, path: str | Path, nrow: int | None = None, pad
         grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + col * (w + pad) : pad + col * (w + pad) + w] = img
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
+    # Written under a temporary name and renamed: a failed write (disk full) leaves no partial grid behind.
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        Image.fromarray(grid[..., 0] if c == 1 else grid).save(tmp, format=_image_format(path))
+        os.replace(tmp, path)
+    except OSError:
+        _unlink_quietly(tmp)
+        raise
     return path
+
+
+def _image_format(path: Path) -> str:
+    """PIL's format name for the extension of `path` (ValueError naming the extension when it has none)."""
+    fmt = Image.registered_extensions().get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"cannot write an image as {path.name!r}: unknown image extension {path.suffix or '(none)'!r}")
+    return fmt
