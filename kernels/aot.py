@@ -10,7 +10,7 @@ variant that has the most code (causal + key padding mask), in Cog mode and in s
 
 `--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
 candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
-Cog against the same kernel's softmax mode, with issue 16's targets (`SASS_RATIO_TARGET`).
+Cog against the same kernel's softmax mode, with the targets of `SASS_RATIO_TARGET`.
 
     python -m uvic.kernels.aot                 # full report, exit code 1 if any config spills or overflows smem
     python -m uvic.kernels.aot --arch 90 --dtype bf16 --head-dim 128 --workers 2
@@ -259,7 +259,7 @@ SASS_CLASSES: dict[str, frozenset[str]] = {
     "sel/cmp": frozenset({"FSETP", "FSET", "FSEL", "ISETP", "ISET", "SEL", "PLOP3", "PSETP"}),
 }
 SASS_COLUMNS = ("total", *SASS_CLASSES)
-# Issue 16's targets: whole-kernel instruction count of Cog over softmax mode, per kernel; MUFU and MMA equal.
+# The targets: whole-kernel instruction count of Cog over softmax mode, per kernel; MUFU and MMA equal.
 SASS_RATIO_TARGET = {"fwd": 1.05, "bwd_dkdv": 1.10, "bwd_dq": 1.10}
 SASS_EQUAL_CLASSES = ("mufu", "mma")
 
@@ -336,7 +336,7 @@ def sass_pairs(mixes: list[SassMix]) -> list[tuple[SassMix, SassMix]]:
 
 
 def sass_target_failures(pairs: list[tuple[SassMix, SassMix]]) -> list[str]:
-    """One line per pair that misses issue 16's targets (ratio of totals; MUFU and MMA counts equal)."""
+    """One line per pair that misses the targets (ratio of totals; MUFU and MMA counts equal)."""
     bad = []
     for cog, soft in pairs:
         s, c, n = cog.spec, cog.counts(), soft.counts()

@@ -8,7 +8,7 @@ D preprocess") and the sign step's exact semantics ("Zero scores and masked entr
     p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v        (COG=True)
     attn = softmax(p)                                                           (COG=False, the same kernels)
 
-Supported envelope (enforced by `uvic.kernels.unsupported_reason`):
+Supported envelope (enforced by `uvic.attention.unsupported_reason`):
     - q, k, v: (B, nh, Lq|Lk, hd) CUDA tensors with any strides (CPU tensors only under TRITON_INTERPRET=1), on an
       NVIDIA GPU of compute capability >= 8.0 with the shared memory its tile table needs (`configs.config_arch`:
       sm_90 tiles for majors 9-10, sm_80 tiles for the others, e.g. RTX 30xx-50xx); not ROCm.

@@ -76,7 +76,7 @@ def test_shared_memory_within_what_config_arch_assumes(results):
         assert need <= SMEM_NEEDED[arch], f"sm_{arch} candidates need {need} bytes: raise SMEM_NEEDED[{arch}]"
 
 
-# --- SASS instruction mix (issue 16's static stand-in for GPU timings) -------------------------------------------
+# --- SASS instruction mix (the static stand-in for GPU timings, docs/kernel_math.md) -----------------------------
 
 
 def test_parse_sass_counts_base_opcodes():
@@ -117,8 +117,16 @@ def test_sass_mix_forward_exp_and_mma_equal(sass_mix_pairs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 16's forward target (<= 1.05) is not met: the exact sign(0) = 0 costs "
-                   "a compare and a select per score beside the bit operation (see the README's SASS table)")
-def test_sass_mix_forward_meets_ratio_target(sass_mix_pairs):
+def test_sass_mix_forward_sign_costs_at_most_two_per_score(sass_mix_pairs):
+    """The forward's Cog mode pays the exact sign (bit-select, zero compare, zero select: three instructions per
+    score) and saves softmax's scale multiply: at most two more instructions per score site than softmax mode.
+
+    A score site is one fp32 score held by one thread in one of the two loop bodies (unmasked and masked), so a
+    (BLOCK_M, BLOCK_N) tile on `num_warps` warps has 2 * BLOCK_M * BLOCK_N / (32 * num_warps) of them. The ratio
+    target of 1.05 (about one instruction per score) is not reached ("Zero scores and masked entries" in
+    docs/kernel_math.md); `python -m uvic.kernels.aot --sass-mix` reports it."""
     cog, soft = sass_mix_pairs["fwd"]
-    assert cog.counts()["total"] <= SASS_RATIO_TARGET["fwd"] * soft.counts()["total"]
+    cfg = cog.spec.config
+    sites = 2 * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    extra = cog.counts()["total"] - soft.counts()["total"]
+    assert 0 < extra <= 2 * sites, (extra, sites)
