@@ -16,6 +16,7 @@ the work is split across processes, and files that already exist are skipped (re
 import argparse
 import json
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,8 +63,21 @@ def storage_errors(out_dir: str | None) -> Iterator[None]:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        prompts += [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+        try:
+            text = Path(args.prompts_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = describe_os_error(e) if isinstance(e, OSError) else f"not UTF-8 text ({e})"
+            raise ValueError(f"cannot read --prompts-file {args.prompts_file}: {reason}") from e
+        prompts += [line.strip() for line in text.splitlines() if line.strip()]
     return prompts
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (a NaN guidance scale would turn every image into NaN)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def main() -> None:
@@ -82,7 +96,7 @@ def main() -> None:
     t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); grid mode")
     t2i.add_argument("--prompts-file", help="one prompt per line; grid mode")
     t2i.add_argument("--features", help="MS-COCO features root (python -m uvic.data.mscoco); --out-dir mode")
-    t2i.add_argument("--guidance-scale", type=float, default=2.0, help="diffusers convention: 1 + official scale")
+    t2i.add_argument("--guidance-scale", type=finite_float, default=2.0, help="diffusers convention: 1 + official scale")
     t2i.add_argument("--clip", default="openai", help="CLIP text encoder for prompts: open_clip tag, dir or file")
     args = p.parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)

@@ -79,6 +79,36 @@ def test_unwritable_output_is_refused_before_sampling(pipe_dir, tmp_path, monkey
     assert err.strip().splitlines()[-1].startswith(f"sample.py: error: cannot write to {folder}: {reason}")
 
 
+def test_a_grid_path_that_is_a_directory_is_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys,
+                                                                   no_sampling):
+    (tmp_path / "grid.png").mkdir()
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "grid.png")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"sample.py: error: cannot write the grid to {tmp_path / 'grid.png'}: it is a directory")
+
+
+@pytest.mark.parametrize("kind", ["directory", "binary", "missing"])
+def test_an_unreadable_prompts_file_is_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling,
+                                                               kind):
+    f = tmp_path / "prompts.txt"
+    if kind == "directory":
+        f.mkdir()
+    elif kind == "binary":
+        f.write_bytes(b"\xff\xfe\x00not text")
+    reason = {"directory": f"is a directory (Is a directory: '{f}')", "binary": "not UTF-8 text (",
+              "missing": f"no such file or directory (No such file or directory: '{f}')"}[kind]
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "g.png", "--prompts-file", f)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"sample.py: error: cannot read --prompts-file {f}: {reason}")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_guidance_scale_is_refused(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling, value):
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "g.png", "--guidance-scale", value)
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"sample.py: error: argument --guidance-scale: must be a finite number, got {value}")
+
+
 def test_read_only_output_is_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling):
     import errno
 

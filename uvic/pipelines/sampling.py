@@ -270,7 +270,8 @@ def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLi
 
     Raises:
         ValueError: a grid extension PIL cannot write.
-        StorageError: the folder cannot be created or written (read-only, a file in the way, no permission).
+        StorageError: the grid path is a directory, or the folder cannot be created or written (read-only, a file
+            in the way, no permission).
     """
     from uvic.errors import StorageError, describe_os_error
 
@@ -283,6 +284,8 @@ def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLi
                               (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"))
             raise ValueError(f"cannot write a grid as {grid.name!r}: unknown image extension {ext or '(none)'!r}; "
                              f"use one of {', '.join(writable)}")
+        if grid.is_dir():
+            raise StorageError(f"cannot write the grid to {grid}: it is a directory")
     folder = Path(out_dir) if out_dir is not None else (grid.parent if grid is not None else None)
     if folder is None:
         return
