@@ -78,6 +78,17 @@ def test_missing_file_is_a_clear_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_a_directory_or_binary_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert str(e.value) == f"config file {tmp_path} is a directory, not a YAML file"
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\x8d\x00\xff binary")
+    with pytest.raises(ConfigError) as e:
+        load_config(binary)
+    assert str(e.value).startswith(f"cannot read config file {binary}: UnicodeDecodeError: 'utf-8' codec can't decode")
+
+
 def test_shipped_configs_load():
     from pathlib import Path
 

@@ -273,14 +273,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
     Raises:
         FileNotFoundError: `path` does not exist.
-        ValueError: an unknown key, a value of the wrong type, or a malformed override.
+        ConfigError (a ValueError): `path` is a directory or not UTF-8 text, a YAML syntax error, an unknown key,
+            a value of the wrong type or out of range, or a malformed override.
     """
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory, not a YAML file")
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        loaded = _parse_yaml(path.read_text(), f"config file {path}")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {type(e).__name__}: {e}") from None
+        loaded = _parse_yaml(text, f"config file {path}")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
