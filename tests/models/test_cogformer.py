@@ -43,6 +43,24 @@ def test_cached_step_logits_equal_full_recomputation(attention):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-4)
 
 
+def test_cache_is_taken_under_both_names():
+    """transformers >= 5.24's generate() passes the KV cache as `cache=`, older versions as `past_key_values=`."""
+    model = tiny()
+    x = torch.randint(0, 257, (1, 9))
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits[:, -1]
+        old, new = DynamicCache(), DynamicCache()
+        model(x[:, :8], past_key_values=old, use_cache=True)
+        model(x[:, :8], cache=new, use_cache=True)
+        assert old.get_seq_length() == new.get_seq_length() == 8
+        by_old = model(x[:, 8:], past_key_values=old, use_cache=True).logits[:, -1]
+        by_new = model(x[:, 8:], cache=new, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(by_new, by_old, rtol=0, atol=0)
+    torch.testing.assert_close(by_new, full, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="not both"):
+        model(x, past_key_values=DynamicCache(), cache=DynamicCache())
+
+
 @pytest.mark.parametrize("attention", ["cog", "softmax"])
 def test_greedy_generate_with_cache_equals_without(attention):
     model = tiny(attention, seed=1)

@@ -233,6 +233,14 @@ class CogformerDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The KV cache under either name: `past_key_values` (transformers < 5.24) or `cache` (its new name, which
+    `generate()` passes from 5.24 on)."""
+    if past_key_values is not None and cache is not None:
+        raise ValueError("pass the KV cache as past_key_values or as cache, not both")
+    return cache if past_key_values is None else past_key_values
+
+
 class CogformerPreTrainedModel(PreTrainedModel):
     """Weight init (normal(0, initializer_range), norms at 1) and the transformers plumbing."""
 
@@ -266,6 +274,7 @@ class CogformerModel(CogformerPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """
@@ -275,6 +284,8 @@ class CogformerModel(CogformerPreTrainedModel):
             position_ids: (B, L) RoPE positions; by default counted over the real tokens only
                 (`attention_mask.cumsum(-1) - 1`), so a left-padded prompt gets the same positions as unpadded.
             past_key_values: a transformers Cache (e.g. DynamicCache) with the earlier tokens, or None.
+            cache: the same argument under the name transformers >= 5.24 uses (its `generate()` passes `cache=`);
+                give one of the two.
             use_cache: create/extend a DynamicCache and return it (defaults to config.use_cache at inference).
             output_hidden_states: also return the input of every layer and the final output.
             kwargs: other arguments `generate()` may pass; unused.
@@ -283,6 +294,7 @@ class CogformerModel(CogformerPreTrainedModel):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        past_key_values = _one_cache(past_key_values, cache)
         if past_key_values is not None and not isinstance(past_key_values, Cache):
             raise ValueError(
                 f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
@@ -357,12 +369,13 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
+        cache: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """
         Args:
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
-                output_hidden_states: as `CogformerModel.forward`.
+                output_hidden_states, cache: as `CogformerModel.forward`.
             labels: (B, L) targets aligned with input_ids (shifted inside: position t predicts labels[t + 1]);
                 -100 entries are ignored.
             return_dict: return a tuple (loss?, logits, past_key_values?) when False.
@@ -377,7 +390,7 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=_one_cache(past_key_values, cache),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
