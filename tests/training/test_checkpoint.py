@@ -309,3 +309,57 @@ def test_a_failed_write_outside_checkpoints_names_the_last_complete_checkpoint(t
     assert str(e.value) == (f"training stopped: disk full (No space left on device: '{run / 'metrics.jsonl'}'). "
                             f"The last complete checkpoint is {run / 'checkpoints' / 'step_000000002'}")
     assert _steps(run) == [2] and verify_checkpoint(run / "checkpoints" / "step_000000002") == 2
+
+
+def _export_on_a_full_disk(self, model, out_dir):
+    """A task export that dies with ENOSPC after writing part of the pipeline."""
+    (Path(out_dir) / "transformer").mkdir(parents=True)
+    (Path(out_dir) / "transformer" / "config.json").write_text("{")
+    raise OSError(errno.ENOSPC, "No space left on device", str(Path(out_dir) / "transformer" / "weights"))
+
+
+def test_a_failed_final_export_names_the_checkpoint_and_leaves_no_partial_pipeline(tmp_path, image_dir,
+                                                                                  tiny_overrides, monkeypatch):
+    from uvic.training.runs import export
+    from uvic.training.tasks.diffusion import DiffusionTask
+
+    run = tmp_path / "run"
+    real_export = DiffusionTask.export
+    monkeypatch.setattr(DiffusionTask, "export", _export_on_a_full_disk)
+    with pytest.raises(StorageError) as e:
+        train(load_config(None, tiny_overrides(run, image_dir)))
+    step4 = run / "checkpoints" / "step_000000004"
+    assert str(e.value) == (
+        f"training finished, but could not write the pipeline to {run / 'pipeline'}: disk full (No space left on "
+        f"device: '{run / f'.tmp-pipeline-{os.getpid()}' / 'transformer' / 'weights'}'); the partial copy was "
+        f"removed and {run / 'pipeline'} is not written. The last complete checkpoint is {step4} (export it with "
+        f"train.py CONFIG --export {step4})")
+    assert sorted(p.name for p in run.iterdir() if "pipeline" in p.name) == []
+    assert verify_checkpoint(step4) == 4
+    # Exporting again on a full disk leaves the existing pipeline as it was; with space, the export replaces it.
+    monkeypatch.setattr(DiffusionTask, "export", real_export)
+    export(step4, run / "pipeline")
+    before = {p.relative_to(run): p.read_bytes() for p in (run / "pipeline").rglob("*") if p.is_file()}
+    monkeypatch.setattr(DiffusionTask, "export", _export_on_a_full_disk)
+    with pytest.raises(StorageError, match=r"; the partial copy was removed and .*/pipeline is left as it was$"):
+        export(run / "checkpoints" / "step_000000002", run / "pipeline")
+    assert {p.relative_to(run): p.read_bytes() for p in (run / "pipeline").rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in run.iterdir() if "pipeline" in p.name) == ["pipeline"]
+    monkeypatch.setattr(DiffusionTask, "export", real_export)
+    export(run / "checkpoints" / "step_000000002", run / "pipeline")
+    after = {p.relative_to(run): p.read_bytes() for p in (run / "pipeline").rglob("*") if p.is_file()}
+    assert after.keys() == before.keys() and after != before  # step 2's EMA weights, not step 4's
+
+
+def test_export_onto_a_file_is_refused_and_the_file_kept(tmp_path, image_dir, tiny_overrides):
+    from uvic.training.runs import export
+
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 2})))
+    (tmp_path / "out").write_text("not a pipeline")
+    with pytest.raises(StorageError) as e:
+        export(run, tmp_path / "out")
+    assert str(e.value) == (f"could not write the pipeline to {tmp_path / 'out'}: a file is in the way (it is not a "
+                            f"directory); nothing was written")
+    assert (tmp_path / "out").read_text() == "not a pipeline"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "out", "run"]

@@ -222,11 +222,11 @@ def save_checkpoint(
         _move_into_place(tmp, final)
 
     # Each phase ends with every process learning whether any failed, so that all stop together.
-    failure = _agree(accelerator, _attempt(prepare, root) if main else None)
+    failure = agree(accelerator, _attempt(prepare, root) if main else None)
     if failure is None:
-        failure = _agree(accelerator, _attempt(lambda: accelerator.save_state(str(tmp)), root))
+        failure = agree(accelerator, _attempt(lambda: accelerator.save_state(str(tmp)), root))
     if failure is None:
-        failure = _agree(accelerator, _attempt(finish, root) if main else None)
+        failure = agree(accelerator, _attempt(finish, root) if main else None)
     if failure is not None:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -276,7 +276,7 @@ def _attempt(fn: Callable[[], Any], where: Path) -> str | None:
         return f"{reason or 'write failed'} ({type(cause).__name__}: {text}{free})"
 
 
-def _agree(accelerator: Accelerator, failure: str | None) -> str | None:
+def agree(accelerator: Accelerator, failure: str | None) -> str | None:
     """The first failure of any process (a collective: every process must call it)."""
     if accelerator.num_processes == 1:
         return failure
@@ -306,6 +306,52 @@ def _move_into_place(new: Path, final: Path) -> None:
     os.replace(new, final)
     if old.exists():
         remove_dir(old)
+
+
+def write_dir_atomically(out_dir: str | Path, write: Callable[[Path], Any], what: str = "the pipeline") -> Path:
+    """Run `write(tmp)` on a fresh `.tmp-{name}-{pid}` next to `out_dir`, then rename it into place (an existing
+    `out_dir` is replaced only once the new one is complete). Returns `out_dir`.
+
+    Raises:
+        StorageError: a write failed (disk full, read-only, a file in the way): the partial directory is removed
+            and `out_dir`, if it existed, is left as it was.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise StorageError(f"could not write {what} to {out_dir}: a file is in the way (it is not a directory); "
+                           f"nothing was written")
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
+
+    def attempt() -> None:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_writers_leftovers(out_dir)
+        if tmp.exists():
+            remove_dir(tmp)
+        write(tmp)
+        _move_into_place(tmp, out_dir)
+
+    failure = _attempt(attempt, out_dir.parent if out_dir.parent.is_dir() else Path("."))
+    if failure is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = "left as it was" if out_dir.exists() else "not written"
+        raise StorageError(f"could not write {what} to {out_dir}: {failure}; the partial copy was removed and "
+                           f"{out_dir} is {kept}")
+    return out_dir
+
+
+def _remove_dead_writers_leftovers(out_dir: Path) -> None:
+    """Remove the `.tmp-{name}-{pid}` / `.deleting-{name}-{pid}` dirs next to `out_dir` whose process is gone (a
+    killed export); those of a live process are another writer's work in progress and are left alone."""
+    for p in out_dir.parent.glob(f".*-{out_dir.name}-*"):
+        prefix, _, pid = p.name.rpartition("-")
+        if prefix not in (f".tmp-{out_dir.name}", f".deleting-{out_dir.name}") or not pid.isdigit() or not p.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)  # no error: the writer is alive
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:  # alive, another user's process
+            pass
 
 
 def sweep_leftovers(run_dir: str | Path) -> list[str]:

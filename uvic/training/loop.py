@@ -22,11 +22,13 @@ from uvic.config import RunConfig, validate_ranges
 from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     abandon_newer_checkpoints,
+    agree,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
     sweep_leftovers,
+    write_dir_atomically,
 )
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
@@ -236,10 +238,19 @@ def _train(cfg: RunConfig, stack: ExitStack) -> Path:
         epoch, skip = epoch + 1, 0
     pbar.close()
 
-    # 8. Export the EMA model and the loss curve; end.
+    # 8. Export the EMA model and the loss curve; end. The export is renamed into place when complete; a failed
+    # write stops every process (a collective) with the last checkpoint, which `train.py --export` can export.
+    failure = None
     if accelerator.is_main_process:
-        task.export(ema.model, run_dir / "pipeline")
-        plot_loss_curve(metrics_path, run_dir / "loss_curve.png", title=f"{cfg.task}: {run_dir.name}")
+        try:
+            write_dir_atomically(run_dir / "pipeline", lambda tmp: task.export(ema.model, tmp))
+            plot_loss_curve(metrics_path, run_dir / "loss_curve.png", title=f"{cfg.task}: {run_dir.name}")
+        except OSError as e:
+            failure = str(e) if isinstance(e, StorageError) else describe_os_error(e)
+    failure = agree(accelerator, failure)
+    if failure is not None:
+        raise StorageError(f"training finished, but {failure}. The last complete checkpoint is {last_good} "
+                           f"(export it with train.py CONFIG --export {last_good})")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir

@@ -20,7 +20,12 @@ from torch import nn
 
 from uvic.config import Config, config_from_dict
 from uvic.pipelines.sampling import attach_text_encoder, is_pipeline_dir, load_pretrained
-from uvic.training.checkpoint import load_model_weights, read_checkpoint_config, resolve_checkpoint
+from uvic.training.checkpoint import (
+    load_model_weights,
+    read_checkpoint_config,
+    resolve_checkpoint,
+    write_dir_atomically,
+)
 from uvic.training.tasks import build_task
 
 
@@ -63,7 +68,10 @@ def load_pipeline(
 
 
 def export(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Export the EMA weights of a checkpoint (or a run's latest) with its task's `export`; returns `out_dir`."""
+    """Export the EMA weights of a checkpoint (or a run's latest) with its task's `export`; returns `out_dir`.
+
+    The export is written next to `out_dir` and renamed into place when complete: a failed write (disk full,
+    read-only) raises `StorageError` and leaves an existing `out_dir` as it was.
+    """
     task, model, _ = task_from_checkpoint(source)
-    task.export(model, Path(out_dir))
-    return Path(out_dir)
+    return write_dir_atomically(out_dir, lambda tmp: task.export(model, tmp))
