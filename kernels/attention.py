@@ -3,7 +3,8 @@
 Written for uvic. The structure follows the Triton fused-attention tutorial (python/tutorials/06-fused-attention.py)
 and FlashAttention-2 (online softmax in base 2, one fp32 log-sum-exp per row, recompute in backward, D = rowsum(dO*O)
 preprocessing). docs/kernel_math.md derives the Cog math ("Forward: online softmax over |p|", "Backward: dS and the
-D preprocess") and the sign step's exact semantics ("Zero scores and masked entries").
+D preprocess"), the sign step's exact semantics ("Zero scores and masked entries") and why fp32 inputs keep the
+row max and sum apart instead of one log-sum-exp ("Precision of the backward at large scores").
 
     p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v        (COG=True)
     attn = softmax(p)                                                           (COG=False, the same kernels)
@@ -290,11 +291,15 @@ def _attn_fwd(
     # Rows with no kept key: l_i == 0, acc == 0 -> O = 0 and LSE = -inf (backward turns it into weight 0).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     o = acc / l_safe[:, None]
     o_base = O + bh.to(tl.int64) * LQ * HEAD_DIM
     tl.store(o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
+    if DOT_PREC == "ieee":  # float32: the row max and the sum, (2, LQ) per row block ("Precision of the backward")
+        tl.store(LSE + bh.to(tl.int64) * 2 * LQ + offs_m, m_i, mask=row_ok)
+        tl.store(LSE + bh.to(tl.int64) * 2 * LQ + LQ + offs_m, l_i, mask=row_ok)
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -624,6 +629,13 @@ def _cog_scale(q: torch.Tensor, scale: float, cog: bool) -> tuple[torch.Tensor, 
     return torch.zeros_like(q), 1.0, 0.0
 
 
+def row_stats_shape(q: torch.Tensor) -> tuple[int, ...]:
+    """Shape of the row statistics `attention_forward` returns for q (B, nh, Lq, hd): (B, nh, 2, Lq) for float32
+    inputs (row maximum and sum), (B, nh, Lq) otherwise (log-sum-exp)."""
+    B, nh, Lq, _ = q.shape
+    return (B, nh, 2, Lq) if q.dtype == torch.float32 else (B, nh, Lq)
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -636,15 +648,18 @@ def attention_forward(
     """Run the forward kernel. q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), any strides (see `_int32_addressable`).
 
     Returns:
-        out: (B, nh, Lq, hd) contiguous, q's dtype; lse: (B, nh, Lq) float32, base-2 log-sum-exp of the
-        (scaled) scores, -inf on rows with no kept key.
+        out: (B, nh, Lq, hd) contiguous, q's dtype.
+        stats: the row statistics the backward rebuilds the weights from (`row_stats_shape`), float32. For 16-bit
+        inputs (B, nh, Lq): the base-2 log-sum-exp of the (scaled) scores, -inf on rows with no kept key. For
+        float32 inputs (B, nh, 2, Lq): the base-2 row maximum m and the sum l of exp2(score - m) separately (l = 0
+        on rows with no kept key), so that the backward can subtract the maximum before it normalises.
     """
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
     q, scale, _ = _cog_scale(q, scale, cog)
     q, k, v = (_int32_addressable(t) for t in (q, k, v))
     out = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, nh, Lq), dtype=torch.float32, device=q.device)
+    lse = torch.empty(row_stats_shape(q), dtype=torch.float32, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
     args = (q, k, v, out, lse, kpm, float(scale), *q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk,
             length_bucket(max(Lq, Lk)))  # fmt: skip
@@ -673,6 +688,13 @@ def attention_backward(
     q, scale, q_sign = _cog_scale(q, scale, cog)
     q, k, v = (_int32_addressable(t) for t in (q, k, v))
     # The kernels index dO, O and LSE as contiguous (B*nh, Lq[, hd]) arrays.
+    if q.dtype == torch.float32:
+        # The kernels rebuild exp2(score - m) / l as exp2(score - m) with dO / l in place of dO: D = rowsum(dO O)
+        # then comes out as D / l, and dV, dS (so dQ, dK) are linear in dO and D ("Precision of the backward").
+        m, l_sum = lse[:, :, 0], lse[:, :, 1]
+        inv_l = torch.where(l_sum > 0, 1.0 / l_sum, torch.zeros_like(l_sum))  # rows with no kept key: weights 0
+        do = do * inv_l[..., None]
+        lse = m
     do = do.contiguous()
     out = out.contiguous()
     lse = lse.contiguous()
