@@ -125,8 +125,8 @@ def test_corrupted_weights_are_refused_and_the_good_checkpoint_resumes_exactly(t
         train(load_config(None, resume))
     assert str(e.value) == (
         f"checkpoint {step4} failed verification: {f} is corrupted (its SHA-256 differs from the one recorded when "
-        f"it was saved); the newest checkpoint of this run that verifies is {step2} (resume from it with --resume "
-        f"{step2})")
+        f"it was saved); the newest checkpoint of this run that verifies is {step2} (use that path instead, e.g. "
+        f"with --resume)")
     # The named checkpoint resumes to the uninterrupted run's weights, bit for bit.
     train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": str(step2)})))
     _assert_same_weights(run / "checkpoints" / "step_000000004", reference_run / "checkpoints" / "step_000000004")

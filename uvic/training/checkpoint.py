@@ -173,7 +173,7 @@ def verify_checkpoint(path: str | Path) -> int:
     hint = ""
     if path.parent.name == "checkpoints":
         good = newest_verified_checkpoint(path.parent.parent, exclude=path)
-        hint = (f"; the newest checkpoint of this run that verifies is {good} (resume from it with --resume {good})"
+        hint = (f"; the newest checkpoint of this run that verifies is {good} (use that path instead, e.g. with --resume)"
                 if good else "; no other checkpoint of this run verifies")
     raise CheckpointError(f"checkpoint {path} failed verification: {problem}{hint}")
 
