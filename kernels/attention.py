@@ -291,6 +291,8 @@ def _attn_fwd(
     # Rows with no kept key: l_i == 0, acc == 0 -> O = 0 and LSE = -inf (backward turns it into weight 0).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
+    if DOT_PREC != "ieee":  # 16-bit: one log-sum-exp per row (computed before O: the order ptxas allocates best)
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     o = acc / l_safe[:, None]
     o_base = O + bh.to(tl.int64) * LQ * HEAD_DIM
     tl.store(o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -298,7 +300,6 @@ def _attn_fwd(
         tl.store(LSE + bh.to(tl.int64) * 2 * LQ + offs_m, m_i, mask=row_ok)
         tl.store(LSE + bh.to(tl.int64) * 2 * LQ + LQ + offs_m, l_i, mask=row_ok)
     else:
-        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
 
 
