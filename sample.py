@@ -16,15 +16,12 @@ the work is split across processes, and files that already exist are skipped (re
 import argparse
 import json
 import logging
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from uvic.errors import StorageError, UvicError, cli_errors, describe_os_error
+from uvic.errors import StorageError, cli_errors, describe_os_error, finite_float, int_at_least, storage_errors
 from uvic.pipelines import UViCText2ImagePipeline
 from uvic.pipelines.sampling import (
     balanced_class_labels,
@@ -36,28 +33,6 @@ from uvic.pipelines.sampling import (
 )
 from uvic.schedulers import SAMPLERS
 from uvic.training.runs import load_pipeline
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (counts and sizes)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-@contextmanager
-def storage_errors(out_dir: str | None) -> Iterator[None]:
-    """A failed write while sampling (disk full, the file system gone read-only) as one `StorageError` line that
-    says what is intact: no partial file stays behind, and a re-run of --out-dir skips the finished images."""
-    try:
-        yield
-    except OSError as e:
-        if isinstance(e, UvicError) or e.errno is None:  # already a complete message
-            raise
-        intact = (f"; the images already in {out_dir} are complete: run the same command again to finish"
-                  if out_dir else "")
-        raise StorageError(f"sampling stopped: {describe_os_error(e)}{intact}") from None
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -72,26 +47,18 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def finite_float(text: str) -> float:
-    """argparse type: a finite float (a NaN guidance scale would turn every image into NaN)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="pipeline dir (model_index.json), run dir or checkpoint dir")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--grid", metavar="PNG", help="write one image grid")
     mode.add_argument("--out-dir", metavar="DIR", help="write one PNG per image (for FID)")
-    p.add_argument("--num-images", type=positive_int, default=64)
+    p.add_argument("--num-images", type=int_at_least(1), default=64)
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: the pipeline's scheduler")
-    p.add_argument("--steps", type=positive_int, default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
+    p.add_argument("--steps", type=int_at_least(1), default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
     p.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
-    p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument("--grid-scale", type=positive_int, default=1, help="enlarge each grid image this many times (tiny images)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=64)
+    p.add_argument("--grid-scale", type=int_at_least(1), default=1, help="enlarge each grid image this many times (tiny images)")
     t2i = p.add_argument_group("text-to-image pipelines")
     t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); grid mode")
     t2i.add_argument("--prompts-file", help="one prompt per line; grid mode")
@@ -119,7 +86,10 @@ def main() -> None:
     pipe.to(state.device)
     pipe.set_progress_bar_config(disable=True)
     common = {"batch_size": args.batch_size, "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
-    with torch.inference_mode(), cli_errors(), storage_errors(args.out_dir):  # e.g. disk full: one line, exit 1
+    # A failed write (disk full) is one line; no partial file stays behind, and a re-run of --out-dir skips the finished
+    # images.
+    intact = f"; the images already in {args.out_dir} are complete: run the same command again to finish"
+    with torch.inference_mode(), cli_errors(), storage_errors("sampling stopped", intact if args.out_dir else ""):
         if args.grid:
             if state.is_main_process:  # a grid is small: the main process draws it alone
                 seeds = list(range(args.seed, args.seed + args.num_images))

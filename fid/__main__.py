@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from uvic.errors import StorageError, UvicError, cli_errors, describe_os_error
+from uvic.errors import StorageError, check_writable, cli_errors, int_at_least, storage_errors
 
 from .inception import DIMS, MODES, WEIGHTS_ENV, WEIGHTS_NAME, WEIGHTS_SHA256_PREFIX
 from .inputs import open_source
@@ -29,33 +29,6 @@ from .stats import compute_stats, is_stats_file, load_extractor, load_stats, pro
 def _value_range(text: str) -> tuple[float, float]:
     lo, hi = (float(v) for v in text.split(","))
     return lo, hi
-
-
-def _count(minimum: int):
-    """argparse type: an int >= `minimum` (counts and sizes; 0 splits or samples would give NaN or nothing)."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
-
-
-def _check_writable(path: str) -> None:
-    """Before anything is computed: `path` can be written (its folder is created; nothing is left behind)."""
-    target = Path(path)
-    if target.is_dir():
-        raise StorageError(f"cannot write {target}: it is a directory")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        probe = target.parent / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise StorageError(f"cannot write {target}: {describe_os_error(e)}") from None
 
 
 def _check_n(n: int | None, expected: int) -> None:
@@ -72,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--weights-sha256", default=WEIGHTS_SHA256_PREFIX,
                         help="expected SHA-256 (prefix) of the weights; 'none' skips the check")
     common.add_argument("--download", action="store_true", help="allow downloading the weights if not found")
-    common.add_argument("--batch-size", type=_count(1), default=50)
-    common.add_argument("--num-workers", type=_count(0), default=4, help="image decoding workers")
-    common.add_argument("--num-samples", type=_count(1), help="use only the first N images")
+    common.add_argument("--batch-size", type=int_at_least(1), default=50)
+    common.add_argument("--num-workers", type=int_at_least(0), default=4, help="image decoding workers")
+    common.add_argument("--num-samples", type=int_at_least(1), help="use only the first N images")
     common.add_argument("--value-range", type=_value_range, default=(0.0, 1.0),
                         help="range of float .npz images, e.g. -1,1 (default 0,1)")
     common.add_argument("--recursive", action="store_true", help="read image sub-folders too")
@@ -90,12 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("score", parents=[common], help="FID of samples against reference stats or images")
     c.add_argument("samples")
     c.add_argument("reference")
-    c.add_argument("--expect-n", type=_count(1), help="fail unless the samples hold exactly N images (50000, 30000)")
+    c.add_argument("--expect-n", type=int_at_least(1), help="fail unless the samples hold exactly N images (50000, 30000)")
     c.add_argument("--isc", action="store_true", help="also the Inception Score")
-    c.add_argument("--isc-splits", type=_count(1), default=10)
+    c.add_argument("--isc-splits", type=int_at_least(1), default=10)
     c.add_argument("--kid", action="store_true", help="also KID (reference must be images)")
-    c.add_argument("--kid-subsets", type=_count(1), default=100)
-    c.add_argument("--kid-subset-size", type=_count(1), default=1000)
+    c.add_argument("--kid-subsets", type=int_at_least(1), default=100)
+    c.add_argument("--kid-subset-size", type=int_at_least(1), default=1000)
     c.add_argument("--prc", action="store_true", help="also precision/recall on Inception features")
     c.add_argument("--json", help="write the result as JSON to this file")
     return p
@@ -111,8 +84,10 @@ def _run(args: argparse.Namespace) -> str:
         return open_source(spec, value_range=args.value_range, recursive=args.recursive, md5_check=args.md5_check)
 
     for out in (getattr(args, "out", None), getattr(args, "json", None)):
-        if out is not None:
-            _check_writable(out)
+        if out is not None:  # before anything is computed
+            if Path(out).is_dir():
+                raise StorageError(f"cannot write {out}: it is a directory")
+            check_writable(Path(out).parent, str(out))
     if args.command == "stats":
         src = source(args.source)  # checks every image before the network is loaded
         ext = load_extractor(mode=args.mode, dims=args.dims, **weights)
@@ -154,13 +129,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    with cli_errors(status=2):  # bad input or a failed write: one line, no traceback
-        try:
-            line = _run(args)
-        except OSError as e:
-            if isinstance(e, UvicError) or e.errno is None:  # already a complete message
-                raise
-            raise StorageError(f"stopped: {describe_os_error(e)}") from None
+    with cli_errors(status=2), storage_errors("stopped"):  # bad input or a failed write: one line, no traceback
+        line = _run(args)
     if process_state().is_main_process:
         print(line, file=sys.stdout)
 

@@ -3,15 +3,21 @@
 Library code raises these (or ValueError / FileNotFoundError with a message that names the problem) for bad input
 and for faults of the environment (a full disk, a run dir held by another run). The scripts (`train.py`,
 `sample.py`, `python -m uvic.fid`) wrap their work in `cli_errors()`, which turns exactly these into one line on
-stderr and a non-zero exit; any other exception is a bug and keeps its traceback.
+stderr and a non-zero exit; any other exception is a bug and keeps its traceback. The checks the scripts share
+live here too: argument types (`int_at_least`, `finite_float`), an output that must be writable before any work
+starts (`check_writable`), and failed writes during the work (`storage_errors`).
 """
 
 from __future__ import annotations
 
+import argparse
 import errno
+import math
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class UvicError(Exception):
@@ -79,3 +85,53 @@ def cli_errors(status: int = 1) -> Iterator[None]:
     except USER_ERRORS as e:
         sys.stderr.write(f"error: {one_line(str(e)) or type(e).__name__}\n")
         raise SystemExit(status) from None
+
+
+@contextmanager
+def storage_errors(what: str, hint: str = "") -> Iterator[None]:
+    """An OSError of a write inside the block (disk full, read-only file system) becomes one `StorageError`,
+    `"{what}: {reason}{hint}"`; uvic's own errors and OSErrors without an errno (complete messages) pass as they are.
+    """
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, UvicError) or e.errno is None:
+            raise
+        raise StorageError(f"{what}: {describe_os_error(e)}{hint}") from None
+
+
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Create `folder` if needed and write (then remove) an empty file in it, before any work that would write there.
+
+    Raises:
+        StorageError: `"cannot write {what}: {reason}"` (read-only, a file in the way, no permission).
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StorageError(f"cannot write {what}: {describe_os_error(e)}") from None
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an int >= `minimum` (counts and sizes; 0 steps, samples or splits would give nothing or NaN)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (e.g. a NaN guidance scale would turn every image into NaN)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value

@@ -273,29 +273,16 @@ def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLi
         StorageError: the grid path is a directory, or the folder cannot be created or written (read-only, a file
             in the way, no permission).
     """
-    from uvic.errors import StorageError, describe_os_error
+    from uvic.errors import StorageError, check_writable
 
     if grid is not None:
         grid = Path(grid)
-        ext = grid.suffix.lower()
-        fmt = Image.registered_extensions().get(ext)
-        if fmt is None or fmt not in Image.SAVE:
-            writable = sorted(e for e, f in Image.registered_extensions().items() if f in Image.SAVE and e in
-                              (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"))
-            raise ValueError(f"cannot write a grid as {grid.name!r}: unknown image extension {ext or '(none)'!r}; "
-                             f"use one of {', '.join(writable)}")
+        _image_format(grid)
         if grid.is_dir():
             raise StorageError(f"cannot write the grid to {grid}: it is a directory")
     folder = Path(out_dir) if out_dir is not None else (grid.parent if grid is not None else None)
-    if folder is None:
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise StorageError(f"cannot write to {folder}: {describe_os_error(e)}") from e
+    if folder is not None:
+        check_writable(folder, f"to {folder}")
 
 
 class _CaptionRows:
@@ -356,8 +343,16 @@ def save_grid(images: np.ndarray, path: str | Path, nrow: int | None = None, pad
 
 
 def _image_format(path: Path) -> str:
-    """PIL's format name for the extension of `path` (ValueError naming the extension when it has none)."""
-    fmt = Image.registered_extensions().get(path.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"cannot write an image as {path.name!r}: unknown image extension {path.suffix or '(none)'!r}")
+    """PIL's format name for the extension of `path`, for writing.
+
+    Raises:
+        ValueError: an extension PIL cannot write, naming the ones it can.
+    """
+    ext = path.suffix.lower()
+    fmt = Image.registered_extensions().get(ext)
+    if fmt is None or fmt not in Image.SAVE:
+        writable = sorted(e for e, f in Image.registered_extensions().items() if f in Image.SAVE and e in
+                          (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"))
+        raise ValueError(f"cannot write a grid as {path.name!r}: unknown image extension {ext or '(none)'!r}; "
+                         f"use one of {', '.join(writable)}")
     return fmt
