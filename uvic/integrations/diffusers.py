@@ -329,10 +329,10 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
     for name, module, block in layers:
         attention = "cog" if block in cog_blocks else "softmax"
         old = module.processor
-        new = _REPLACEMENTS[type(old)](attention, backend, name)
-        if isinstance(new, CogAttnProcessor):  # AttnProcessor (and a Cog processor that replaced one) reads attn.scale
-            new.layer_scale = type(old) is AttnProcessor or getattr(old, "layer_scale", False)
-        module.set_processor(new)
+        cls = _REPLACEMENTS[type(old)]
+        # AttnProcessor (and a Cog processor that replaced one) reads attn.scale.
+        extra = {"layer_scale": type(old) is AttnProcessor or getattr(old, "layer_scale", False)}
+        module.set_processor(cls(attention, backend, name, **(extra if cls is CogAttnProcessor else {})))
         if attention == "cog":
             switched.append(name)
     return switched
