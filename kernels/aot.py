@@ -249,11 +249,12 @@ def compile_all(specs: list[Spec], workers: int = 1) -> list[Result]:
 # ---------------------------------------------------------------------------------------------------------
 
 # Opcode classes of the SASS mix report, by base opcode (the name before any ".MODIFIER"). Everything else
-# (loads/stores, conversions, barriers, branches, moves, NOPs) counts only in the total.
+# (loads/stores, conversions such as F2FP, barriers, branches, moves, NOPs) counts only in the total.
 SASS_CLASSES: dict[str, frozenset[str]] = {
     "fp32": frozenset({"FADD", "FMUL", "FFMA", "FMNMX", "FADD32I", "FMUL32I", "FFMA32I", "FCHK", "FSWZADD"}),
     "int": frozenset({"IADD3", "IADD", "IADD32I", "VIADD", "IMAD", "IMUL", "LOP3", "LOP", "LOP32I", "SHF", "SHL",
                       "SHR", "LEA", "IMNMX", "VIMNMX", "IABS", "POPC", "FLO", "PRMT", "BMSK", "SGXT", "ISCADD"}),
+    "half2": frozenset({"HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2", "HSET2"}),  # packed 16-bit pairs
     "mufu": frozenset({"MUFU"}),
     "mma": frozenset({"HGMMA", "HMMA", "IMMA", "BMMA", "DMMA", "WGMMA", "QGMMA"}),
     "sel/cmp": frozenset({"FSETP", "FSET", "FSEL", "ISETP", "ISET", "SEL", "PLOP3", "PSETP"}),
@@ -274,7 +275,7 @@ class SassMix:
     opcodes: dict[str, int]
 
     def counts(self) -> dict[str, int]:
-        """{"total", "fp32", "int", "mufu", "mma", "sel/cmp"} -> number of instructions."""
+        """{"total", "fp32", "int", "half2", "mufu", "mma", "sel/cmp"} -> number of instructions."""
         out = {"total": sum(self.opcodes.values())}
         for name, ops in SASS_CLASSES.items():
             out[name] = sum(n for op, n in self.opcodes.items() if op in ops)

@@ -96,6 +96,8 @@ def _dot(a, b, DOT_PREC: tl.constexpr):
 
 
 _SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32: the sign bit of a float32
+_SIGN_GAIN = tl.constexpr(2.0**127)  # the forward's sign operand is q.k * 2**127 (see `_signed_operand`)
+_M_FLOOR = tl.constexpr(24.0)  # the forward's Cog running max starts here for bf16 and fp32 (`_signed_operand`)
 
 
 @triton.jit
@@ -144,7 +146,8 @@ def _exp2_arg(s, scale2, m, COG: tl.constexpr):
 
 @triton.jit
 def _signed(w, qk, COG: tl.constexpr):
-    """sign(p) * w for Cog (w >= 0; p = scale2 * q.k with scale2 > 0, so sign(p) = sign(q.k)), w for softmax.
+    """The backward's signed weight, fp32: sign(p) * w for Cog (w >= 0; p = scale2 * q.k with scale2 > 0, so
+    sign(p) = sign(q.k)), w for softmax. (The forward uses `_signed_operand`, which needs w <= |2**127 q.k|.)
 
     q.k's sign bit goes into w's bits (one LOP3 bit-select, integer pipe); where q.k is exactly zero the result is
     q.k itself (+-0), so sign(0) * w = 0 exactly (one compare and one select). Masked entries have w = 0, so they
@@ -155,6 +158,32 @@ def _signed(w, qk, COG: tl.constexpr):
         return tl.where(qk != 0.0, bits.to(tl.float32, bitcast=True), qk)
     else:
         return w
+
+
+@triton.jit
+def _signed_operand(w, qk, dtype: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The P operand of the forward's P @ V product, (BLOCK_M, BLOCK_N) in `dtype`: sign(p) * w for Cog, w for
+    softmax. Cog clamps d = q.k * 2**127 (rounded to `dtype`) into [-w, w]: two packed min/max per pair of scores.
+
+    This is sign(q.k) * w exactly whenever |d| >= w for every nonzero q.k; then d = +-0 gives +-0, d > 0 gives w
+    and d < 0 gives -w. Masked entries have w = 0 and give +-0. |d| >= w holds because ("Zero scores and masked
+    entries" in docs/kernel_math.md):
+      - fp16 inputs: a nonzero q.k is at least 2**-71 in magnitude (a sum of products of fp16 numbers, each a
+        multiple of 2**-48), so d overflows to +-inf;
+      - bf16 and fp32 inputs: the running max m starts at _M_FLOOR = 24, so a score with |q.k| < 2**-126 has
+        w <= 2**-20 while |d| >= 2**-22 (|d| >= 2 above that, where w <= 1). Starting m at 24 scales the weights
+        of rows whose largest |p| is below 24 by a power of two, which O = acc / l and the backward cancel.
+    Under the interpreter ("upcast") bf16 min/max compare raw bits, so the clamp runs in fp32 on the values
+    rounded to bf16, which gives the same numbers (min and max are exact)."""
+    if COG:
+        d = (qk * _SIGN_GAIN).to(dtype)
+        wq = w.to(dtype)
+        if DOT_PREC == "upcast":
+            d = d.to(tl.float32)
+            wq = wq.to(tl.float32)
+        return tl.maximum(tl.minimum(d, wq), -wq).to(dtype)
+    else:
+        return w.to(dtype)
 
 
 @triton.jit
@@ -227,7 +256,7 @@ def _fwd_inner(
                                   MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False)  # fmt: skip
         if COG:
             # The max of |p| = scale2 * max |q.k| (scale2 > 0; rounding is monotone, so this is the max of the
-            # rounded products). It starts at 0 and |p| >= 0: always finite, no -inf - -inf.
+            # rounded products). It starts at 0 or _M_FLOOR and |p| >= 0: always finite, no -inf - -inf.
             m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
             m_use = m_new
         else:
@@ -236,8 +265,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         w = tl.math.exp2(_exp2_arg(s, scale2, m_use[:, None], COG))
         l_i = l_i * alpha + tl.sum(w, 1)  # the denominator sums the UNSIGNED weights
-        a = _signed(w, qk, COG)
-        acc = acc * alpha[:, None] + _dot(a.to(v.dtype), v, DOT_PREC)
+        acc = acc * alpha[:, None] + _dot(_signed_operand(w, qk, v.dtype, COG, DOT_PREC), v, DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -270,7 +298,11 @@ def _attn_fwd(
     scale2 = sm_scale * 1.4426950408889634
     diag = LK - LQ  # causal: key j is kept for query i when j <= i + diag
     if COG:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # max of |p| >= 0; l_i must then start at 0 (not 1)
+        # max of |p| >= 0; l_i must then start at 0 (not 1). bf16 and fp32 start at _M_FLOOR (`_signed_operand`)
+        if V.dtype.element_ty == tl.float16:
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], _M_FLOOR, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -653,7 +685,8 @@ def attention_forward(
         stats: the row statistics the backward rebuilds the weights from (`row_stats_shape`), float32. For 16-bit
         inputs (B, nh, Lq): the base-2 log-sum-exp of the (scaled) scores, -inf on rows with no kept key. For
         float32 inputs (B, nh, 2, Lq): the base-2 row maximum m and the sum l of exp2(score - m) separately (l = 0
-        on rows with no kept key), so that the backward can subtract the maximum before it normalises.
+        on rows with no kept key), so that the backward can subtract the maximum before it normalises. For Cog, m
+        is at least 24 (the forward's running max starts there for fp32, see `_signed_operand`).
     """
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]

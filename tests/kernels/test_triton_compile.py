@@ -117,16 +117,19 @@ def test_sass_mix_forward_exp_and_mma_equal(sass_mix_pairs):
 
 
 @pytest.mark.slow
-def test_sass_mix_forward_sign_costs_at_most_two_per_score(sass_mix_pairs):
-    """The forward's Cog mode pays the exact sign (bit-select, zero compare, zero select: three instructions per
-    score) and saves softmax's scale multiply: at most two more instructions per score site than softmax mode.
+def test_sass_mix_forward_sign_costs_at_most_one_and_a_half_per_score(sass_mix_pairs):
+    """The forward's Cog mode pays q.k * 2**127 (one FMUL, where softmax mode multiplies by the scale instead), its
+    conversion to the input dtype (one F2FP per pair of scores) and the clamp into [-w, w] (two packed HMNMX2 per
+    pair): at most 1.5 more instructions per score site than softmax mode, and within the 1.05 target here.
 
     A score site is one fp32 score held by one thread in one of the two loop bodies (unmasked and masked), so a
-    (BLOCK_M, BLOCK_N) tile on `num_warps` warps has 2 * BLOCK_M * BLOCK_N / (32 * num_warps) of them. The ratio
-    target of 1.05 (about one instruction per score) is not reached ("Zero scores and masked entries" in
-    docs/kernel_math.md); `python -m uvic.kernels.aot --sass-mix` reports it."""
+    (BLOCK_M, BLOCK_N) tile on `num_warps` warps has 2 * BLOCK_M * BLOCK_N / (32 * num_warps) of them
+    ("Zero scores and masked entries" in docs/kernel_math.md; head dim 128 misses 1.05 by 3 instructions,
+    which `python -m uvic.kernels.aot --sass-mix` reports)."""
     cog, soft = sass_mix_pairs["fwd"]
     cfg = cog.spec.config
     sites = 2 * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
     extra = cog.counts()["total"] - soft.counts()["total"]
-    assert 0 < extra <= 2 * sites, (extra, sites)
+    assert 0 < extra <= 1.5 * sites, (extra, sites)
+    assert cog.opcodes.get("HMNMX2", 0) == sites  # the clamp: two per pair of scores
+    assert sass_target_failures([(cog, soft)]) == []
