@@ -170,9 +170,10 @@ def _signed_operand(w, qk, dtype: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.
     entries" in docs/kernel_math.md):
       - fp16 inputs: a nonzero q.k is at least 2**-71 in magnitude (a sum of products of fp16 numbers, each a
         multiple of 2**-48), so d overflows to +-inf;
-      - bf16 and fp32 inputs: the running max m starts at _M_FLOOR = 24, so a score with |q.k| < 2**-126 has
-        w <= 2**-20 while |d| >= 2**-22 (|d| >= 2 above that, where w <= 1). Starting m at 24 scales the weights
-        of rows whose largest |p| is below 24 by a power of two, which O = acc / l and the backward cancel.
+      - bf16 and fp32 inputs: |d| >= 2**-22 (|q.k| >= 2**-149), and the running max m starts at _M_FLOOR = 24.
+        Where |q.k| < 2**-126, |p| = scale2 |q.k| < 2 |d| (scale2 < 2**128), so w <= exp2(2 |d| - 24) <= |d|;
+        above that, |d| >= 2 and w <= 1 (up to the rounding of m). Starting m at 24 scales the weights of rows
+        whose largest |p| is below 24 by a power of two, which O = acc / l and the backward cancel.
     Under the interpreter ("upcast") bf16 min/max compare raw bits, so the clamp runs in fp32 on the values
     rounded to bf16, which gives the same numbers (min and max are exact)."""
     if COG:
