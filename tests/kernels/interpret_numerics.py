@@ -298,15 +298,17 @@ def test_sign_of_zero_scores_and_masked_entries(scale, dtype):
         _check(q, k, v, do, dtype, causal=False, kpm=kpm, cog=True, scale=scale)
 
 
+@pytest.mark.parametrize("scale", [0.5, 2.0**126])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_tiny_nonzero_scores_keep_their_sign(dtype):
+def test_tiny_nonzero_scores_keep_their_sign(dtype, scale):
     """A nonzero score, however small, has weight sign(p) e^|p| / sum e^|p|, not 0 and not a fraction of it.
 
-    Here every q.k is +-2**-140 for fp32 and bf16 inputs (a float32 subnormal: q and k entries of 2**-70) and
-    +-2**-48 for fp16 (the smallest fp16 entries, 2**-24; no fp16 q.k that is not 0 is smaller than about
-    2**-71). All |p| are ~0, so query 0 averages sign(q.k_j) v_j over the 5 keys, the zero key counting only in
-    the denominator. The forward's sign step clamps q.k * 2**127 into [-w, w]; without the 2**127, or with the
-    running max starting at 0 for bf16/fp32, these weights would come out 0 or a fraction of 1/5."""
+    Every q.k is +-2**-140 for fp32 and bf16 inputs (a float32 subnormal: q and k entries of 2**-70) and +-2**-48
+    for fp16 (the smallest fp16 entries, 2**-24; no fp16 q.k that is not 0 is smaller than about 2**-71); one key
+    is a zero row (score exactly 0). With scale 0.5 every |p| is ~0 and query 0 averages sign(q.k_j) v_j over the
+    5 keys; scale 2**126 makes the same q.k into |p| = 2**-15 (fp32, bf16) or 2**78 (fp16). The forward's sign
+    step clamps q.k * 2**127 into [-w, w]; without the 2**127, or with the running max starting at 0 for
+    bf16/fp32, these weights come out 0 or a fraction of the right ones."""
     hd = 16
     tiny = 2.0**-24 if dtype == torch.float16 else 2.0**-70
     e = torch.eye(hd, dtype=torch.float64)
@@ -317,12 +319,13 @@ def test_tiny_nonzero_scores_keep_their_sign(dtype):
     g = torch.Generator().manual_seed(7)
     v = torch.randn(1, 1, 5, hd, generator=g, dtype=torch.float64).to(dtype).double()
     do = torch.randn(1, 1, 2, hd, generator=g, dtype=torch.float64).to(dtype).double()
-    assert ((q[0, 0, 0] @ k[0, 0].T).abs() > 0).sum() == 4  # the products are representable in float32
-    out = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, dtype, scale=0.5)[0]
-    want = (signs @ v[0, 0]) / 5
+    out = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, dtype, scale=scale)[0]
+    p = scale * (q[0, 0] @ k[0, 0].T)  # (2, 5), float64: the closed form sign(p) e^|p| / sum e^|p|
+    assert (p != 0).sum() == 8  # the scores are nonzero (and q.k is representable in float32)
+    w = torch.exp(p.abs() - p.abs().amax(-1, keepdim=True))
+    want = (torch.sign(p) * w / w.sum(-1, keepdim=True)) @ v[0, 0]
     tol = 1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    torch.testing.assert_close(out[0, 0, 0], want, rtol=tol, atol=tol * want.abs().max().item())
-    torch.testing.assert_close(out[0, 0, 1], -want, rtol=tol, atol=tol * want.abs().max().item())
+    torch.testing.assert_close(out[0, 0], want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 @pytest.mark.parametrize("cog", [True, False])
