@@ -174,8 +174,8 @@ def _signed_operand(w, qk, dtype: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.
         Where |q.k| < 2**-126, |p| = scale2 |q.k| < 2 |d| (scale2 < 2**128), so w <= exp2(2 |d| - 24) <= |d|;
         above that, |d| >= 2 and w <= 1 (up to the rounding of m). Starting m at 24 scales the weights of rows
         whose largest |p| is below 24 by a power of two, which O = acc / l and the backward cancel.
-    Under the interpreter ("upcast") bf16 min/max compare raw bits, so the clamp runs in fp32 on the values
-    rounded to bf16, which gives the same numbers (min and max are exact)."""
+    Under the interpreter ("upcast") the triton 3.8 negation of a bf16 tensor gives wrong values (-0.5 -> -8), so
+    the clamp runs in fp32 on the values rounded to bf16, which gives the same numbers (min and max are exact)."""
     if COG:
         d = (qk * _SIGN_GAIN).to(dtype)
         wq = w.to(dtype)
