@@ -33,6 +33,13 @@ def _floor(dtype, ref):
     return 0.5 * torch.finfo(dtype).eps * ref.abs().max().item()
 
 
+def _assert_output_close(out, want, dtype):
+    """A forward output against its float64 value: 1e-6 for fp32; for 16-bit inputs two units of roundoff of the
+    largest value (P and O are rounded to the input dtype)."""
+    tol = 1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 def _inputs(B, nh, Lq, Lk, hd, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, nh, Lq, hd, generator=g, dtype=torch.float64)
@@ -282,8 +289,7 @@ def test_sign_of_zero_scores_and_masked_entries(scale, dtype):
     kept = [0, 1, 2, 3, 5]
     w = torch.exp(p.abs() - p.abs().max())
     want = (torch.sign(p) * w / w.sum()) @ v[0, 0, kept]
-    tol = 1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # 16-bit: P and O are rounded
-    torch.testing.assert_close(out[0, 0, 0], want, rtol=tol, atol=tol * want.abs().max().item())
+    _assert_output_close(out[0, 0, 0], want, dtype)
     # Query 1 (zero vector): every score is 0, so every weight is 0 and the output is exactly 0.
     assert torch.equal(out[0, 0, 1], torch.zeros(hd, dtype=torch.float64))
     # No gradient reaches a zero-score or masked key, nor (for the zero query) q.
@@ -306,7 +312,8 @@ def test_tiny_nonzero_scores_keep_their_sign(dtype, scale):
     Every q.k is +-2**-140 for fp32 and bf16 inputs (a float32 subnormal: q and k entries of 2**-70) and +-2**-48
     for fp16 (the smallest fp16 entries, 2**-24; no fp16 q.k that is not 0 is smaller than about 2**-71); one key
     is a zero row (score exactly 0). With scale 0.5 every |p| is ~0 and query 0 averages sign(q.k_j) v_j over the
-    5 keys; scale 2**126 makes the same q.k into |p| = 2**-15 (fp32, bf16) or 2**78 (fp16). The forward's sign
+    5 keys; scale 2**126 makes the same q.k into |p| = 2**-15 (fp32, bf16) or 2**78 (fp16). Checked against the
+    paper's formula in float64 (`attention_ref`, where every such p keeps its sign). The forward's sign
     step clamps q.k * 2**127 into [-w, w]; without the 2**127, or with the running max starting at 0 for
     bf16/fp32, these weights come out 0 or a fraction of the right ones."""
     hd = 16
@@ -320,12 +327,8 @@ def test_tiny_nonzero_scores_keep_their_sign(dtype, scale):
     v = torch.randn(1, 1, 5, hd, generator=g, dtype=torch.float64).to(dtype).double()
     do = torch.randn(1, 1, 2, hd, generator=g, dtype=torch.float64).to(dtype).double()
     out = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, dtype, scale=scale)[0]
-    p = scale * (q[0, 0] @ k[0, 0].T)  # (2, 5), float64: the closed form sign(p) e^|p| / sum e^|p|
-    assert (p != 0).sum() == 8  # the scores are nonzero (and q.k is representable in float32)
-    w = torch.exp(p.abs() - p.abs().amax(-1, keepdim=True))
-    want = (torch.sign(p) * w / w.sum(-1, keepdim=True)) @ v[0, 0]
-    tol = 1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    torch.testing.assert_close(out[0, 0], want, rtol=tol, atol=tol * want.abs().max().item())
+    assert ((q[0, 0] @ k[0, 0].T) != 0).sum() == 8  # the scores are nonzero (and q.k is representable in float32)
+    _assert_output_close(out, attention_ref(q, k, v, scale=scale, attention="cog"), dtype)  # the formula, float64
 
 
 @pytest.mark.parametrize("cog", [True, False])
