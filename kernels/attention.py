@@ -64,7 +64,7 @@ from uvic.kernels import cuda_device_info
 from uvic.kernels.configs import KernelConfig, all_configs, candidate_configs, config_arch, gpu_dot_precision
 
 
-LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 (exp2 is one MUFU op)
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in base 2 (exp2 is one MUFU op)
 
 # Config used under TRITON_INTERPRET=1 (the autotuner benchmarks on a GPU). Small blocks so that short test
 # sequences still cross block boundaries, the causal diagonal and the ragged tail. Tests may override it.
@@ -296,7 +296,7 @@ def _attn_fwd(
     row_ok = offs_m < LQ
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
 
-    scale2 = sm_scale * 1.4426950408889634
+    scale2 = sm_scale * LOG2E
     diag = LK - LQ  # causal: key j is kept for query i when j <= i + diag
     if COG:
         # max of |p| >= 0; l_i must then start at 0 (not 1). bf16 and fp32 start at _M_FLOOR (`_signed_operand`)
@@ -427,7 +427,7 @@ def _attn_bwd_dkdv(
     do_base = DO + bh64 * LQ * HEAD_DIM
     lse_base = LSE + bh64 * LQ
     delta_base = DELTA + bh64 * LQ
-    scale2 = sm_scale * 1.4426950408889634
+    scale2 = sm_scale * LOG2E
     diag = LK - LQ
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -517,7 +517,7 @@ def _attn_bwd_dq(
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
     kpm_base = KPM + off_b * stride_kpmb
-    scale2 = sm_scale * 1.4426950408889634
+    scale2 = sm_scale * LOG2E
     diag = LK - LQ
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
