@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from uvic.kernels.configs import (
@@ -44,6 +44,7 @@ from uvic.kernels.configs import (
     SMEM_LIMIT,
     KernelConfig,
     candidate_configs,
+    forward_sign_ptx,
     gpu_dot_precision,
 )
 
@@ -66,6 +67,7 @@ class Spec:
     causal: bool = True
     has_kpm: bool = True
     dot_prec: str | None = None  # None: what the launcher uses for this dtype on a GPU
+    sign_ptx: bool | None = None  # forward only; None: what the launcher uses (`configs.forward_sign_ptx`)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def _signature(spec: Spec, arg_names: list[str]) -> tuple[dict, dict, dict]:
     if spec.kernel != "bwd_pre":
         consts.update(CAUSAL=spec.causal, HAS_KPM=spec.has_kpm, COG=spec.cog,
                       DOT_PREC=spec.dot_prec or gpu_dot_precision(spec.dtype))  # fmt: skip
+    if spec.kernel == "fwd":
+        consts["SIGN_PTX"] = forward_sign_ptx(spec.arch, spec.dtype) if spec.sign_ptx is None else spec.sign_ptx
     sig, attrs = {}, {}
     for i, name in enumerate(arg_names):
         if name in consts:
@@ -264,7 +268,7 @@ SASS_COLUMNS = ("total", *SASS_CLASSES)
 SASS_RATIO_TARGET = {"fwd": 1.05, "bwd_dkdv": 1.10, "bwd_dq": 1.10}
 SASS_EQUAL_CLASSES = ("mufu", "mma")
 
-_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)")
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,7 @@ class SassMix:
 
     spec: Spec
     opcodes: dict[str, int]
+    variants: dict[str, int] = field(default_factory=dict)  # full mnemonic with modifiers -> count
 
     def counts(self) -> dict[str, int]:
         """{"total", "fp32", "int", "half2", "mufu", "mma", "sel/cmp"} -> number of instructions."""
@@ -282,13 +287,15 @@ class SassMix:
         return out
 
 
-def parse_sass(text: str) -> dict[str, int]:
-    """Base-opcode counts of `cuobjdump -sass` output (predicates and modifiers stripped)."""
+def parse_sass(text: str, modifiers: bool = False) -> dict[str, int]:
+    """Opcode counts of `cuobjdump -sass` output: by base opcode (predicates and modifiers stripped), or with
+    `modifiers` by full mnemonic (e.g. "HMNMX2.BF16_V2.XORSIGN")."""
     counts: dict[str, int] = {}
     for line in text.splitlines():
         m = _SASS_LINE.match(line)
         if m:
-            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+            name = m.group(1) + m.group(2) if modifiers else m.group(1)
+            counts[name] = counts.get(name, 0) + 1
     return counts
 
 
@@ -305,12 +312,14 @@ def disassemble(cubin: bytes) -> str:
 
 def sass_mix(spec: Spec) -> SassMix:
     """Compile one spec for its GPU target and count the opcodes of its machine code."""
-    return SassMix(spec, parse_sass(disassemble(_compile(spec).asm["cubin"])))
+    text = disassemble(_compile(spec).asm["cubin"])
+    return SassMix(spec, parse_sass(text), parse_sass(text, modifiers=True))
 
 
 def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=(64, 128), kernels=tuple(SASS_RATIO_TARGET),
-               causal: bool = False, has_kpm: bool = False) -> list[Spec]:  # fmt: skip
-    """(Cog, softmax) spec pairs, flattened, for the config each kernel's candidate list ranks first."""
+               causal: bool = False, has_kpm: bool = False, sign_ptx: bool | None = None) -> list[Spec]:  # fmt: skip
+    """(Cog, softmax) spec pairs, flattened, for the config each kernel's candidate list ranks first. `sign_ptx`
+    (forward only): False compiles the clamp form of the sign step where the launcher would use the PTX form."""
     specs = []
     for arch in archs:
         for dtype in dtypes:
@@ -318,7 +327,8 @@ def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=(64, 128), kernel
                 for kernel in kernels:
                     c = candidate_configs(kernel, arch, dtype, hd)[0]
                     for cog in (True, False):
-                        specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=causal, has_kpm=has_kpm))
+                        specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=causal, has_kpm=has_kpm,
+                                          sign_ptx=sign_ptx if kernel == "fwd" else None))  # fmt: skip
     return specs
 
 
@@ -394,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                              "is missed")  # fmt: skip
     parser.add_argument("--causal", action="store_true", help="--sass-mix: compile the causal variant")
     parser.add_argument("--key-padding-mask", action="store_true", help="--sass-mix: compile with a key padding mask")
+    parser.add_argument("--sign-clamp", action="store_true",
+                        help="--sass-mix: compile the forward's sign step as the clamp (what the sm_80 table runs) "
+                             "instead of min.xorsign.abs")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.sass_mix:
@@ -422,11 +435,12 @@ def _main_sass_mix(args: argparse.Namespace) -> int:
     kernels = [k for k in (args.kernel or SASS_RATIO_TARGET) if k != "bwd_pre"]
     specs = sass_specs(archs=args.arch or (90,), dtypes=args.dtype or ("bf16", "fp16"),
                        head_dims=args.head_dim or (64, 128), kernels=kernels, causal=args.causal,
-                       has_kpm=args.key_padding_mask)  # fmt: skip
+                       has_kpm=args.key_padding_mask, sign_ptx=False if args.sign_clamp else None)  # fmt: skip
     mixes = sass_mix_all(specs, workers=args.workers)
     pairs = sass_pairs(mixes)
-    logger.info("SASS instruction counts, cog/softmax (causal=%s, key_padding_mask=%s):\n%s", args.causal,
-                args.key_padding_mask, format_sass_mix(pairs))  # fmt: skip
+    logger.info("SASS instruction counts, cog/softmax (causal=%s, key_padding_mask=%s, forward sign step: %s):\n%s",
+                args.causal, args.key_padding_mask, "clamp" if args.sign_clamp else "as launched",
+                format_sass_mix(pairs))  # fmt: skip
     bad = sass_target_failures(pairs)
     logger.info("targets: total cog/softmax <= %s, %s counts equal; %d misses%s", SASS_RATIO_TARGET,
                 "/".join(SASS_EQUAL_CLASSES), len(bad), "".join("\n  " + b for b in bad))  # fmt: skip

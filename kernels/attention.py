@@ -43,6 +43,9 @@ Cautions:
     - TRITON_INTERPRET=1 must be set before triton is first imported (triton builds its own @jit helpers then);
       under the interpreter a fixed small config runs (INTERPRET_CONFIGS) and bf16 dots are done in fp32
       (exact products, see `_dot`) because the triton 3.8 interpreter's bf16 tl.dot is wrong.
+    - the forward's sign step is inline PTX (`min.xorsign.abs`) for 16-bit inputs on the sm_90 table
+      (SIGN_PTX, `configs.forward_sign_ptx`) and a clamp elsewhere. The interpreter cannot run PTX: it runs the
+      clamp unless INTERPRET_SIGN_PTX is set, which the tests do with an emulator of the instruction.
     - autotuning benchmarks every candidate the first time a (head dim, dtype, causal, mask, length bucket) key
       is seen, re-running the kernel; the kernels only write their outputs, so this is safe.
     - the candidates live in `uvic.kernels.configs`; `python -m uvic.kernels.aot` compiles all of them for
@@ -61,7 +64,14 @@ import triton
 import triton.language as tl
 
 from uvic.kernels import cuda_device_info
-from uvic.kernels.configs import KernelConfig, all_configs, candidate_configs, config_arch, gpu_dot_precision
+from uvic.kernels.configs import (
+    KernelConfig,
+    all_configs,
+    candidate_configs,
+    config_arch,
+    forward_sign_ptx,
+    gpu_dot_precision,
+)
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in base 2 (exp2 is one MUFU op)
@@ -76,6 +86,11 @@ INTERPRET_CONFIGS: dict[str, KernelConfig] = {
 }
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+# The interpreter cannot run inline PTX, so under TRITON_INTERPRET=1 the forward applies the sign with the clamp
+# unless this is True; the tests set it while an emulator of `min.xorsign.abs` stands in for the PTX
+# (tests/kernels/ptx_emulator.py). On a GPU, `configs.forward_sign_ptx` decides.
+INTERPRET_SIGN_PTX = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -160,10 +175,31 @@ def _signed(w, qk, COG: tl.constexpr):
         return w
 
 
+# PTX of `min.xorsign.abs` on a pair of 16-bit values per 32-bit register: sign(a) * sign(b) * min(|a|, |b|).
+_XORSIGN_PTX_BF16 = tl.constexpr("min.xorsign.abs.bf16x2 $0, $1, $2;")
+_XORSIGN_PTX_F16 = tl.constexpr("min.xorsign.abs.f16x2 $0, $1, $2;")
+
+
 @triton.jit
-def _signed_operand(w, qk, dtype: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr):
+def _min_xorsign_abs(a, b, dtype: tl.constexpr):
+    """sign(a) * sign(b) * min(|a|, |b|), elementwise, for a and b in `dtype` (bfloat16 or float16): the PTX
+    instruction `min.xorsign.abs` on pairs (sm_86+, one HMNMX2.XORSIGN per pair on sm_90). The interpreter cannot
+    run it; tests/kernels/ptx_emulator.py emulates it there."""
+    if dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(_XORSIGN_PTX_BF16, "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)  # fmt: skip
+    else:
+        tl.static_assert(dtype == tl.float16, "min.xorsign.abs is used for 16-bit inputs only")
+        return tl.inline_asm_elementwise(_XORSIGN_PTX_F16, "=r,r,r", [a, b], dtype=tl.float16, is_pure=True,
+                                         pack=2)  # fmt: skip
+
+
+@triton.jit
+def _signed_operand(w, qk, dtype: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr):
     """The P operand of the forward's P @ V product, (BLOCK_M, BLOCK_N) in `dtype`: sign(p) * w for Cog, w for
-    softmax. Cog clamps d = q.k * 2**127 (rounded to `dtype`) into [-w, w]: two packed min/max per pair of scores.
+    softmax. Cog rounds d = q.k * 2**127 and w to `dtype` and takes sign(d) * min(|d|, w): with SIGN_PTX (16-bit
+    inputs on sm_90, `configs.forward_sign_ptx`) one `min.xorsign.abs` per pair of scores, else the clamp
+    max(min(d, w), -w), two packed min/max per pair. Both give the same values.
 
     This is sign(q.k) * w exactly whenever |d| >= w for every nonzero q.k; then d = +-0 gives +-0, d > 0 gives w
     and d < 0 gives -w. Masked entries have w = 0 and give +-0. |d| >= w holds because ("Zero scores and masked
@@ -179,6 +215,8 @@ def _signed_operand(w, qk, dtype: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.
     if COG:
         d = (qk * _SIGN_GAIN).to(dtype)
         wq = w.to(dtype)
+        if SIGN_PTX:
+            return _min_xorsign_abs(d, wq, dtype)
         if DOT_PREC == "upcast":
             d = d.to(tl.float32)
             wq = wq.to(tl.float32)
@@ -249,7 +287,7 @@ def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr,
 ):  # fmt: skip
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -266,7 +304,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         w = tl.math.exp2(_exp2_arg(s, scale2, m_use[:, None], COG))
         l_i = l_i * alpha + tl.sum(w, 1)  # the denominator sums the UNSIGNED weights
-        acc = acc * alpha[:, None] + _dot(_signed_operand(w, qk, v.dtype, COG, DOT_PREC), v, DOT_PREC)
+        acc = acc * alpha[:, None] + _dot(_signed_operand(w, qk, v.dtype, COG, DOT_PREC, SIGN_PTX), v, DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -279,9 +317,10 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_kpmb, NH, LQ, LK, L_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. O, LSE are contiguous."""
+    """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. O, LSE are contiguous.
+    SIGN_PTX: apply Cog's sign with `min.xorsign.abs` (`_signed_operand`)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     off_b = (bh // NH).to(tl.int64)
@@ -313,12 +352,12 @@ def _attn_fwd(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
-        BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC,
+        BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2,
-        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX,
     )  # fmt: skip
 
     # Rows with no kept key: l_i == 0, acc == 0 -> O = 0 and LSE = -inf (backward turns it into weight 0).
@@ -630,6 +669,13 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return gpu_dot_precision(_DTYPE_NAMES[dtype])
 
 
+def _sign_ptx(q: torch.Tensor) -> bool:
+    """The forward's SIGN_PTX switch for inputs like q (`_signed_operand`)."""
+    if _interpreting():
+        return INTERPRET_SIGN_PTX and q.dtype != torch.float32
+    return forward_sign_ptx(_arch(q.device), _DTYPE_NAMES[q.dtype])
+
+
 def _int32_addressable(t: torch.Tensor) -> torch.Tensor:
     """t (B, nh, L, hd) itself, or a contiguous copy when an element of one (batch, head) slice lies 2**31 or more
     elements past the slice's start (e.g. a packed qkv layout at very long L).
@@ -698,7 +744,8 @@ def attention_forward(
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
     args = (q, k, v, out, lse, kpm, float(scale), *q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk,
             length_bucket(max(Lq, Lk)))  # fmt: skip
-    consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog, "DOT_PREC": _dot_prec(q.dtype)}
+    consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog,
+              "DOT_PREC": _dot_prec(q.dtype), "SIGN_PTX": _sign_ptx(q)}  # fmt: skip
     with _on_device(q):
         _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts)
     return out, lse

@@ -100,6 +100,16 @@ def gpu_dot_precision(dtype: str) -> str:
     return "ieee" if dtype == "fp32" else "tf32"
 
 
+def forward_sign_ptx(arch: int, dtype: str) -> bool:
+    """Whether the forward kernel applies Cog's sign with the PTX instruction `min.xorsign.abs` (one packed
+    instruction per pair of scores) instead of a clamp (two): for 16-bit inputs on the sm_90 table.
+
+    The instruction needs sm_86 or newer (PTX ISA 7.2); every GPU on the sm_90 table (majors 9 and 10) has it. The
+    sm_80 table keeps the clamp: A100 lacks it, and the table is checked by compiling for sm_80. float32 inputs
+    keep the clamp too (their P operand is fp32). "Zero scores and masked entries" in docs/kernel_math.md."""
+    return arch >= 90 and dtype in ("fp16", "bf16")
+
+
 def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list[KernelConfig]:
     """Every config the autotuner may pick for one kernel on one architecture (sm_80 or sm_90).
 

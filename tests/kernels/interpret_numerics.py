@@ -21,6 +21,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.fail("run with TRITON_INTERPRET=1 set before python starts (see the module docstring)", pytrace=False)
 
+import ptx_emulator
+
 import uvic.kernels.attention as kattn
 from uvic.attention import attention_ref, cog_attention, softmax_attention
 from uvic.kernels.configs import HEAD_DIMS, KernelConfig, candidate_configs
@@ -122,6 +124,31 @@ def test_matches_reference(B, nh, Lq, Lk, hd, dtype, causal, mask, cog, layout):
     q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype)
     kpm = _mask(mask, B, Lk)
     _check(q, k, v, do, dtype, causal=causal, kpm=kpm, cog=cog, layout=layout)
+
+
+def _use_sign_ptx(monkeypatch) -> ptx_emulator.Emulator:
+    """Run the forward as the sm_90 table does for 16-bit inputs: Cog's sign through the inline PTX
+    `min.xorsign.abs` (`_signed_operand`), which the interpreter runs through tests/kernels/ptx_emulator.py."""
+    monkeypatch.setattr(kattn, "INTERPRET_SIGN_PTX", True)
+    return ptx_emulator.install(monkeypatch)
+
+
+SIGN_PTX_CASES = [c for c in CASES if c[5] != torch.float32 and c[8]]  # 16-bit inputs, Cog
+
+
+@pytest.mark.parametrize("B,nh,Lq,Lk,hd,dtype,causal,mask,cog,layout", SIGN_PTX_CASES)
+def test_matches_reference_with_sign_ptx(monkeypatch, B, nh, Lq, Lk, hd, dtype, causal, mask, cog, layout):
+    """The 16-bit Cog cases of `test_matches_reference` again, with the forward's sign step in the form sm_90 runs."""
+    emu = _use_sign_ptx(monkeypatch)
+    q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype)
+    _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, layout=layout)
+    assert emu.calls > 0  # the PTX path really ran
+
+
+def test_sign_ptx_cases_cover_both_dtypes_and_masks():
+    kinds = {(c[5], c[6], c[7]) for c in SIGN_PTX_CASES}
+    assert {d for d, _, _ in kinds} == {torch.float16, torch.bfloat16}
+    assert {m for _, _, m in kinds} == {None, "partial", "empty_batch"} and {c for _, c, _ in kinds} == {False, True}
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -238,12 +265,15 @@ def test_packed_qkv_beyond_32_bit_offsets(tmp_path):
         assert err <= 2 * err_plain + _floor(dtype, e), f"{name}: fused err {err:.3g} vs plain {dtype} err {err_plain:.3g}"
 
 
-@pytest.mark.parametrize("cog", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_keys_are_never_read(cog, dtype):
+@pytest.mark.parametrize("cog,dtype,sign_ptx", [(cog, dtype, False) for cog in (True, False)
+                                                for dtype in (torch.float32, torch.bfloat16)]
+                         + [(True, torch.bfloat16, True)])  # fmt: skip
+def test_masked_keys_are_never_read(monkeypatch, cog, dtype, sign_ptx):
     """NaN / Inf in the k and v rows of keys that key_padding_mask removes reach no output and no gradient: out,
     dq and the dk/dv of kept keys are bitwise those of the same inputs with finite rows there, and the removed
     keys' dk/dv are exactly zero. Covers a batch item with no kept key, causal and ragged lengths."""
+    if sign_ptx:
+        _use_sign_ptx(monkeypatch)
     B, nh, Lq, Lk, hd = 2, 2, 37, 45, 16
     q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=11)
     kpm = _mask("empty_batch", B, Lk, seed=12)
@@ -266,13 +296,19 @@ def test_masked_keys_are_never_read(cog, dtype):
         _check(q, k, v, do, dtype, causal=causal, kpm=kpm, cog=cog)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# (dtype, sign_ptx): every dtype with the clamp, the 16-bit ones also with `min.xorsign.abs` (sm_90's form)
+SIGN_FORMS = [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
+              (torch.float16, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,sign_ptx", SIGN_FORMS)
 @pytest.mark.parametrize("scale", [0.5, -0.5, 0.0])
-def test_sign_of_zero_scores_and_masked_entries(scale, dtype):
+def test_sign_of_zero_scores_and_masked_entries(monkeypatch, scale, dtype, sign_ptx):
     """The sign step's exact semantics: a score of exactly 0 (orthogonal one-hot q and k, a zero key row; -0 when
     the scale is negative) has weight 0 in the numerator but exp(0 - m) in the denominator; a masked entry has
     weight 0 in both; neither gets a gradient. Checked against the closed form sign(p) e^|p| / sum e^|p|, in
-    every input dtype (the forward's sign step depends on it: `_signed_operand`)."""
+    every input dtype and both forms of the forward's sign step (`_signed_operand`)."""
+    emu = _use_sign_ptx(monkeypatch) if sign_ptx else None
     hd = 16
     e = torch.eye(hd, dtype=torch.float64)
     q = e[0].expand(1, 1, 2, hd).clone()  # two identical queries (so a key block holds several rows)
@@ -302,11 +338,12 @@ def test_sign_of_zero_scores_and_masked_entries(scale, dtype):
     # gradients of random inputs are checked by test_matches_reference).
     if dtype == torch.float32:
         _check(q, k, v, do, dtype, causal=False, kpm=kpm, cog=True, scale=scale)
+    assert emu is None or emu.calls > 0
 
 
 @pytest.mark.parametrize("scale", [0.5, 2.0**126])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_tiny_nonzero_scores_keep_their_sign(dtype, scale):
+@pytest.mark.parametrize("dtype,sign_ptx", SIGN_FORMS)
+def test_tiny_nonzero_scores_keep_their_sign(monkeypatch, dtype, scale, sign_ptx):
     """A nonzero score, however small, has weight sign(p) e^|p| / sum e^|p|, not 0 and not a fraction of it.
 
     Every q.k is +-2**-140 for fp32 and bf16 inputs (a float32 subnormal: q and k entries of 2**-70) and +-2**-48
@@ -314,8 +351,9 @@ def test_tiny_nonzero_scores_keep_their_sign(dtype, scale):
     is a zero row (score exactly 0). With scale 0.5 every |p| is ~0 and query 0 averages sign(q.k_j) v_j over the
     5 keys; scale 2**126 makes the same q.k into |p| = 2**-15 (fp32, bf16) or 2**78 (fp16). Checked against the
     paper's formula in float64 (`attention_ref`, where every such p keeps its sign). The forward's sign
-    step clamps q.k * 2**127 into [-w, w]; without the 2**127, or with the running max starting at 0 for
-    bf16/fp32, these weights come out 0 or a fraction of the right ones."""
+    step takes sign(d) * min(|d|, w) with d = q.k * 2**127 (a clamp, or `min.xorsign.abs`); without the 2**127,
+    or with the running max starting at 0 for bf16/fp32, these weights come out 0 or a fraction of the right ones."""
+    emu = _use_sign_ptx(monkeypatch) if sign_ptx else None
     hd = 16
     tiny = 2.0**-24 if dtype == torch.float16 else 2.0**-70
     e = torch.eye(hd, dtype=torch.float64)
@@ -329,6 +367,7 @@ def test_tiny_nonzero_scores_keep_their_sign(dtype, scale):
     out = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, dtype, scale=scale)[0]
     assert ((q[0, 0] @ k[0, 0].T) != 0).sum() == 8  # the scores are nonzero (and q.k is representable in float32)
     _assert_output_close(out, attention_ref(q, k, v, scale=scale, attention="cog"), dtype)  # the formula, float64
+    assert emu is None or emu.calls > 0
 
 
 @pytest.mark.parametrize("cog", [True, False])

@@ -89,14 +89,30 @@ def test_parse_sass_counts_base_opcodes():
         /*00b0*/                   FSEL R22, |R56|, -INF , P5 ;
     """
     assert parse_sass(text) == {"FSETP": 1, "FSEL": 2, "LOP3": 1, "HGMMA": 1}
+    assert parse_sass(text, modifiers=True) == {"FSETP.NEU.AND": 1, "FSEL": 2, "LOP3.LUT": 1,
+                                                "HGMMA.64x64x16.F32.BF16": 1}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def sass_mix_pairs():
-    """sm_90 bf16 head dim 64, no mask, the first candidate config of each kernel, Cog and softmax mode."""
-    pairs = sass_pairs(sass_mix_all(sass_specs(dtypes=("bf16",), head_dims=(64,)), workers=2))
+    """sm_90 bf16 head dim 64, no mask, the first candidate config of each kernel, Cog and softmax mode; and under
+    "fwd_clamp" the forward with its sign step as the clamp (the form of the sm_80 table) instead of the PTX."""
+    specs = sass_specs(dtypes=("bf16",), head_dims=(64,))
+    clamp = sass_specs(dtypes=("bf16",), head_dims=(64,), kernels=("fwd",), sign_ptx=False)[0]
+    assert clamp.cog and clamp.sign_ptx is False
+    mixes = sass_mix_all(specs + [clamp], workers=2)
+    pairs = sass_pairs(mixes[:-1])
     logger.info("\n%s", format_sass_mix(pairs))
-    return {cog.spec.kernel: (cog, soft) for cog, soft in pairs}
+    out = {cog.spec.kernel: (cog, soft) for cog, soft in pairs}
+    out["fwd_clamp"] = (mixes[-1], out["fwd"][1])
+    return out
+
+
+def _score_sites(spec) -> int:
+    """Score sites of a forward kernel: fp32 scores held by one thread in one of its two loop bodies (unmasked and
+    masked), 2 * BLOCK_M * BLOCK_N / (32 * num_warps)."""
+    cfg = spec.config
+    return 2 * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
 
 
 @pytest.mark.slow
@@ -117,19 +133,27 @@ def test_sass_mix_forward_exp_and_mma_equal(sass_mix_pairs):
 
 
 @pytest.mark.slow
-def test_sass_mix_forward_sign_costs_at_most_one_and_a_half_per_score(sass_mix_pairs):
-    """The forward's Cog mode pays q.k * 2**127 (one FMUL, where softmax mode multiplies by the scale instead), its
-    conversion to the input dtype (one F2FP per pair of scores) and the clamp into [-w, w] (two packed HMNMX2 per
-    pair): at most 1.5 more instructions per score site than softmax mode, and within the 1.05 target here.
-
-    A score site is one fp32 score held by one thread in one of the two loop bodies (unmasked and masked), so a
-    (BLOCK_M, BLOCK_N) tile on `num_warps` warps has 2 * BLOCK_M * BLOCK_N / (32 * num_warps) of them
-    ("Zero scores and masked entries" in docs/kernel_math.md; head dim 128 misses 1.05 by 3 instructions,
-    which `python -m uvic.kernels.aot --sass-mix` reports)."""
+def test_sass_mix_forward_sign_costs_one_per_score(sass_mix_pairs):
+    """The forward's Cog mode on sm_90 pays q.k * 2**127 (one FMUL, where softmax mode multiplies by the scale
+    instead), its conversion to the input dtype (one F2FP per pair of scores) and one `min.xorsign.abs` per pair
+    (HMNMX2.BF16_V2.XORSIGN): at most one more instruction per score site than softmax mode, within 1.05
+    ("Zero scores and masked entries" in docs/kernel_math.md)."""
     cog, soft = sass_mix_pairs["fwd"]
-    cfg = cog.spec.config
-    sites = 2 * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    sites = _score_sites(cog.spec)
+    extra = cog.counts()["total"] - soft.counts()["total"]
+    assert 0 < extra <= sites, (extra, sites)
+    assert cog.variants.get("HMNMX2.BF16_V2.XORSIGN", 0) == cog.opcodes["HMNMX2"] == sites // 2
+    assert sass_target_failures([(cog, soft)]) == []
+
+
+@pytest.mark.slow
+def test_sass_mix_forward_clamp_costs_at_most_one_and_a_half_per_score(sass_mix_pairs):
+    """The clamp form of the sign step (the sm_80 table's): two packed HMNMX2 per pair in place of the one
+    `min.xorsign.abs`, so at most 1.5 instructions per score site over softmax mode, and the same MUFU and MMA."""
+    cog, soft = sass_mix_pairs["fwd_clamp"]
+    sites = _score_sites(cog.spec)
     extra = cog.counts()["total"] - soft.counts()["total"]
     assert 0 < extra <= 1.5 * sites, (extra, sites)
-    assert cog.opcodes.get("HMNMX2", 0) == sites  # the clamp: two per pair of scores
-    assert sass_target_failures([(cog, soft)]) == []
+    assert cog.opcodes.get("HMNMX2", 0) == sites and "HMNMX2.BF16_V2.XORSIGN" not in cog.variants
+    assert cog.counts()["total"] > sass_mix_pairs["fwd"][0].counts()["total"]  # the PTX form is the shorter
+    assert all(cog.counts()[c] == soft.counts()[c] for c in SASS_EQUAL_CLASSES)

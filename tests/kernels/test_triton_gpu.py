@@ -125,3 +125,47 @@ def test_zero_scores_on_gpu(scale):
         assert err <= 2 * err_plain + floor, f"{name}: fused err {err:.3g} vs plain err {err_plain:.3g}"
     assert torch.equal(fused[0][0, 0, 2::3], torch.zeros_like(fused[0][0, 0, 2::3]))  # zero queries: output 0
     assert torch.equal(fused[2][0, 0, 2::4], torch.zeros_like(fused[2][0, 0, 2::4]))  # e[2] keys: no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sign_forms_agree_on_gpu(monkeypatch, dtype):
+    """The forward's two forms of the sign step, `min.xorsign.abs` (16-bit inputs on the sm_90 table) and the clamp
+    (the sm_80 table), give bitwise the same output on this GPU, on random scores, exact zeros (a zero query and a
+    zero key) and scores far below the 16-bit range (q.k ~ 2**-140 for bf16, 2**-48 for fp16)."""
+    import uvic.kernels.attention as kattn
+    from uvic.kernels.ops import fused_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 300, 64, device="cuda", generator=g) for _ in range(3))
+    q[:, :, 7] = 0.0
+    k[:, :, 11] = 0.0
+    tiny = 2.0**-24 if dtype == torch.float16 else 2.0**-70
+    q[:, :, 20:40] = torch.sign(q[:, :, 20:40]) * tiny
+    k[:, :, 50:70] = torch.sign(k[:, :, 50:70]) * tiny
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    ptx = fused_attention(q, k, v)
+    monkeypatch.setattr(kattn, "forward_sign_ptx", lambda arch, dtype: False)
+    clamp = fused_attention(q, k, v)
+    assert torch.equal(ptx, clamp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiny_nonzero_scores_keep_their_sign_on_gpu(dtype):
+    """As the interpreter test of the same name: every q.k is +-2**-120 (bf16; normal in fp32, so the tensor cores'
+    treatment of subnormal results does not enter) or +-2**-48 (fp16), one key is a zero row; the output matches
+    the paper's formula in float64."""
+    from uvic.kernels.ops import fused_attention
+
+    hd = 64
+    tiny = 2.0**-24 if dtype == torch.float16 else 2.0**-60
+    e = torch.eye(hd, dtype=torch.float64, device="cuda")
+    q = (tiny * e[0]).expand(1, 1, 70, hd).clone()
+    q[0, 0, 1::2] = -q[0, 0, 1::2]
+    signs = torch.tensor([1.0, -1.0, 1.0, 0.0, -1.0] * 20, dtype=torch.float64, device="cuda")
+    k = (tiny * signs[:, None] * e[0])[None, None]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    v = torch.randn(1, 1, 100, hd, device="cuda", generator=g, dtype=torch.float64).to(dtype).double()
+    out = fused_attention(q.to(dtype), k.to(dtype), v.to(dtype)).double()
+    want = attention_ref(q, k, v, attention="cog")
+    tol = 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol * want.abs().max().item())
