@@ -331,8 +331,10 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
         old = module.processor
         cls = _REPLACEMENTS[type(old)]
         # AttnProcessor (and a Cog processor that replaced one) reads attn.scale.
-        extra = {"layer_scale": type(old) is AttnProcessor or getattr(old, "layer_scale", False)}
-        module.set_processor(cls(attention, backend, name, **(extra if cls is CogAttnProcessor else {})))
+        kwargs = {}
+        if cls is CogAttnProcessor:
+            kwargs["layer_scale"] = type(old) is AttnProcessor or getattr(old, "layer_scale", False)
+        module.set_processor(cls(attention, backend, name, **kwargs))
         if attention == "cog":
             switched.append(name)
     return switched
