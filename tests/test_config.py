@@ -170,3 +170,20 @@ def test_lm_values_out_of_range_are_errors(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["task=lm", override])
     assert str(e.value) == message
+
+
+def test_shipped_configs_resolve_to_the_stored_run_configs():
+    """Each file in configs/ (and each task's defaults) resolves to the run config stored in
+    tests/data_files/resolved_configs.json, so moving a value between a config file, a preset and a dataclass
+    default cannot change a run."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    stored = json.loads((root / "data_files" / "resolved_configs.json").read_text())
+    for name, expected in stored.items():  # configs added later are not in the store
+        if name.startswith("<defaults"):
+            cfg = load_config(None, [name.strip("<>").split()[1]])
+        else:
+            cfg = load_config(root.parent / "configs" / name)
+        assert cfg.to_dict() == expected, name
