@@ -116,7 +116,8 @@ class _ImageFiles(Dataset):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _open_or_create(path: Path, shape: tuple[int, ...], dtype: str, fresh: bool) -> np.memmap:
+def open_or_create_npy(path: Path, shape: tuple[int, ...], dtype: str, fresh: bool) -> np.memmap:
+    """A writable memory-mapped .npy of `shape` / `dtype`: created when `fresh` or missing, else reopened and checked."""
     if fresh or not path.is_file():
         return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
     arr = np.load(path, mmap_mode="r+")
@@ -218,9 +219,9 @@ def extract_features(
         np.save(split_dir / "caption_offsets.npy", offsets)
     np.save(out_dir / "empty_context.npy", empty[0].numpy())
 
-    moments = _open_or_create(split_dir / "moments.npy", (n_img, *moments_shape), "float32", fresh)
-    contexts = _open_or_create(split_dir / "contexts.npy", (max(n_cap, 1), *context_shape), context_dtype, fresh)
-    done = _open_or_create(split_dir / "done.npy", (n_img,), "bool", fresh)
+    moments = open_or_create_npy(split_dir / "moments.npy", (n_img, *moments_shape), "float32", fresh)
+    contexts = open_or_create_npy(split_dir / "contexts.npy", (max(n_cap, 1), *context_shape), context_dtype, fresh)
+    done = open_or_create_npy(split_dir / "done.npy", (n_img,), "bool", fresh)
     if fresh:
         done[:] = False
         done.flush()
@@ -357,7 +358,8 @@ class MSCOCOFeatures(Dataset):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _load_vae(spec: str, scaling_factor: float):
+def load_vae_spec(spec: str, scaling_factor: float):
+    """An LDM-format autoencoder file or a diffusers AutoencoderKL folder, with `scaling_factor` in its config."""
     from diffusers import AutoencoderKL
 
     from uvic.models.autoencoder import load_ldm_autoencoder
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    vae = _load_vae(args.vae, UVIT_VAE_SCALE)
+    vae = load_vae_spec(args.vae, UVIT_VAE_SCALE)
     text_encoder = _load_text_encoder(args.clip, args.clip_cache_dir)
     split_dir = extract_features(
         args.images,
