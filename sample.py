@@ -11,6 +11,7 @@
 Image i is generated from seed `--seed + i` (and, for a class-conditional model, class i % num_classes), so the
 images do not depend on --batch-size or the number of processes; in --out-dir mode it is saved as {i:06d}.png,
 the work is split across processes, and files that already exist are skipped (re-run to finish an interrupted job).
+A progress bar on stderr shows images done / total, images/s and the time left (--quiet hides it).
 """
 
 import argparse
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from uvic.errors import StorageError, cli_errors, describe_os_error, finite_float, int_at_least, storage_errors
 from uvic.pipelines import UViCText2ImagePipeline
 from uvic.pipelines.sampling import (
     balanced_class_labels,
+    check_grid_size,
     check_output,
     generate,
     mscoco_prompt_embeds,
@@ -53,12 +56,14 @@ def main() -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--grid", metavar="PNG", help="write one image grid")
     mode.add_argument("--out-dir", metavar="DIR", help="write one PNG per image (for FID)")
-    p.add_argument("--num-images", type=int_at_least(1), default=64)
+    p.add_argument("--num-images", type=int_at_least(1), default=None,
+                   help="default: one per prompt for text prompts, else 64")
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: the pipeline's scheduler")
     p.add_argument("--steps", type=int_at_least(1), default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
-    p.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="image i uses seed + i")
     p.add_argument("--batch-size", type=int_at_least(1), default=64)
     p.add_argument("--grid-scale", type=int_at_least(1), default=1, help="enlarge each grid image this many times (tiny images)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t2i = p.add_argument_group("text-to-image pipelines")
     t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); grid mode")
     t2i.add_argument("--prompts-file", help="one prompt per line; grid mode")
@@ -71,7 +76,11 @@ def main() -> None:
     state = Accelerator()  # reads `accelerate launch` settings (processes, --cpu)
     try:  # everything that can be checked is checked before any sampling starts
         prompts = read_prompts(args)
-        check_output(grid=args.grid, out_dir=args.out_dir)
+        if args.num_images is None:
+            args.num_images = len(prompts) if args.grid and prompts else 64
+        if args.seed + args.num_images > 2**64:  # torch generators take seeds < 2**64
+            raise ValueError(f"--seed {args.seed} + --num-images {args.num_images} exceeds the largest seed, 2**64 - 1")
+        check_output(grid=args.grid, out_dir=args.out_dir, num_images=args.num_images)
         # A text encoder is only needed (and attached, if the pipeline has none) for prompts.
         pipe = load_pipeline(args.source, args.sampler, text_encoder=args.clip if args.grid and prompts else None)
     except (FileNotFoundError, ValueError, StorageError) as e:
@@ -83,13 +92,23 @@ def main() -> None:
         p.error("a text-to-image pipeline needs --features (extracted MS-COCO captions) for --out-dir")
     if not text and (prompts or args.features):
         p.error(f"{args.source} is not a text-to-image pipeline; --prompt/--prompts-file/--features do not apply")
+    if args.grid:
+        try:
+            check_grid_size(pipe, args.num_images, args.grid_scale)
+        except ValueError as e:
+            p.error(str(e))
+    if text and args.grid and args.num_images > len(prompts):
+        logging.warning("%d prompts for %d images: image i uses prompt i %% %d", len(prompts), args.num_images,
+                        len(prompts))
     pipe.to(state.device)
     pipe.set_progress_bar_config(disable=True)
-    common = {"batch_size": args.batch_size, "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
+    common = {"batch_size": args.batch_size, "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale,
+              "progress": not args.quiet and state.is_local_main_process}
     # A failed write (disk full) is one line; no partial file stays behind, and a re-run of --out-dir skips the finished
     # images.
     intact = f"; the images already in {args.out_dir} are complete: run the same command again to finish"
-    with torch.inference_mode(), cli_errors(), storage_errors("sampling stopped", intact if args.out_dir else ""):
+    with torch.inference_mode(), cli_errors(), storage_errors("sampling stopped", intact if args.out_dir else ""), \
+            logging_redirect_tqdm():  # log lines go above the progress bar, never onto it
         if args.grid:
             if state.is_main_process:  # a grid is small: the main process draws it alone
                 seeds = list(range(args.seed, args.seed + args.num_images))

@@ -245,3 +245,97 @@ def test_disk_full_while_writing_the_grid_leaves_no_partial_grid(pipe_dir, tmp_p
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "error: sampling stopped: disk full (No space left on device)"
     assert os.listdir(tmp_path) == []
+
+
+# Arguments that can only fail late are checked before any sampling.
+
+
+def test_a_grid_too_large_to_open_is_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys, no_sampling):
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--grid", tmp_path / "g.png", "--grid-scale", 100000)
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    # 64 images of 8x8 in an 8 x 8 grid, each enlarged 100000 times, with 2-pixel padding.
+    side = 8 * (8 * 100000 + 2) + 2
+    assert last.startswith(f"sample.py: error: a grid of 64 images at scale 100000 would be {side} x {side} pixels")
+    assert last.endswith("lower --grid-scale or --num-images")
+    assert not (tmp_path / "g.png").exists()
+
+
+@pytest.mark.parametrize("seed, n, message", [
+    (2**64 - 1, 64, f"--seed {2**64 - 1} + --num-images 64 exceeds the largest seed, 2**64 - 1"),
+    (2**64 - 4, 5, f"--seed {2**64 - 4} + --num-images 5 exceeds the largest seed, 2**64 - 1"),
+    (-1, 4, "argument --seed: must be >= 0, got -1"),
+])  # fmt: skip
+def test_seeds_past_the_generator_range_are_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys,
+                                                                    no_sampling, seed, n, message):
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--out-dir", tmp_path / "o", "--seed", seed,
+                            "--num-images", n)
+    assert code == 2 and err.strip().splitlines()[-1] == f"sample.py: error: {message}"
+
+
+def test_the_largest_seed_itself_samples(pipe_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["sample.py", str(pipe_dir), "--grid", str(tmp_path / "g.png"), "--seed",
+                                      str(2**64 - 2), "--num-images", "2", "--steps", "1", "--quiet"])
+    runpy.run_path(str(ROOT / "sample.py"), run_name="__main__")
+    assert capsys.readouterr().out.strip() == str(tmp_path / "g.png")
+
+
+def test_an_image_name_taken_by_a_directory_is_named_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys,
+                                                                     no_sampling):
+    out = tmp_path / "out"
+    (out / "000002.png").mkdir(parents=True)
+    code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--out-dir", out, "--num-images", 4)
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"sample.py: error: cannot write image 2 to {out / '000002.png'}: it is a directory; move it out of the way")
+
+
+def test_the_folder_writer_names_a_directory_in_the_way(pipe_dir, tmp_path):
+    pipe = UViCPipeline.from_pretrained(pipe_dir)
+    (tmp_path / "o" / "000001.png").mkdir(parents=True)
+    with pytest.raises(OSError, match=r"cannot write image 1 to .*000001\.png: it is a directory"):
+        sample_to_folder(pipe, tmp_path / "o", 2, num_inference_steps=1)
+    assert list((tmp_path / "o").iterdir()) == [tmp_path / "o" / "000001.png"]  # refused before sampling
+
+
+# Progress on stderr.
+
+
+def _bar_updates(stderr):
+    """The progress-bar states written to stderr, e.g. "sampling: 60%|###   | 3/5 [00:01<00:00, 2.9img/s]"."""
+    return [u for u in stderr.replace("\r", "\n").splitlines() if "img/s" in u or "s/img" in u]
+
+
+def _check_counts(updates, n, every_batch=True):
+    # Images done / total (after each batch of 2 when tqdm draws every update), the rate and the time left ("<00:00").
+    done = [u.split("|")[-1].split()[0] for u in updates]
+    assert done[0] == f"0/{n}" and done[-1] == f"{n}/{n}", updates
+    assert not every_batch or f"2/{n}" in done, updates
+    assert all("<" in u for u in updates)
+
+
+def test_the_out_dir_progress_bar_is_on_stderr_and_log_lines_stay_off_it(pipe_dir, tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "sample.py", str(pipe_dir), "--out-dir", str(out), "--num-images", "5",
+                        "--batch-size", "2", "--steps", "1"], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0"},
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    updates = _bar_updates(r.stderr)
+    _check_counts(updates, 5)
+    assert "/5" not in r.stdout
+    # The log line after the bar starts a line of its own.
+    assert any(line.endswith(f"process 0 wrote 5 images to {out}") and " INFO " in line and "img/s" not in line
+               for line in r.stderr.splitlines())
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_grid_progress_bar_and_quiet(pipe_dir, tmp_path, monkeypatch, capsys, quiet):
+    monkeypatch.setattr(sys, "argv", ["sample.py", str(pipe_dir), "--grid", str(tmp_path / "g.png"), "--num-images",
+                                      "4", "--batch-size", "2", "--steps", "1", *(["--quiet"] if quiet else [])])
+    runpy.run_path(str(ROOT / "sample.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "g.png")
+    if quiet:
+        assert _bar_updates(err) == [] and "/4" not in err
+    else:
+        _check_counts(_bar_updates(err), 4, every_batch=False)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
+from tqdm.auto import tqdm
 
 from uvic.pipelines.export import pipeline_class_name
 from uvic.pipelines.pipeline_uvic import UViCPipeline
@@ -35,8 +38,11 @@ __all__ = [
     "PIPELINE_CLASSES",
     "attach_text_encoder",
     "balanced_class_labels",
+    "check_grid_size",
     "check_output",
     "generate",
+    "grid_shape",
+    "image_shape",
     "is_pipeline_dir",
     "load_pretrained",
     "mscoco_prompt_embeds",
@@ -124,6 +130,7 @@ def generate(
     prompt_embeds: torch.Tensor | None = None,
     negative_prompt_embeds: torch.Tensor | None = None,
     guidance_scale: float = 2.0,
+    progress: bool | tqdm = False,
 ) -> np.ndarray:
     """Images for `seeds`, one generator per image, in batches of `batch_size`.
 
@@ -137,6 +144,8 @@ def generate(
         prompt_embeds: (N, L, D) caption features instead of `prompts`.
         negative_prompt_embeds: (L, D) or (1, L, D) unconditional features (default: the empty caption encoded).
         guidance_scale: text-to-image guidance in diffusers' convention (1 + the official scale).
+        progress: True shows a bar on stderr (images done / total, images/s, ETA); a `tqdm` bar is advanced
+            instead (the folder writer's, which counts the whole job).
     Returns:
         (N, H, W, C) uint8 images.
     """
@@ -157,17 +166,27 @@ def generate(
         if value is not None and len(value) != len(seeds):
             raise ValueError(f"got {len(value)} {name} for {len(seeds)} seeds")
     out = []
-    for k in range(0, len(seeds), batch_size):
-        chunk = list(seeds[k : k + batch_size])
-        kwargs: dict[str, Any] = {name: v[k : k + batch_size] for name, v in per_image.items() if v is not None}
-        if text:
-            kwargs.update(negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale)
-        else:
-            kwargs.update(batch_size=len(chunk))
-        gens = [torch.Generator("cpu").manual_seed(int(s)) for s in chunk]
-        images = pipe(**kwargs, num_inference_steps=num_inference_steps, generator=gens, output_type="np").images
-        out.append(to_uint8(images))
+    # The bar closes on an error too, so that the error line starts on a line of its own.
+    own = nullcontext(progress) if isinstance(progress, tqdm) else _progress_bar(len(seeds), "sampling", not progress)
+    with own as bar:
+        for k in range(0, len(seeds), batch_size):
+            chunk = list(seeds[k : k + batch_size])
+            kwargs: dict[str, Any] = {name: v[k : k + batch_size] for name, v in per_image.items() if v is not None}
+            if text:
+                kwargs.update(negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale)
+            else:
+                kwargs.update(batch_size=len(chunk))
+            gens = [torch.Generator("cpu").manual_seed(int(s)) for s in chunk]
+            images = pipe(**kwargs, num_inference_steps=num_inference_steps, generator=gens, output_type="np").images
+            out.append(to_uint8(images))
+            bar.update(len(chunk))
     return np.concatenate(out)
+
+
+def _progress_bar(total: int, desc: str, disable: bool, initial: int = 0) -> tqdm:
+    """A bar on stderr: images done / total, images/s and the time left."""
+    return tqdm(total=total, initial=initial, desc=desc, unit="img", disable=disable, file=sys.stderr,
+                dynamic_ncols=True)
 
 
 def sample_to_folder(
@@ -185,6 +204,7 @@ def sample_to_folder(
     guidance_scale: float = 2.0,
     process_index: int = 0,
     num_processes: int = 1,
+    progress: bool = False,
 ) -> int:
     """Write images 0..num_images-1 as `{i:06d}.png` (seed `seed + i`); this process does i % P == rank.
 
@@ -196,40 +216,56 @@ def sample_to_folder(
     An existing file counts as done only if it reads as a complete PNG (`uvic.data.images.check_image`); a
     truncated or empty one (e.g. from a copy that ran out of space) is generated again. Each file is fsync'ed
     before its rename, and temporary files that an interrupted run left for this process's images are removed.
+    `progress` shows a bar on stderr for this process's images (images done / total, images/s, ETA).
+
+    Raises:
+        StorageError: before any sampling, when a name this process writes is taken by a directory.
     """
     if num_images < 1:
         raise ValueError(f"num_images must be >= 1, got {num_images}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mine = range(process_index, num_images, num_processes)
+    _check_image_names(out_dir, mine)
     _remove_stale_temporaries(out_dir, set(mine))
     todo = [i for i in mine if not _is_complete_png(out_dir / f"{i:06d}.png")]
     if class_labels is None and not isinstance(pipe, UViCText2ImagePipeline):
         class_labels = balanced_class_labels(pipe, range(num_images))
-    for k in range(0, len(todo), batch_size):
-        chunk = todo[k : k + batch_size]
-        images = generate(
-            pipe, [seed + i for i in chunk], batch_size=batch_size, num_inference_steps=num_inference_steps,
-            class_labels=None if class_labels is None else [class_labels[i] for i in chunk],
-            prompts=None if prompts is None else [prompts[i] for i in chunk],
-            prompt_embeds=None if prompt_embeds is None else prompt_embeds[np.asarray(chunk)],
-            negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale,
-        )  # fmt: skip
-        for i, img in zip(chunk, images):
-            final = out_dir / f"{i:06d}.png"
-            tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
-            try:
-                with open(tmp, "wb") as f:  # on disk before the rename, so a power cut never leaves a short file
-                    Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-            except OSError:  # e.g. disk full: no partial file stays behind, the finished ones are complete
-                _unlink_quietly(tmp)
-                raise
-        _fsync_dir(out_dir)  # the renames themselves
+    with _progress_bar(len(mine), f"sampling to {out_dir}", not progress, initial=len(mine) - len(todo)) as bar:
+        for k in range(0, len(todo), batch_size):
+            chunk = todo[k : k + batch_size]
+            images = generate(
+                pipe, [seed + i for i in chunk], batch_size=batch_size, num_inference_steps=num_inference_steps,
+                class_labels=None if class_labels is None else [class_labels[i] for i in chunk],
+                prompts=None if prompts is None else [prompts[i] for i in chunk],
+                prompt_embeds=None if prompt_embeds is None else prompt_embeds[np.asarray(chunk)],
+                negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale, progress=bar,
+            )  # fmt: skip
+            for i, img in zip(chunk, images):
+                final = out_dir / f"{i:06d}.png"
+                tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
+                try:
+                    with open(tmp, "wb") as f:  # on disk before the rename, so a power cut never leaves a short file
+                        Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, final)
+                except OSError:  # e.g. disk full: no partial file stays behind, the finished ones are complete
+                    _unlink_quietly(tmp)
+                    raise
+            _fsync_dir(out_dir)  # the renames themselves
     logger.info("process %d wrote %d images to %s", process_index, len(todo), out_dir)
     return len(todo)
+
+
+def _check_image_names(out_dir: Path, indices: Sequence[int]) -> None:
+    """Refuse an image name that a directory holds: no run could ever write it (checked before any sampling)."""
+    from uvic.errors import StorageError
+
+    for i in indices:
+        if (out_dir / f"{i:06d}.png").is_dir():
+            raise StorageError(f"cannot write image {i} to {out_dir / f'{i:06d}.png'}: it is a directory; move it "
+                               f"out of the way")
 
 
 def _is_complete_png(path: Path) -> bool:
@@ -265,13 +301,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None) -> None:
-    """Before any sampling: the grid's format can be written and its folder (or `out_dir`) accepts files.
+def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
+                 num_images: int = 0) -> None:
+    """Before any sampling: the grid's format can be written and its folder (or `out_dir`) accepts files, and none
+    of the `num_images` names of `out_dir` is a directory.
 
     Raises:
         ValueError: a grid extension PIL cannot write.
-        StorageError: the grid path is a directory, or the folder cannot be created or written (read-only, a file
-            in the way, no permission).
+        StorageError: the grid path is a directory, the folder cannot be created or written (read-only, a file
+            in the way, no permission), or an image name of `out_dir` is a directory.
     """
     from uvic.errors import StorageError, check_writable
 
@@ -283,6 +321,8 @@ def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLi
     folder = Path(out_dir) if out_dir is not None else (grid.parent if grid is not None else None)
     if folder is not None:
         check_writable(folder, f"to {folder}")
+    if out_dir is not None:
+        _check_image_names(Path(out_dir), range(num_images))
 
 
 class _CaptionRows:
@@ -315,6 +355,34 @@ def mscoco_prompt_embeds(
     return _CaptionRows(features, rows), features.empty_context, [captions[int(r)] for r in rows]
 
 
+def image_shape(pipe: DiffusionPipeline) -> tuple[int, int, int]:
+    """(H, W, C) of the images `pipe` generates, known before sampling (latent size x the VAE's downsampling)."""
+    cfg = pipe.transformer.config
+    vae = getattr(pipe, "vae", None)
+    if vae is None:
+        return cfg.img_size, cfg.img_size, cfg.in_chans
+    side = cfg.img_size * 2 ** (len(vae.config.block_out_channels) - 1)
+    return side, side, vae.config.out_channels
+
+
+def grid_shape(n: int, h: int, w: int, c: int, nrow: int | None = None, pad: int = 2, scale: int = 1
+               ) -> tuple[int, int, int]:  # fmt: skip
+    """(height, width, channels) of `save_grid`'s grid of n images of (h, w, c) pixels."""
+    nrow = nrow or int(np.ceil(np.sqrt(n)))
+    rows = int(np.ceil(n / nrow))
+    return rows * (h * scale + pad) + pad, nrow * (w * scale + pad) + pad, c
+
+
+def check_grid_size(pipe: DiffusionPipeline, num_images: int, scale: int = 1) -> None:
+    """Before sampling: refuse a grid larger than PIL opens without a decompression-bomb warning
+    (`PIL.Image.MAX_IMAGE_PIXELS`), which would also need its size in memory after all the sampling."""
+    height, width, c = grid_shape(num_images, *image_shape(pipe), scale=scale)
+    if Image.MAX_IMAGE_PIXELS is not None and height * width > Image.MAX_IMAGE_PIXELS:
+        raise ValueError(f"a grid of {num_images} images at scale {scale} would be {width} x {height} pixels "
+                         f"({height * width * c / 2**30:.3g} GiB), more than image viewers and PIL open "
+                         f"({Image.MAX_IMAGE_PIXELS} pixels); lower --grid-scale or --num-images")
+
+
 def save_grid(images: np.ndarray, path: str | Path, nrow: int | None = None, pad: int = 2, scale: int = 1) -> Path:
     """Tile (N, H, W, C) uint8 images into one PNG, `nrow` per row (default about sqrt(N)).
 
@@ -324,8 +392,7 @@ def save_grid(images: np.ndarray, path: str | Path, nrow: int | None = None, pad
         images = images.repeat(scale, axis=1).repeat(scale, axis=2)
     n, h, w, c = images.shape
     nrow = nrow or int(np.ceil(np.sqrt(n)))
-    rows = int(np.ceil(n / nrow))
-    grid = np.full((rows * (h + pad) + pad, nrow * (w + pad) + pad, c), 255, dtype=np.uint8)
+    grid = np.full(grid_shape(n, h, w, c, nrow, pad), 255, dtype=np.uint8)
     for i, img in enumerate(images):
         r, col = divmod(i, nrow)
         grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + col * (w + pad) : pad + col * (w + pad) + w] = img
