@@ -13,6 +13,7 @@ from uvic.config import load_config
 from uvic.pipelines import UViCPipeline
 from uvic.training import train
 from uvic.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint, sweep_leftovers
+from uvic.training.ema import EMA
 from uvic.training.logs import read_metrics
 from uvic.training.loop import lr_lambda, resume_checkpoint
 from uvic.training.tasks import DiffusionTask
@@ -55,9 +56,10 @@ def test_lr_schedule():
     assert g(5) == 0.5 and g(10) == pytest.approx(1.0) and g(60) == pytest.approx(0.55) and g(110) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_resume_is_exact(tmp_path, image_dir, tiny_overrides, accum):
-    extra = {"train.grad_accum_steps": accum, "train.max_steps": 5, "train.save_every": 3}
+@pytest.mark.parametrize("accum, ema_decay", [(1, 0.9), (2, 0.9), (2, 0.0)])
+def test_resume_is_exact(tmp_path, image_dir, tiny_overrides, accum, ema_decay):
+    extra = {"train.grad_accum_steps": accum, "train.max_steps": 5, "train.save_every": 3,
+             "train.ema_decay": ema_decay}
     full = tmp_path / "full"
     train(load_config(None, tiny_overrides(full, image_dir, **extra)))
     part = tmp_path / "part"
@@ -73,6 +75,29 @@ def test_resume_is_exact(tmp_path, image_dir, tiny_overrides, accum):
     b_opt = torch.load(list_checkpoints(part)[-1][1] / "optimizer.bin", weights_only=True)
     for i, st in a_opt["state"].items():
         torch.testing.assert_close(st["exp_avg_sq"], b_opt["state"][i]["exp_avg_sq"], rtol=0, atol=0)
+
+
+def test_no_ema_model_when_the_decay_is_0(tmp_path, image_dir, tiny_overrides, monkeypatch):
+    import uvic.training.loop as loop
+
+    built = []
+    monkeypatch.setattr(loop, "EMA", lambda *args: built.append(args) or EMA(*args))
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.ema_decay": 0.0, "train.sample_every": 4})))
+    assert built == []
+    # The sampling weights are the model's own: in the checkpoint, in the sample grid's run and in the export.
+    model, ema = _weights(list_checkpoints(run)[-1][1])
+    assert model.keys() == ema.keys()
+    pipe = UViCPipeline.from_pretrained(run / "pipeline")
+    for k, v in model.items():
+        torch.testing.assert_close(ema[k], v, rtol=0, atol=0)
+        torch.testing.assert_close(pipe.transformer.state_dict()[k], v, rtol=0, atol=0)
+    assert (run / "samples" / "step_0000004.png").is_file()
+    # A decay > 0 builds one, and its weights differ from the model's.
+    train(load_config(None, tiny_overrides(tmp_path / "run2", image_dir)))
+    assert [args[1] for args in built] == [0.9]
+    model, ema = _weights(list_checkpoints(tmp_path / "run2")[-1][1])
+    assert any(not torch.equal(model[k], ema[k]) for k in model)
 
 
 def test_refuses_to_overwrite_a_run_without_resume(tmp_path, image_dir, tiny_overrides):

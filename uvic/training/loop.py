@@ -1,26 +1,33 @@
 """`train(cfg)`: the one training loop (accelerate: DDP, fp16/bf16, gradient accumulation), for any `Task`.
 
-Structure follows DiT's `main()`: setup, model/EMA/optimizer, data, prepare, resume, loop, end. What is trained
-comes from the task (`uvic.training.tasks`); everything here is task-agnostic.
+`_train` reads top to bottom like DiT's `main()`: `_setup` (accelerator, run-dir lock, seeds, resolved config),
+`_build` (model, EMA, optimizer, data, `accelerator.prepare`), `_resume`, then `_train_step` per micro-batch and
+`_periodic_work` after each optimizer step (log, sample, checkpoint), and `_finish` (export, loss curve). What is
+trained comes from the task (`uvic.training.tasks`); everything here is task-agnostic. Periodic work is one
+`_due` test and one function per job: a new job (an evaluation, say) is one line in `_periodic_work` plus its
+function.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, set_seed
+from torch import nn
 from tqdm.auto import tqdm
 
-from uvic.config import RunConfig, validate_ranges
+from uvic.config import RunConfig, TrainConfig, validate_ranges
 from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
+    TrainingState,
     abandon_newer_checkpoints,
     agree,
     latest_checkpoint,
@@ -35,7 +42,7 @@ from uvic.training.ema import EMA
 from uvic.training.lock import hold_run_dir
 from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_curve
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import build_task
+from uvic.training.tasks import Task, build_task
 
 
 logger = get_logger(__name__)
@@ -55,17 +62,6 @@ def lr_lambda(warmup_steps: int, schedule: str, max_steps: int, min_ratio: float
     return f
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Flatten a nested config for tensorboard's hparams (which takes scalars and strings only)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
-
-
 def train(cfg: RunConfig) -> Path:
     """Train `cfg.task` as configured; returns the run dir.
 
@@ -82,7 +78,7 @@ def train(cfg: RunConfig) -> Path:
     validate_ranges(cfg)  # configs built in Python skip load_config's check
     run_dir = Path(cfg.train.run_dir)
     try:
-        with ExitStack() as stack:  # holds the run-dir lock, taken by _train once the accelerator exists
+        with ExitStack() as stack:  # holds the run-dir lock, taken by _setup once the accelerator exists
             return _train(cfg, stack)
     except OSError as e:
         if isinstance(e, UvicError) or e.errno is None:  # already clear, or a message of ours (FileNotFoundError)
@@ -92,10 +88,98 @@ def train(cfg: RunConfig) -> Path:
 
 
 def _train(cfg: RunConfig, stack: ExitStack) -> Path:
+    accelerator, resume = _setup(cfg, stack)
+    run = _build(cfg, accelerator, resume)
+    _resume(run)
+    pbar = tqdm(total=run.tc.max_steps, initial=run.step, disable=not accelerator.is_local_main_process,
+                desc="train")
+    batches = _batches(run)
+    while run.step < run.tc.max_steps:
+        if _train_step(run, next(batches)):  # False inside a gradient-accumulation step
+            pbar.update(1)
+            _periodic_work(run)
+    pbar.close()
+    _finish(run)
+    return run.run_dir
+
+
+@dataclass
+class _LossMeter:
+    """Micro-batch losses since the last log line, kept on the device: reading them is a CPU-GPU sync point, done
+    only on steps that log, sample or save."""
+
+    device: torch.device
+    total: torch.Tensor = field(init=False)
+    nonfinite: torch.Tensor = field(init=False)
+    count: int = 0
+    since: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.total = torch.zeros((), device=self.device)
+        self.nonfinite = torch.zeros((), device=self.device, dtype=torch.bool)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.nonfinite |= ~torch.isfinite(loss)
+        self.total += loss
+        self.count += 1
+
+    def reset(self) -> None:
+        self.total.zero_()
+        self.count, self.since = 0, time.time()
+
+
+@dataclass
+class _Run:
+    """What the steps of one training run share; `_build` makes it, the steps read and advance it."""
+
+    cfg: RunConfig
+    accelerator: Accelerator
+    task: Task
+    model: nn.Module  # as prepared by accelerate (DDP, mixed precision)
+    ema: EMA | None  # None when train.ema_decay is 0: the EMA would be the model itself
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: ShardedBatchSampler
+    loader: Any
+    rng: ShardedRNG
+    meter: _LossMeter
+    resume: Path | None
+    step: int = 0
+    last_good: Path | None = None  # the newest complete checkpoint, named when the run fails
+
+    @property
+    def tc(self) -> TrainConfig:
+        return self.cfg.train
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.train.run_dir)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def sampling_model(self) -> nn.Module:
+        """The weights that sample and are exported: the EMA, or the (unwrapped) model when there is no EMA."""
+        return self.ema.model if self.ema is not None else self.accelerator.unwrap_model(self.model)
+
+    def checkpointed_models(self) -> dict[str, nn.Module]:
+        """Models saved next to the accelerator state. `ema.safetensors` is always written, so every reader of a
+        checkpoint finds the sampling weights under one name (without an EMA they are the model's own)."""
+        return {"ema": self.sampling_model}
+
+    @property
+    def training_state(self) -> TrainingState:
+        """What a checkpoint restores besides the models above (data-only files, `uvic.training.checkpoint`)."""
+        return TrainingState(self.model, self.optimizer, {"lr_scheduler": self.lr_scheduler, "rng": self.rng})
+
+
+def _setup(cfg: RunConfig, stack: ExitStack) -> tuple[Accelerator, Path | None]:
+    """The accelerator, the run-dir lock (and a sweep of what interrupted saves left), seeds, threads and the
+    resolved config in `run_dir/config.yaml`; returns the accelerator and the checkpoint to resume (or None)."""
     tc = cfg.train
     run_dir = Path(tc.run_dir)
-
-    # 1. Setup: accelerator, the run-dir lock (and a sweep of what interrupted saves left), seeds, resolved config.
     accelerator = Accelerator(
         mixed_precision=tc.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -114,25 +198,32 @@ def _train(cfg: RunConfig, stack: ExitStack) -> Path:
             f"train.batch_size={tc.batch_size} must be divisible by processes x grad_accum_steps = "
             f"{world} x {tc.grad_accum_steps}"
         )
-    local_batch = tc.batch_size // (world * tc.grad_accum_steps)
+    # Located before config.yaml is written, so that a refused start leaves the run dir as it was.
     resume = resume_checkpoint(run_dir, tc.resume)
     set_seed(tc.seed, device_specific=True)
     torch.backends.cuda.matmul.allow_tf32 = tc.allow_tf32
     torch.backends.cudnn.allow_tf32 = tc.allow_tf32
     if tc.cpu_threads > 0:
         torch.set_num_threads(tc.cpu_threads)
-    config = cfg.to_dict()
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return accelerator, resume
+
+
+def _build(cfg: RunConfig, accelerator: Accelerator, resume: Path | None) -> _Run:
+    """The task's model, the EMA (if `train.ema_decay` > 0), AdamW and the LR schedule, the data, all prepared."""
+    tc = cfg.train
+    world = accelerator.num_processes
+    local_batch = tc.batch_size // (world * tc.grad_accum_steps)
     task = build_task(cfg)
 
-    # 2. Model, EMA, optimizer, LR schedule. The EMA is copied before `prepare`, which patches the model's
-    # forward for mixed precision (a deepcopy would share that patch).
+    # Model, EMA, optimizer, LR schedule. The EMA is copied before `prepare`, which patches the model's forward
+    # for mixed precision (a deepcopy would share that patch).
     model = task.build_model()
     if tc.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    ema = EMA(model, tc.ema_decay)
+    ema = EMA(model, tc.ema_decay) if tc.ema_decay > 0 else None
     # The task names its weight-decay groups (U-ViT decays everything; the LM exempts norm gains and biases).
     optimizer = torch.optim.AdamW(
         task.param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps
@@ -143,117 +234,184 @@ def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     )
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"task={cfg.task} parameters={n_params:,} processes={world} local_batch={local_batch} "
-                f"grad_accum={tc.grad_accum_steps} mixed_precision={accelerator.mixed_precision}")
+                f"grad_accum={tc.grad_accum_steps} mixed_precision={accelerator.mixed_precision} "
+                f"ema={'off' if ema is None else tc.ema_decay}")
 
-    # 3. Data: a sharded, epoch-seeded sampler, so the order resumes exactly and does not depend on world size.
+    # Data: a sharded, epoch-seeded sampler, so the order resumes exactly and does not depend on world size.
     dataset = task.build_dataset()
     sampler = ShardedBatchSampler(len(dataset), local_batch, tc.seed, accelerator.process_index, world)
     loader = build_loader(dataset, sampler, cfg.data.num_workers)
 
-    # 4. Prepare. The EMA restarts from the weights DDP broadcast from rank 0, an exact copy on every process.
-    # The run's generator and the LR schedule are checkpointed with the accelerator state, the EMA separately.
+    # Prepare. The EMA restarts from the weights DDP broadcast from rank 0, an exact copy on every process.
+    # The run's generator and the LR schedule are checkpointed with the model (`_Run.training_state`).
     model, optimizer = accelerator.prepare(model, optimizer)
-    ema.model.load_state_dict(accelerator.unwrap_model(model).state_dict())
-    ema.to(accelerator.device)
+    if ema is not None:
+        ema.model.load_state_dict(accelerator.unwrap_model(model).state_dict())
+        ema.to(accelerator.device)
     rng = ShardedRNG(tc.seed, accelerator.process_index, world, accelerator.device)
-    accelerator.register_for_checkpointing(lr_scheduler, rng)
+    return _Run(cfg=cfg, accelerator=accelerator, task=task, model=model, ema=ema, optimizer=optimizer,
+                lr_scheduler=lr_scheduler, sampler=sampler, loader=loader, rng=rng, resume=resume,
+                meter=_LossMeter(accelerator.device))
 
-    # 5. Resume. From an older checkpoint than the newest, the newer ones (and their metrics) move to
-    # checkpoints/abandoned/: this run is a new branch, which rotation and a later --resume must only see.
-    step = load_checkpoint(accelerator, resume, {"ema": ema.model}) if resume else 0
-    metrics_path = run_dir / "metrics.jsonl"
-    if resume and accelerator.is_main_process:
-        abandoned = abandon_newer_checkpoints(run_dir, step)
-        if abandoned is not None:
-            move_metrics_after(metrics_path, step, abandoned / "metrics.jsonl")
+
+def _resume(run: _Run) -> None:
+    """Restore the checkpoint `train.resume` names, if any, and start the trackers.
+
+    From an older checkpoint than the newest, the newer ones (and their metrics) move to checkpoints/abandoned/:
+    this run is a new branch, which rotation and a later --resume must only see.
+    """
+    accelerator = run.accelerator
+    if run.resume is not None:
+        extra = {"ema": run.ema.model} if run.ema is not None else {}
+        run.step = load_checkpoint(accelerator, run.resume, extra, state=run.training_state)
+        if accelerator.is_main_process:
+            abandoned = abandon_newer_checkpoints(run.run_dir, run.step)
+            if abandoned is not None:
+                move_metrics_after(run.metrics_path, run.step, abandoned / "metrics.jsonl")
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process and tc.log_with != "none":
-        accelerator.init_trackers("train", config=_flat(config))
+    run.last_good = latest_checkpoint(run.run_dir)
+    if accelerator.is_main_process and run.tc.log_with != "none":
+        accelerator.init_trackers("train", config=_flat(run.cfg.to_dict()))
+    run.meter.reset()
 
-    # 6. The loop. Micro-batches consumed so far fix the epoch and the position inside it.
-    epoch, skip = divmod(step * tc.grad_accum_steps, sampler.batches_per_epoch)
-    pbar = tqdm(total=tc.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    loss_sum = torch.zeros((), device=accelerator.device)
-    nonfinite = torch.zeros((), device=accelerator.device, dtype=torch.bool)
-    n_micro, t0, last_good = 0, time.time(), latest_checkpoint(run_dir)
 
-    def check_finite() -> None:
-        # A reduce is a sync point, so this runs only on steps that log, sample or save (never every step).
-        if accelerator.reduce(nonfinite.float(), "sum").item() > 0:
-            accelerator.end_training()
-            raise FloatingPointError(
-                f"the loss became NaN or Inf at or before step {step}; training stopped without saving. "
-                f"Last good checkpoint: {last_good or 'none'} (resume with train.resume=latest, e.g. a lower "
-                f"train.lr or mixed_precision=bf16)."
-            )
-
-    while step < tc.max_steps:
-        sampler.set_epoch(epoch, skip)
-        for batch in loader:
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            with accelerator.accumulate(model):
-                loss = task.loss(model, batch, rng)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and tc.grad_clip > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            loss = loss.detach()
-            nonfinite |= ~torch.isfinite(loss)
-            loss_sum += loss
-            n_micro += 1
-            if not accelerator.sync_gradients:
-                continue
-            lr_scheduler.step()
-            ema.update(accelerator.unwrap_model(model))
-            step += 1
-            pbar.update(1)
-
-            # 7. Log, sample and checkpoint at intervals. The NaN/Inf check comes first on any of these steps, so
-            # nothing is logged, drawn or saved from a diverged model, whatever the intervals are.
-            log_now = step % tc.log_every == 0 or step == tc.max_steps
-            sample_now = tc.sample_every > 0 and (step % tc.sample_every == 0 or step == tc.max_steps)
-            save_now = (tc.save_every > 0 and step % tc.save_every == 0) or step == tc.max_steps
-            if log_now or sample_now or save_now:
-                check_finite()
-            if log_now:
-                mean_loss = (accelerator.reduce(loss_sum, "mean") / n_micro).item()
-                steps_per_s = n_micro / tc.grad_accum_steps / (time.time() - t0)
-                lr = optimizer.param_groups[0]["lr"]
-                accelerator.log({"loss": mean_loss, "lr": lr, "steps_per_s": steps_per_s}, step=step)
-                if accelerator.is_main_process:
-                    append_metrics(metrics_path, {"step": step, "loss": mean_loss, "lr": lr})
-                logger.info(f"step={step:07d} loss={mean_loss:.4f} lr={lr:.2e} steps/s={steps_per_s:.2f}")
-                loss_sum.zero_()
-                n_micro, t0 = 0, time.time()
-            if sample_now:
-                if accelerator.is_main_process:
-                    task.on_sample(ema.model, step, run_dir)
-                accelerator.wait_for_everyone()
-            if save_now:
-                last_good = save_checkpoint(accelerator, run_dir, step, config, {"ema": ema.model},
-                                            tc.keep_checkpoints)
-            if step >= tc.max_steps:
-                break
+def _batches(run: _Run) -> Iterator[dict[str, torch.Tensor]]:
+    """This process's micro-batches on the device, epoch after epoch. The micro-batches consumed so far fix the
+    epoch and the position inside it, so a resumed run continues the same order."""
+    epoch, skip = divmod(run.step * run.tc.grad_accum_steps, run.sampler.batches_per_epoch)
+    while True:
+        run.sampler.set_epoch(epoch, skip)
+        for batch in run.loader:
+            yield {k: v.to(run.accelerator.device, non_blocking=True) for k, v in batch.items()}
         epoch, skip = epoch + 1, 0
-    pbar.close()
 
-    # 8. Export the EMA model and the loss curve; end. The export is renamed into place when complete; a failed
-    # write stops every process (a collective) with the last checkpoint, which `train.py --export` can export.
+
+def _train_step(run: _Run, batch: dict[str, torch.Tensor]) -> bool:
+    """Forward and backward of one micro-batch; on the last one of an optimizer step also the clipped update,
+    the LR schedule, the EMA and the step counter. Returns whether an optimizer step completed."""
+    accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
+    with accelerator.accumulate(model):
+        loss = run.task.loss(model, batch, run.rng)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and run.tc.grad_clip > 0:
+            accelerator.clip_grad_norm_(model.parameters(), run.tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    run.meter.add(loss.detach())
+    if not accelerator.sync_gradients:
+        return False
+    run.lr_scheduler.step()
+    if run.ema is not None:
+        run.ema.update(accelerator.unwrap_model(model))
+    run.step += 1
+    return True
+
+
+def _due(step: int, every: int, last: bool) -> bool:
+    """Whether a job run every `every` steps (0 = never) is due at `step`; due at the last step too."""
+    return every > 0 and (step % every == 0 or last)
+
+
+def _periodic_work(run: _Run) -> None:
+    """Log, sample and checkpoint when due. The NaN/Inf check comes first on any of these steps, so nothing is
+    logged, drawn or saved from a diverged model, whatever the intervals are."""
+    tc, step = run.tc, run.step
+    last = step == tc.max_steps
+    log_now = _due(step, tc.log_every, last)
+    sample_now = _due(step, tc.sample_every, last)
+    save_now = _due(step, tc.save_every, last) or last  # the last step is always saved
+    if not (log_now or sample_now or save_now):
+        return
+    _check_finite(run)
+    if log_now:
+        _log(run)
+    if sample_now:
+        _sample(run)
+    if save_now:
+        _save(run)
+
+
+def _check_finite(run: _Run) -> None:
+    """Stop every process, saving nothing, if a loss since the last check was NaN or Inf (a collective)."""
+    if run.accelerator.reduce(run.meter.nonfinite.float(), "sum").item() > 0:
+        run.accelerator.end_training()
+        raise FloatingPointError(
+            f"the loss became NaN or Inf at or before step {run.step}; training stopped without saving. "
+            f"Last good checkpoint: {run.last_good or 'none'} (resume with train.resume=latest, e.g. a lower "
+            f"train.lr or mixed_precision=bf16)."
+        )
+
+
+def _log(run: _Run) -> None:
+    """The mean loss since the last log line (over processes), the LR and the speed: trackers, metrics.jsonl and
+    the console line."""
+    accelerator, meter, step = run.accelerator, run.meter, run.step
+    mean_loss = (accelerator.reduce(meter.total, "mean") / meter.count).item()
+    steps_per_s = meter.count / run.tc.grad_accum_steps / (time.time() - meter.since)
+    lr = run.optimizer.param_groups[0]["lr"]
+    accelerator.log({"loss": mean_loss, "lr": lr, "steps_per_s": steps_per_s}, step=step)
+    if accelerator.is_main_process:
+        append_metrics(run.metrics_path, {"step": step, "loss": mean_loss, "lr": lr})
+    logger.info(f"step={step:07d} loss={mean_loss:.4f} lr={lr:.2e} steps/s={steps_per_s:.2f}")
+    meter.reset()
+
+
+def _sample(run: _Run) -> None:
+    """The task's periodic samples from the sampling weights (main process; the others wait)."""
+    if run.accelerator.is_main_process:
+        with _eval_mode(run.sampling_model) as model:
+            run.task.on_sample(model, run.step, run.run_dir)
+    run.accelerator.wait_for_everyone()
+
+
+def _save(run: _Run) -> None:
+    """A checkpoint of this step (every process takes part), rotated to `train.keep_checkpoints`."""
+    run.last_good = save_checkpoint(run.accelerator, run.run_dir, run.step, run.cfg.to_dict(),
+                                    run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state)
+
+
+def _finish(run: _Run) -> None:
+    """Export the sampling weights and draw the loss curve; end the trackers.
+
+    The export is renamed into place when complete; a failed write stops every process (a collective) with the
+    last checkpoint, which `train.py --export` can export.
+    """
+    accelerator, run_dir = run.accelerator, run.run_dir
     failure = None
     if accelerator.is_main_process:
         try:
-            write_dir_atomically(run_dir / "pipeline", lambda tmp: task.export(ema.model, tmp))
-            plot_loss_curve(metrics_path, run_dir / "loss_curve.png", title=f"{cfg.task}: {run_dir.name}")
+            write_dir_atomically(run_dir / "pipeline", lambda tmp: run.task.export(run.sampling_model, tmp))
+            plot_loss_curve(run.metrics_path, run_dir / "loss_curve.png", title=f"{run.cfg.task}: {run_dir.name}")
         except OSError as e:
             failure = str(e) if isinstance(e, StorageError) else describe_os_error(e)
     failure = agree(accelerator, failure)
     if failure is not None:
-        raise StorageError(f"training finished, but {failure}. The last complete checkpoint is {last_good} "
-                           f"(export it with train.py CONFIG --export {last_good})")
+        raise StorageError(f"training finished, but {failure}. The last complete checkpoint is {run.last_good} "
+                           f"(export it with train.py CONFIG --export {run.last_good})")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return run_dir
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` in eval mode for the block, then back in the mode it was in (the EMA copy is always in eval)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten a nested config for tensorboard's hparams (which takes scalars and strings only)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
 
 
 def resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
