@@ -1,10 +1,22 @@
-"""`UViCPipeline`: unconditional (or class-conditional) image generation with a U-ViT / U-ViC transformer."""
+"""`UViCPipeline`: unconditional or class-conditional generation with a U-ViT / U-ViC transformer, in pixels or in
+the latent space of a VAE.
+
+Class-conditional guidance follows U-ViT's `eval_ldm_discrete.py` (ImageNet 256 / 512): the unconditional branch is
+the null class, the model's last class id (`transformer.config.num_classes - 1`, 1000 of 1001), and guidance acts on
+epsilon before the solver. `guidance_scale` is diffusers' g in eps_u + g (eps_c - eps_u); U-ViT's
+`eps_c + s (eps_c - eps_u)` is g = 1 + s, so its 0.4 (256) is 1.4 and its 0.7 (512) is 1.7; g <= 1 is one model
+call per step. `from_official` builds the released ImageNet models with their official sampling settings.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+from typing import Any
+
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline, ImagePipelineOutput
+from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -16,6 +28,9 @@ from uvic.pipelines.export import ExportedPipelineMixin
 from uvic.schedulers.timesteps import network_timestep_for
 
 
+logger = logging.getLogger(__name__)
+
+
 def postprocess_images(images: torch.Tensor, output_type: str) -> torch.Tensor | np.ndarray | list:
     """(B, C, H, W) images in [-1, 1] -> [0, 1] in float32 as "pt" (B, C, H, W), "np" (B, H, W, C) or "pil"."""
     images = (images.float() / 2 + 0.5).clamp(0, 1)
@@ -25,8 +40,36 @@ def postprocess_images(images: torch.Tensor, output_type: str) -> torch.Tensor |
     return DiffusionPipeline.numpy_to_pil(images) if output_type == "pil" else images
 
 
+# The released class-conditional U-ViT models (baofff/U-ViT configs/imagenet*_uvit_*.py): the `nnet` section, the
+# forward process, the label dropout (`dataset.p_uncond`) and the guidance (`sample.scale`) of each config.
+_L = {"embed_dim": 1024, "depth": 20, "num_heads": 16}
+_H = {"embed_dim": 1152, "depth": 28, "num_heads": 16, "conv": False}
+_COMMON = {"name": "uvit", "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False}
+OFFICIAL_IMAGENET: dict[str, dict[str, Any]] = {
+    "imagenet64_uvit_mid": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 3, "embed_dim": 768,
+                                     "depth": 16, "num_heads": 12, "num_classes": 1000},
+                            "schedule": "vpsde", "p_uncond": 0.0, "scale": 0.0},
+    "imagenet64_uvit_large": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 3, **_L,
+                                       "num_classes": 1000},
+                              "schedule": "vpsde", "p_uncond": 0.0, "scale": 0.0},
+    "imagenet256_uvit_large": {"nnet": {**_COMMON, "img_size": 32, "patch_size": 2, "in_chans": 4, **_L,
+                                        "num_classes": 1001},
+                               "schedule": "discrete", "p_uncond": 0.15, "scale": 0.4},
+    "imagenet256_uvit_huge": {"nnet": {**_COMMON, "img_size": 32, "patch_size": 2, "in_chans": 4, **_H,
+                                       "num_classes": 1001},
+                              "schedule": "discrete", "p_uncond": 0.1, "scale": 0.4},
+    "imagenet512_uvit_large": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 4, **_L,
+                                        "num_classes": 1001},
+                               "schedule": "discrete", "p_uncond": 0.15, "scale": 0.7},
+    "imagenet512_uvit_huge": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 4, **_H,
+                                       "num_classes": 1001},
+                              "schedule": "discrete", "p_uncond": 0.1, "scale": 0.7},
+}  # fmt: skip
+
+
 class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
-    """Pixel-space diffusion sampling with a `UViTModel` noise predictor and any scheduler from `uvic.schedulers`.
+    """Diffusion sampling with a `UViTModel` noise predictor and any scheduler from `uvic.schedulers`, in pixels or
+    (with a `vae`) in latents.
 
     Each entry t of `scheduler.timesteps` reaches the network as `network_timestep_for(scheduler, t)`
     (`uvic.schedulers.timesteps`, shared with the training loss): 999 t for the VP-SDE schedulers (continuous t),
@@ -37,15 +80,112 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
 
     Args:
         transformer: the `UViTModel` (eps-prediction).
-        scheduler: e.g. `VPSDEEulerMaruyamaScheduler`, `VPSDEDPMSolverScheduler`, `DDIMScheduler`.
+        scheduler: e.g. `VPSDEEulerMaruyamaScheduler`, `VPSDEDPMSolverScheduler`, `UViTDPMSolverScheduler`.
+        vae: for a latent model, the `AutoencoderKL` whose `config.scaling_factor` the latents were trained with
+            (U-ViT ImageNet: 0.18215); its latent channels must be the transformer's `in_chans`.
+        null_class: the transformer's last class id (`num_classes - 1`) is the null label of classifier-free
+            guidance; the labels a caller may ask for are then [0, num_classes - 1).
+        label_dropout: the probability with which the labels were replaced by the null class in training
+            (U-ViT's `p_uncond`); guidance on a model trained with 0 gets a warning.
+        class_counts: (K,) training images per class, for drawing FID labels in training proportions (U-ViT's
+            ImageNet 64 `sample_label`); None where labels are drawn uniformly.
+        default_guidance_scale: the guidance `__call__` uses when given none (the official one of the model).
     """
 
-    model_cpu_offload_seq = "transformer"
+    model_cpu_offload_seq = "transformer->vae"
+    _optional_components = ["vae"]
     _module_file = "pipeline_uvic"
 
-    def __init__(self, transformer: UViTModel, scheduler: SchedulerMixin) -> None:
+    def __init__(
+        self,
+        transformer: UViTModel,
+        scheduler: SchedulerMixin,
+        vae: AutoencoderKL | None = None,
+        null_class: bool = False,
+        label_dropout: float = 0.0,
+        class_counts: list[int] | None = None,
+        default_guidance_scale: float = 1.0,
+    ) -> None:
         super().__init__()
-        self.register_modules(transformer=transformer, scheduler=scheduler)
+        cfg = transformer.config
+        if vae is not None and vae.config.latent_channels != cfg.in_chans:
+            raise ValueError(f"the VAE has {vae.config.latent_channels} latent channels but the transformer takes "
+                             f"in_chans={cfg.in_chans}: they must match")
+        if null_class and cfg.num_classes < 2:
+            raise ValueError(f"null_class needs a class-conditional transformer with at least 2 classes, "
+                             f"got num_classes={cfg.num_classes}")
+        if not 0.0 <= label_dropout <= 1.0:
+            raise ValueError(f"label_dropout must be in [0, 1], got {label_dropout}")
+        if class_counts is not None:
+            class_counts = [int(c) for c in class_counts]
+            if len(class_counts) != cfg.num_classes - int(null_class) or min(class_counts) < 0 or sum(class_counts) == 0:
+                raise ValueError(f"class_counts must hold {cfg.num_classes - int(null_class)} non-negative counts "
+                                 f"(one per class), got {len(class_counts)}")
+        self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
+        self.register_to_config(null_class=null_class, label_dropout=float(label_dropout), class_counts=class_counts,
+                                default_guidance_scale=float(default_guidance_scale))
+        self._warned_no_dropout = False
+
+    @property
+    def num_labels(self) -> int:
+        """The number of class ids a caller may ask for (the null class excluded); 0 if not class-conditional."""
+        k = self.transformer.config.num_classes
+        return max(k, 0) - int(self.config.null_class)
+
+    @classmethod
+    def from_official(
+        cls,
+        name: str,
+        nnet_path: str | os.PathLike,
+        autoencoder_path: str | os.PathLike | None = None,
+        *,
+        class_counts: list[int] | None = None,
+        nnet_config: dict | None = None,
+        vae_config: dict | None = None,
+        attention_backend: str = "auto",
+    ) -> UViCPipeline:
+        """A released U-ViT ImageNet model with the official sampler and guidance.
+
+        Sampling settings, as U-ViT's `eval.py` / `eval_ldm_discrete.py` with each config: ImageNet 64 on the
+        continuous VP-SDE with its DPM-Solver-fast (sampler "uvit_dpm_solver", 50 steps, no guidance);
+        ImageNet 256 / 512 on the discrete SD schedule with its DPM-Solver++ ("uvit_dpm_solver", 50 steps), guidance 1 + 0.4 (256) or 1 + 0.7 (512) with the null class 1000, decoded with the VAE at
+        scale 0.18215.
+
+        Args:
+            name: the official config, one of `OFFICIAL_IMAGENET` (e.g. "imagenet256_uvit_huge").
+            nnet_path: the released `imagenet*_uvit_*.pth` (a bare state dict, loaded strictly).
+            autoencoder_path: for 256 / 512, U-ViT's `assets/stable-diffusion/autoencoder_kl.pth` (the Huge
+                configs decode with `autoencoder_kl_ema.pth`), LDM format.
+            class_counts: ImageNet 64 only: training images per class (`ImageNet(root).class_counts()`), for
+                `sample.py --class-labels random`.
+            nnet_config: replaces the config's `nnet` section (e.g. a tiny model of the same kind in tests).
+            vae_config: AutoencoderKL kwargs (default: SD v1 KL-f8).
+            attention_backend: the `uvic.attention` backend.
+        """
+        from uvic.config import DiffusionConfig
+        from uvic.data.imagenet import LATENT_SCALE
+        from uvic.models.autoencoder import load_ldm_autoencoder
+        from uvic.models.uvit import uvit_from_official
+        from uvic.schedulers import build_scheduler
+
+        if name not in OFFICIAL_IMAGENET:
+            raise ValueError(f"unknown official ImageNet config {name!r}; expected one of {sorted(OFFICIAL_IMAGENET)}")
+        spec = OFFICIAL_IMAGENET[name]
+        latent = spec["schedule"] == "discrete"
+        if latent and autoencoder_path is None:
+            raise ValueError(f"{name} is a latent model: pass autoencoder_path (U-ViT's autoencoder_kl.pth)")
+        if not latent and autoencoder_path is not None:
+            raise ValueError(f"{name} is a pixel model: it takes no autoencoder")
+        nnet = spec["nnet"] if nnet_config is None else nnet_config
+        transformer = uvit_from_official(nnet, nnet_path, attention_backend=attention_backend).eval()
+        vae = load_ldm_autoencoder(autoencoder_path, scaling_factor=LATENT_SCALE, config=vae_config) if latent else None
+        # U-ViT's samplers: the SD scaled_linear betas (discrete), or the VP-SDE beta 0.1 -> 20 with time 999 t.
+        process = (DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
+                                   beta_end=0.012) if latent else DiffusionConfig(schedule="vpsde"))
+        scheduler = build_scheduler("uvit_dpm_solver", process)
+        return cls(transformer=transformer, scheduler=scheduler, vae=vae, null_class=latent,
+                   label_dropout=spec["p_uncond"], class_counts=class_counts,
+                   default_guidance_scale=1.0 + spec["scale"])
 
     @torch.no_grad()
     def __call__(
@@ -55,6 +195,7 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
         class_labels: torch.Tensor | list[int] | None = None,
+        guidance_scale: float | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
     ) -> ImagePipelineOutput | tuple:
@@ -63,18 +204,25 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
             batch_size: number of images B (ignored when `latents` is given).
             num_inference_steps: sampler steps (network evaluations for the schedulers in `uvic.schedulers`).
             generator: one generator, or a list of B generators so each image depends on its own seed only.
-            latents: (B, C, H, W) starting noise x_T; drawn with `randn_tensor` when None.
-            class_labels: (B,) class ids for a class-conditional transformer (`num_classes > 0`).
-            output_type: "pil" (list of PIL images), "np" ((B, H, W, C) float32 in [0, 1]) or "pt"
-                ((B, C, H, W) float32 in [0, 1]).
+            latents: (B, C, h, w) starting noise x_T; drawn with `randn_tensor` when None.
+            class_labels: (B,) class ids (or one id for all) for a class-conditional transformer, in
+                [0, num_labels).
+            guidance_scale: g in eps_u + g (eps_c - eps_u) with the null class as the unconditional branch
+                (U-ViT's scale s is g = 1 + s); g <= 1 is the conditional model alone, one call per step.
+                None: `config.default_guidance_scale`.
+            output_type: "pil" (list of PIL images), "np" ((B, H, W, C) float32 in [0, 1]), "pt"
+                ((B, C, H, W) float32 in [0, 1]) or, with a VAE, "latent" (the final (B, C, h, w) latents).
             return_dict: return an `ImagePipelineOutput` instead of a tuple.
         Returns:
             `ImagePipelineOutput` with `images`, or `(images,)`.
         """
-        if output_type not in ("pil", "np", "pt"):
-            raise ValueError(f"output_type must be 'pil', 'np' or 'pt', got {output_type!r}")
+        allowed = ("pil", "np", "pt", "latent") if self.vae is not None else ("pil", "np", "pt")
+        if output_type not in allowed:
+            raise ValueError(f"output_type must be one of {allowed} for this pipeline, got {output_type!r}")
         cfg = self.transformer.config
         device, dtype = self._execution_device, self.transformer.dtype
+        g = self.config.default_guidance_scale if guidance_scale is None else float(guidance_scale)
+        guided = g > 1.0
 
         # 1. Starting noise x_T, one slice per generator when a list is given.
         if latents is None:
@@ -87,19 +235,34 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
         batch_size = latents.shape[0]
         latents = latents * self.scheduler.init_noise_sigma
 
-        # 2. Conditioning.
+        # 2. Conditioning; with guidance the batch is [conditional, null class] (two U-ViT calls in one).
         labels = self._check_labels(class_labels, batch_size, device)
+        if guided:
+            self._check_guidance(g)
+            labels = torch.cat([labels, torch.full_like(labels, cfg.num_classes - 1)])
 
-        # 3. Denoising loop.
+        # 3. Denoising loop; guidance on epsilon, before the solver turns it into a data prediction.
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         for t in self.progress_bar(self.scheduler.timesteps):
             model_input = self.scheduler.scale_model_input(latents, t)
-            timestep = network_timestep_for(self.scheduler, t.to(device)).expand(batch_size)
+            model_input = torch.cat([model_input] * 2) if guided else model_input
+            timestep = network_timestep_for(self.scheduler, t.to(device)).expand(model_input.shape[0])
             eps = self.transformer(model_input, timestep, class_labels=labels).sample
+            if guided:
+                from uvic.pipelines.pipeline_uvic_t2i import guided_epsilon  # that module imports this one
+
+                eps_cond, eps_uncond = eps.chunk(2)
+                eps = guided_epsilon(eps_cond, eps_uncond, g)
             latents = self.scheduler.step(eps, t, latents, generator=generator).prev_sample
 
-        # 4. [-1, 1] -> [0, 1], in float32 before any numpy conversion.
-        images = postprocess_images(latents, output_type)
+        # 4. Decode z / scaling_factor with the VAE (latent models); [-1, 1] -> [0, 1] in float32.
+        if output_type == "latent":
+            images = latents
+        elif self.vae is not None:
+            z = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
+            images = postprocess_images(self.vae.decode(z).sample, output_type)
+        else:
+            images = postprocess_images(latents, output_type)
         self.maybe_free_model_hooks()
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
@@ -110,12 +273,26 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
                 raise ValueError("class_labels given, but the transformer is not class-conditional (num_classes <= 0)")
             return None
         if class_labels is None:
-            raise ValueError(f"the transformer is class-conditional ({num_classes} classes): pass class_labels")
+            raise ValueError(f"the transformer is class-conditional ({self.num_labels} classes): pass class_labels")
         labels = torch.as_tensor(class_labels, device=device, dtype=torch.long).reshape(-1)
         if labels.numel() == 1:
             labels = labels.expand(batch_size)
         if labels.numel() != batch_size:
             raise ValueError(f"got {labels.numel()} class labels for a batch of {batch_size}")
-        if labels.min() < 0 or labels.max() >= num_classes:
-            raise ValueError(f"class labels must be in [0, {num_classes}), got {labels.tolist()}")
+        k = self.num_labels
+        if labels.min() < 0 or labels.max() >= k:
+            null = f" ({num_classes - 1} is the null class)" if self.config.null_class else ""
+            raise ValueError(f"class labels must be in [0, {k}){null}, got min {int(labels.min())} "
+                             f"max {int(labels.max())}")
         return labels
+
+    def _check_guidance(self, guidance_scale: float) -> None:
+        if self.transformer.config.num_classes <= 0:
+            raise ValueError(f"guidance_scale={guidance_scale} needs a class-conditional transformer")
+        if not self.config.null_class:
+            raise ValueError(f"guidance_scale={guidance_scale} > 1 needs a null class, and this pipeline has none "
+                             "(null_class=False): use guidance_scale=1")
+        if self.config.label_dropout == 0 and not self._warned_no_dropout:
+            logger.warning("guidance_scale=%s on a model trained without label dropout (label_dropout=0): its null "
+                           "class was never trained, so the unconditional branch is meaningless", guidance_scale)
+            self._warned_no_dropout = True
