@@ -52,5 +52,5 @@ def test_a_language_model_run_has_no_image_pipeline(tmp_path):
                  "train.max_steps=1", "train.save_every=1", "train.sample_every=0", "train.log_with=none",
                  "train.cpu_threads=1"]
     train(load_config(ROOT / "configs" / "lm_tiny.yaml", overrides))
-    with pytest.raises(ValueError, match="'lm' run, which has no image pipeline"):
+    with pytest.raises(ValueError, match="an 'lm' run has no image pipeline"):
         load_pipeline(run)

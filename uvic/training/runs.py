@@ -61,9 +61,7 @@ def load_pipeline(
         return load_pretrained(source, sampler, text_encoder)
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a pipeline dir (model_index.json) nor a run/checkpoint dir")
-    task, model, cfg = task_from_checkpoint(source)
-    if not hasattr(task, "pipeline"):
-        raise ValueError(f"{source} is a {cfg.task!r} run, which has no image pipeline to sample from")
+    task, model, _ = task_from_checkpoint(source)
     return attach_text_encoder(task.pipeline(model, sampler=sampler), text_encoder)
 
 

@@ -1,7 +1,7 @@
 """Training tasks: what `train(cfg)` trains. The loop, checkpoints, EMA, logging and LR schedule are shared.
 
-A task builds the model and dataset, computes the loss of one batch, names its optimizer parameter groups, and
-writes task-specific artefacts (sample grids, the exported pipeline). Add a task by writing a class with the
+A task builds the model and dataset, computes the loss of one batch, names its optimizer parameter groups, turns
+a model into the pipeline that samples it, and writes task-specific artefacts (sample grids, the export). Add a task by writing a class with the
 `Task` methods and registering it with `register_task(name, factory)`; `cfg.task` picks it.
 
     diffusion   `DiffusionTask`   images with a `UViTModel` (unconditional / class-conditional)
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
+from diffusers import AutoencoderKL, DiffusionPipeline
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -42,11 +43,17 @@ class Task(Protocol):
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: ShardedRNG) -> torch.Tensor:
         """Scalar loss of a (per-process) batch; all randomness comes from `rng`."""
 
-    def on_sample(self, ema_model: nn.Module, step: int, run_dir: Path) -> None:
-        """Periodic qualitative output (main process only), e.g. a sample grid."""
+    def pipeline(self, model: nn.Module, *, sampler: str | None = None,
+                 vae: AutoencoderKL | None = None) -> DiffusionPipeline:
+        """The pipeline that samples `model` (not copied). `sampler`: a `uvic.schedulers.SAMPLER_TABLE` name, None
+        for the config's `sample.sampler`; `vae`: the autoencoder of a latent model, None for the configured one.
+        Raises ValueError for a task whose model has no image pipeline (the LM)."""
 
-    def export(self, ema_model: nn.Module, out_dir: Path) -> None:
-        """Write the final artefact (main process only), e.g. a diffusers pipeline directory."""
+    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> None:
+        """Periodic qualitative output from the sampling weights (main process only), e.g. a sample grid."""
+
+    def export(self, model: nn.Module, out_dir: Path) -> None:
+        """Write the final artefact from the sampling weights (main process only), e.g. a pipeline directory."""
 
 
 # cfg.task -> a factory `(cfg) -> Task`.

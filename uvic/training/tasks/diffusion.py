@@ -65,14 +65,16 @@ class DiffusionTask:
             kwargs["class_labels"] = batch["label"]
         return eps_prediction_loss(model, x0, self.noise, rng, **kwargs)
 
-    def pipeline(self, ema_model: nn.Module, sampler: str | None = None) -> UViCPipeline:
-        """A `UViCPipeline` around (a copy of) `ema_model` with the configured sampler."""
+    def pipeline(self, model: nn.Module, *, sampler: str | None = None, vae: None = None) -> UViCPipeline:
+        """A `UViCPipeline` around `model` with `sampler` (default: the configured one); pixel space, no `vae`."""
+        if vae is not None:
+            raise ValueError(f"the {self.cfg.task!r} task trains in pixel space: its pipeline takes no vae")
         scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
-        return UViCPipeline(transformer=ema_model, scheduler=scheduler)
+        return UViCPipeline(transformer=model, scheduler=scheduler)
 
-    def on_sample(self, ema_model: nn.Module, step: int, run_dir: Path) -> None:
+    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> None:
         s = self.cfg.sample
-        pipe = self.pipeline(ema_model)
+        pipe = self.pipeline(model)
         pipe.set_progress_bar_config(disable=True)
         seeds = list(range(s.seed, s.seed + s.num_images))
         images = generate(pipe, seeds, batch_size=s.batch_size, num_inference_steps=s.num_inference_steps,
@@ -81,7 +83,6 @@ class DiffusionTask:
         save_grid(images, path, scale=max(1, 32 // self.cfg.model.img_size))  # tiny images: enlarged to >= 32 px
         logger.info("wrote %s", path)
 
-    def export(self, ema_model: nn.Module, out_dir: Path) -> None:
-        model = copy.deepcopy(ema_model).float().cpu()
-        self.pipeline(model).save_pretrained(str(out_dir))
-        logger.info("exported the EMA model as a UViCPipeline to %s", out_dir)
+    def export(self, model: nn.Module, out_dir: Path) -> None:
+        self.pipeline(copy.deepcopy(model).float().cpu()).save_pretrained(str(out_dir))
+        logger.info("exported the model as a UViCPipeline to %s", out_dir)

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -20,6 +20,7 @@ from uvic.config import LMDataConfig, LMModelConfig
 from uvic.lm.data import TokenDataset, load_tokenizer, load_tokens
 from uvic.models.cogformer import COGFORMER_PRESETS, CogformerConfig, CogformerForCausalLM
 from uvic.training.optim import decay_matrices
+from uvic.training.rng import ShardedRNG
 
 
 logger = logging.getLogger(__name__)
@@ -103,27 +104,32 @@ class LMTask:
         """Decay on weight matrices and embeddings; none on RMSNorm gains (and biases, were there any)."""
         return decay_matrices(model, weight_decay)
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], rng: Any = None) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], rng: ShardedRNG) -> torch.Tensor:
         """Next-token loss; `rng` is unused (the LM loss has no randomness)."""
         return lm_loss(model, batch)
 
+    def pipeline(self, model: torch.nn.Module, *, sampler: str | None = None, vae: None = None) -> NoReturn:
+        """Always raises: a language model has no image pipeline (its export is a transformers model)."""
+        raise ValueError("an 'lm' run has no image pipeline to sample from; load its exported pipeline/ with "
+                         "transformers' AutoModelForCausalLM and call generate()")
+
     @torch.no_grad()
-    def on_sample(self, ema_model: torch.nn.Module, step: int, run_dir: Path) -> None:
+    def on_sample(self, model: torch.nn.Module, step: int, run_dir: Path) -> None:
         tok = self.tokenizer
-        device = next(ema_model.parameters()).device
+        device = next(model.parameters()).device
         ids = torch.tensor([tok.encode(self.sample_prompt, add_special_tokens=False)], device=device)
-        was_training = ema_model.training
-        ema_model.eval()
-        out = ema_model.generate(ids, max_new_tokens=self.sample_tokens, do_sample=False)
-        ema_model.train(was_training)
+        was_training = model.training
+        model.eval()
+        out = model.generate(ids, max_new_tokens=self.sample_tokens, do_sample=False)
+        model.train(was_training)
         text = tok.decode(out[0].tolist())
         path = Path(run_dir) / "samples" / f"step_{step:07d}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         logger.info("sample at step %d: %r", step, text)
 
-    def export(self, ema_model: torch.nn.Module, out_dir: Path) -> None:
-        model = copy.deepcopy(ema_model).float().cpu()
+    def export(self, model: torch.nn.Module, out_dir: Path) -> None:
+        model = copy.deepcopy(model).float().cpu()
         tok = self.tokenizer
         # generate() and lm-eval read these ids from the config.
         if getattr(tok, "eos_token_id", None) is not None:

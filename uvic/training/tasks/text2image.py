@@ -83,16 +83,16 @@ class Text2ImageTask(DiffusionTask):
             return AutoencoderKL.from_pretrained(spec, scaling_factor=self.cfg.data.latent_scale)
         return load_ldm_autoencoder(spec, scaling_factor=self.cfg.data.latent_scale)
 
-    def pipeline(self, model: nn.Module, vae: AutoencoderKL | None = None,
-                 sampler: str | None = None) -> UViCText2ImagePipeline:
-        """A `UViCText2ImagePipeline` around `model` with the configured (or given) sampler."""
+    def pipeline(self, model: nn.Module, *, sampler: str | None = None,
+                 vae: AutoencoderKL | None = None) -> UViCText2ImagePipeline:
+        """A `UViCText2ImagePipeline` around `model` with `sampler` and `vae` (defaults: the configured ones)."""
         vae = vae if vae is not None else self.load_vae()
         if vae is None:
             raise ValueError("data.vae is not set: a text-to-image pipeline needs the autoencoder")
         scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
         return UViCText2ImagePipeline(transformer=model, vae=vae, scheduler=scheduler)
 
-    def on_sample(self, ema_model: nn.Module, step: int, run_dir: Path) -> None:
+    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> None:
         """A grid for the first `num_images` captions of the val split (train if there is none)."""
         vae = self.load_vae()
         if vae is None:
@@ -102,8 +102,8 @@ class Text2ImageTask(DiffusionTask):
         split = "val" if (root / "val" / "meta.json").is_file() else "train"
         features = MSCOCOFeatures(root, split)
         rows = np.arange(min(s.num_images, len(features)))
-        device = next(ema_model.parameters()).device
-        pipe = self.pipeline(ema_model, vae=vae.to(device))
+        device = next(model.parameters()).device
+        pipe = self.pipeline(model, vae=vae.to(device))
         pipe.set_progress_bar_config(disable=True)
         images = generate(pipe, [s.seed + int(r) for r in rows], batch_size=s.batch_size,
                           num_inference_steps=s.num_inference_steps, prompt_embeds=features.context(rows),
@@ -112,13 +112,13 @@ class Text2ImageTask(DiffusionTask):
         save_grid(images, path)
         logger.info("wrote %s", path)
 
-    def export(self, ema_model: nn.Module, out_dir: Path) -> None:
-        """The EMA model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`)."""
-        model = copy.deepcopy(ema_model).float().cpu()
+    def export(self, model: nn.Module, out_dir: Path) -> None:
+        """The model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`)."""
+        model = copy.deepcopy(model).float().cpu()
         vae = self.load_vae()
         if vae is None:
             model.save_pretrained(Path(out_dir) / "transformer")
             logger.warning("data.vae is not set: exported only %s/transformer", out_dir)
             return
         self.pipeline(model, vae=vae).save_pretrained(str(out_dir))
-        logger.info("exported the EMA model as a UViCText2ImagePipeline to %s", out_dir)
+        logger.info("exported the model as a UViCText2ImagePipeline to %s", out_dir)
