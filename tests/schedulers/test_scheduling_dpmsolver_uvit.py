@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
+from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler, VPSDEDPMSolverFastScheduler
 
 
 N = 1000
@@ -172,7 +172,7 @@ def test_bad_config_is_clear():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# schedule="vpsde": U-ViT's CIFAR-10 training monitor, DPM_Solver(NoiseScheduleVP("linear")) noise prediction,
+# VPSDEDPMSolverFastScheduler: U-ViT's CIFAR-10 training monitor, DPM_Solver(NoiseScheduleVP("linear")) noise prediction,
 # .sample(steps=nfe, eps=1e-4, adaptive_step_size=False, fast_version=True), the model fed 999 t.
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -268,7 +268,7 @@ def _vpsde_scheduler(**kwargs):
 
     if not kwargs:
         return build_scheduler("uvit_dpm_solver", DiffusionConfig())  # how a VP-SDE model selects it
-    return UViTDPMSolverScheduler(schedule="vpsde", **kwargs)
+    return VPSDEDPMSolverFastScheduler(**kwargs)
 
 
 def _run_continuous(sched, eps_fn, x, nfe):
@@ -290,7 +290,7 @@ def test_vpsde_matches_reference_dpm_solver_fast(nfe):
     ref, calls = _reference_fast_noise(model, x_T, nfe)
     sched = _vpsde_scheduler()
     ours = _run_continuous(sched, model, x_T, nfe)
-    assert sched.config.schedule == "vpsde" and sched.config.algorithm_type == "dpmsolver"
+    assert isinstance(sched, VPSDEDPMSolverFastScheduler) and sched.config.algorithm_type == "dpmsolver"
     assert sum(sched.solver_orders) == nfe and len(sched.timesteps) == nfe
     np.testing.assert_array_equal(sched.timesteps.double().numpy(), calls)
     np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-10)
@@ -312,18 +312,17 @@ def test_vpsde_monitor_grid():
 
 
 @pytest.mark.parametrize(
-    "algorithm_type,step_grid,skip_type",
-    [("dpmsolver", None, None), ("dpmsolver++", None, None), ("dpmsolver++", "nfe", "logSNR"),
-     ("dpmsolver", "nfe", "time_uniform"), ("dpmsolver", "solver_steps", "time_uniform")],
+    "algorithm_type,skip_type",
+    [("dpmsolver", None), ("dpmsolver++", None), ("dpmsolver", "time_uniform"), ("dpmsolver++", "time_uniform")],
 )  # fmt: skip
-def test_vpsde_converges_to_the_exact_flow(algorithm_type, step_grid, skip_type):
+def test_vpsde_converges_to_the_exact_flow(algorithm_type, skip_type):
     """Gaussian data: the probability-flow ODE maps x_T affinely to x_eps; every solver variant converges to it
     as NFE grows, the logSNR-spaced ones at (at least) second order."""
     rng = np.random.default_rng(2)
     mu, var = rng.normal(size=(64,)) * 0.5, rng.uniform(0.05, 1.5, size=(64,))
     model = _GaussianEpsVP(mu, var)
     x_T = rng.normal(size=(256, 64))
-    kwargs = {"algorithm_type": algorithm_type, "step_grid": step_grid, "skip_type": skip_type}
+    kwargs = {"algorithm_type": algorithm_type, "skip_type": skip_type}
     sched = _vpsde_scheduler(**{k: v for k, v in kwargs.items() if v is not None})
     exact = model.exact_flow(x_T, 1.0, 1e-4)
     errors = [np.abs(_run_continuous(sched, model, x_T, nfe) - exact).max() for nfe in (12, 24, 48, 96)]
@@ -361,29 +360,30 @@ def test_vpsde_config_and_selection():
     assert "uvit_dpm_solver" in SAMPLERS
     sched = _vpsde_scheduler()
     cfg = sched.config
-    assert (cfg.schedule, cfg.beta_min, cfg.beta_max, cfg.time_scale) == ("vpsde", 0.1, 20.0, 999.0)
-    assert (cfg.algorithm_type, cfg.skip_type, cfg.step_grid) == ("dpmsolver", "logSNR", "solver_steps")
+    assert (cfg.beta_min, cfg.beta_max, cfg.time_scale, cfg.t_eps) == (0.1, 20.0, 999.0, 1e-4)
+    assert (cfg.algorithm_type, cfg.skip_type, cfg.solver_order) == ("dpmsolver", "logSNR", 3)
     assert schedule_of(sched) == "vpsde" and network_timestep_for(sched, torch.tensor(0.5)) == 499.5
     assert schedule_of(UViTDPMSolverScheduler()) == "discrete"
-    # from_config from the VP-SDE schedulers' configs, defaulted or not, and back.
+    # from_config from the other VP-SDE schedulers' configs keeps the process, not their final time.
     for other in (VPSDEEulerMaruyamaScheduler(), VPSDEDPMSolverScheduler(beta_max=10.0, time_scale=500.0)):
-        mine = UViTDPMSolverScheduler.from_config(other.config)
-        assert mine.config.schedule == "vpsde"
+        mine = convert_scheduler(other, "uvit_dpm_solver")
+        assert isinstance(mine, VPSDEDPMSolverFastScheduler)
         assert (mine.config.beta_max, mine.config.time_scale) == (other.config.beta_max, other.config.time_scale)
-        assert mine.config.t_end is None  # the monitor's 1e-4, not the other solver's t_eps
+        assert mine.config.t_eps == 1e-4  # the monitor's eps, not the other solver's t_eps
     mine = convert_scheduler(VPSDEDPMSolverScheduler(beta_max=10.0), "uvit_dpm_solver")
     back = convert_scheduler(mine, "dpm_solver")
     assert isinstance(back, VPSDEDPMSolverScheduler) and back.config.beta_max == 10.0
-    # A round trip through its own config keeps every resolved field.
-    again = UViTDPMSolverScheduler.from_config(sched.config)
+    # A round trip through its own config keeps every field.
+    again = VPSDEDPMSolverFastScheduler.from_config(sched.config)
     assert {k: v for k, v in again.config.items() if not k.startswith("_")} == {
         k: v for k, v in cfg.items() if not k.startswith("_")
     }
-    # The discrete default is untouched by the new fields.
-    d = UViTDPMSolverScheduler.from_config(convert_scheduler(
+    # The discrete scheduler from a stock discrete one keeps the betas and the official solver.
+    d = convert_scheduler(
         __import__("diffusers").DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
-        "uvit_dpm_solver").config)  # fmt: skip
-    assert (d.config.schedule, d.config.algorithm_type, d.config.step_grid) == ("discrete", "dpmsolver++", "nfe")
+        "uvit_dpm_solver")  # fmt: skip
+    assert isinstance(d, UViTDPMSolverScheduler) and d.config.algorithm_type == "dpmsolver++"
+    assert (d.config.beta_schedule, d.config.beta_start, d.config.beta_end) == ("scaled_linear", 0.00085, 0.012)
     assert DiffusionConfig().schedule == "vpsde"
 
 
@@ -392,14 +392,15 @@ def test_vpsde_add_noise_and_bad_config():
     x0, noise, t = torch.randn(3, 2, 2, 2), torch.randn(3, 2, 2, 2), torch.tensor([0.0, 0.5, 1.0])
     a = torch.tensor([math.exp(_LinearVP.log_alpha(float(u))) for u in t]).view(-1, 1, 1, 1)
     torch.testing.assert_close(sched.add_noise(x0, noise, t), a * x0 + (1 - a * a).sqrt() * noise)
-    with pytest.raises(ValueError, match="do not apply to schedule='discrete'"):
-        UViTDPMSolverScheduler(schedule="discrete", beta_min=0.1)
-    with pytest.raises(ValueError, match="algorithm_type"):
-        UViTDPMSolverScheduler(algorithm_type="sde-dpmsolver++")
-    with pytest.raises(ValueError, match="step_grid"):
-        UViTDPMSolverScheduler(step_grid="adaptive")
-    with pytest.raises(ValueError, match="schedule must be"):
-        UViTDPMSolverScheduler(schedule="cosine")
+    with pytest.raises(ValueError, match="beta_min < beta_max"):
+        VPSDEDPMSolverFastScheduler(beta_min=20.0, beta_max=0.1)
+    for cls in (UViTDPMSolverScheduler, VPSDEDPMSolverFastScheduler):
+        with pytest.raises(ValueError, match="algorithm_type"):
+            cls(algorithm_type="sde-dpmsolver++")
+        with pytest.raises(ValueError, match="skip_type"):
+            cls(skip_type="time_quadratic")
+        with pytest.raises(ValueError, match="solver_order"):
+            cls(solver_order=4)
 
 
 @pytest.mark.parametrize("nfe", [50, 10])

@@ -1,11 +1,13 @@
 """Noise schedules and samplers, and the ONE table that maps a sampler name to a scheduler class.
 
-Continuous VP-SDE models (U-ViT CIFAR-10) use the schedulers in `scheduling_vpsde` (timesteps: continuous t);
-discrete DDPM models use diffusers' stock schedulers unchanged (timesteps: 0-based DDPM steps). U-ViT's own
-DPM-Solver (`scheduling_dpmsolver_uvit`, "uvit_dpm_solver") serves both: the CIFAR-10 training monitor's
-DPM-Solver-fast on the VP-SDE, the MS-COCO sampler's DPM-Solver++ on the discrete schedule. Either way the network
-input for a scheduler timestep (999 t, or t + 1) comes from `timesteps.network_timestep`, the one place that
-conversion lives; the training losses use the same function (docs/conventions.md, "Timesteps").
+Every solver reads its forward process from one noise-schedule object (`noise_schedule`: `VPSDE` for the
+continuous models, `DiscreteSchedule` for the discrete ones), and each algorithm is one scheduler class:
+- continuous VP-SDE models (U-ViT CIFAR-10; timesteps: continuous t): `scheduling_vpsde` (Euler-Maruyama,
+  DPM-Solver++(2M)) and U-ViT's training-monitor DPM-Solver-fast (`scheduling_dpmsolver_uvit`);
+- discrete DDPM models (timesteps: 0-based DDPM steps): diffusers' stock schedulers unchanged, and U-ViT's MS-COCO
+  DPM-Solver++ (`scheduling_dpmsolver_uvit`).
+Either way the network input for a scheduler timestep (999 t, or t + 1) comes from `timesteps.network_timestep`,
+the one place that conversion lives; the training losses use the same function (docs/conventions.md, "Timesteps").
 
 Every sampler choice in the project (training configs, `sample.py --sampler`, the pipelines' sampler switch) goes
 through `build_scheduler` / `convert_scheduler` below.
@@ -19,10 +21,10 @@ from typing import Any
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
+from uvic.schedulers.noise_schedule import VPSDE, DiscreteSchedule, NoiseSchedule
+from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler, VPSDEDPMSolverFastScheduler
 from uvic.schedulers.scheduling_vpsde import VPSDEDPMSolverScheduler, VPSDEEulerMaruyamaScheduler
 from uvic.schedulers.timesteps import network_timestep, network_timestep_for, schedule_of
-from uvic.schedulers.vpsde import VPSDE
 
 
 # The sampler table: for each forward process ("vpsde" continuous, "discrete" DDPM), sampler name -> class.
@@ -30,7 +32,7 @@ SAMPLER_TABLE: dict[str, dict[str, type[SchedulerMixin]]] = {
     "vpsde": {
         "euler_maruyama": VPSDEEulerMaruyamaScheduler,  # U-ViT's CIFAR-10 FID sampler
         "dpm_solver": VPSDEDPMSolverScheduler,  # DPM-Solver++(2M), logSNR grid
-        "uvit_dpm_solver": UViTDPMSolverScheduler,  # U-ViT's CIFAR-10 training monitor (DPM-Solver-fast)
+        "uvit_dpm_solver": VPSDEDPMSolverFastScheduler,  # U-ViT's CIFAR-10 training monitor
     },
     "discrete": {
         "ddpm": DDPMScheduler,
@@ -75,8 +77,7 @@ def build_scheduler(sampler: str, diffusion: Any) -> SchedulerMixin:
     else:
         fields = {"num_train_timesteps": diffusion.num_train_timesteps, "beta_schedule": diffusion.beta_schedule,
                   "beta_start": diffusion.beta_start, "beta_end": diffusion.beta_end}
-    # A scheduler that serves both processes reads which one from its `schedule` field.
-    return cls(**_accepted(cls, {"schedule": diffusion.schedule, **fields}))
+    return cls(**_accepted(cls, fields))
 
 
 def convert_scheduler(scheduler: SchedulerMixin, sampler: str) -> SchedulerMixin:
@@ -84,7 +85,7 @@ def convert_scheduler(scheduler: SchedulerMixin, sampler: str) -> SchedulerMixin
     schedule = schedule_of(scheduler)
     cls = _sampler_class(sampler, schedule)
     config = {k: v for k, v in scheduler.config.items() if k not in _PER_CLASS_KEYS}
-    return cls.from_config(_accepted(cls, {**config, "schedule": schedule}))
+    return cls.from_config(_accepted(cls, config))
 
 
 def is_continuous(scheduler: SchedulerMixin) -> bool:
@@ -95,8 +96,11 @@ def is_continuous(scheduler: SchedulerMixin) -> bool:
 __all__ = [
     "SAMPLERS",
     "SAMPLER_TABLE",
+    "DiscreteSchedule",
+    "NoiseSchedule",
     "UViTDPMSolverScheduler",
     "VPSDE",
+    "VPSDEDPMSolverFastScheduler",
     "VPSDEDPMSolverScheduler",
     "VPSDEEulerMaruyamaScheduler",
     "build_scheduler",

@@ -1,6 +1,7 @@
 """Samplers for the continuous VP-SDE, as diffusers schedulers (no stock diffusers scheduler is continuous-time).
 
-Both follow diffusers' contract: `set_timesteps(n)` fills `timesteps` with the continuous times t in (0, 1] at
+All share `_VPSDESchedulerBase` (the `VPSDE` of their config, the grid, the step index, `add_noise`) and follow
+diffusers' contract: `set_timesteps(n)` fills `timesteps` with the continuous times t in (0, 1] at
 which the network is evaluated (the pipeline feeds it `uvic.schedulers.timesteps.network_timestep`, i.e. 999 t,
 like diffusers' continuous `ScoreSdeVeScheduler`), and `step(model_output, timestep, sample)` takes one step down
 the grid. Samples are (B, C, H, W); the model output is the noise prediction eps_hat of the same shape.
@@ -14,6 +15,9 @@ the grid. Samples are (B, C, H, W); the model output is the noise prediction eps
   logSNR-uniform grid from t = 1 to t = t_eps; one network evaluation per step, so 50 steps = 50 NFE. U-ViT's
   training-time monitor used the single-step "fast" DPM-Solver variant instead; both are 50-NFE solvers of the
   same ODE, so sample quality is comparable but the samples are not bit-identical.
+
+The monitor's sampler, `VPSDEDPMSolverFastScheduler`, is the third of the family; it lives with the discrete
+MS-COCO sampler whose solver it shares (`uvic.schedulers.scheduling_dpmsolver_uvit`).
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.schedulers.scheduling_utils import SchedulerMixin, SchedulerOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from uvic.schedulers.vpsde import VPSDE
+from uvic.schedulers.noise_schedule import VPSDE
 
 
 class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
-    """Shared bookkeeping: the VP-SDE, the continuous grid `times` (n + 1,), `timesteps` (n,) and the step index."""
+    """Shared bookkeeping: the VP-SDE, the continuous grid `times` (n + 1,), `timesteps` (n,) and the step index.
 
-    _compatibles = ["VPSDEEulerMaruyamaScheduler", "VPSDEDPMSolverScheduler"]
+    A subclass registers `beta_min`, `beta_max`, `time_scale` and `num_train_timesteps` in its config and defines
+    `_grid` and `_update`.
+    """
+
+    _compatibles = ["VPSDEEulerMaruyamaScheduler", "VPSDEDPMSolverScheduler", "VPSDEDPMSolverFastScheduler"]
     order = 1
     init_noise_sigma = 1.0
 
@@ -45,6 +53,7 @@ class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
 
     @property
     def sde(self) -> VPSDE:
+        """The noise schedule, from this scheduler's config."""
         return VPSDE(self.config.beta_min, self.config.beta_max)
 
     def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
@@ -93,6 +102,23 @@ class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
     def scale_model_input(self, sample: torch.Tensor, timestep: torch.Tensor | float | None = None) -> torch.Tensor:
         """Identity (the VP-SDE network takes x_t as is); kept for diffusers pipeline compatibility."""
         return sample
+
+    def add_noise(self, original_samples: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """Forward process alpha_t x_0 + sigma_t noise at (B,) continuous times t (computed in float64).
+
+        Args:
+            original_samples: (B, C, H, W) x_0.
+            noise: (B, C, H, W) eps.
+            timesteps: (B,) continuous t in [0, 1].
+        Returns:
+            (B, C, H, W) x_t in the samples' dtype.
+        """
+        log_alpha_bar = self.sde.log_alpha_bar(timesteps.detach().to("cpu", torch.float64))
+        shape = (-1, *([1] * (original_samples.dim() - 1)))
+        alpha = (0.5 * log_alpha_bar).exp().to(original_samples.device, original_samples.dtype).view(shape)
+        sigma = self.sde.sigma(timesteps.detach().to("cpu", torch.float64))
+        sigma = sigma.to(original_samples.device, original_samples.dtype).view(shape)
+        return alpha * original_samples + sigma * noise
 
     def _next_index(self) -> int:
         if getattr(self, "times", None) is None:

@@ -50,12 +50,8 @@ def network_timestep(t: torch.Tensor, schedule: Schedule, time_scale: float = 99
 
 
 def schedule_of(scheduler: SchedulerMixin) -> Schedule:
-    """The forward process a scheduler samples: its config's `schedule` field when it has one (a scheduler that
-    serves both processes), else "vpsde" for the VP-SDE schedulers of `uvic.schedulers` and "discrete" for every
-    other scheduler (diffusers' stock ones)."""
-    declared = scheduler.config.get("schedule") if hasattr(scheduler, "config") else None
-    if declared is not None:
-        return declared
+    """The forward process a scheduler samples: "vpsde" for the VP-SDE schedulers of `uvic.schedulers`,
+    "discrete" for every other scheduler (`UViTDPMSolverScheduler` and diffusers' stock ones)."""
     return "vpsde" if isinstance(scheduler, _VPSDESchedulerBase) else "discrete"
 
 

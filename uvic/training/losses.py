@@ -18,8 +18,8 @@ import torch
 from diffusers import DDPMScheduler
 
 from uvic.models.autoencoder import sample_latents
+from uvic.schedulers.noise_schedule import VPSDE
 from uvic.schedulers.timesteps import network_timestep
-from uvic.schedulers.vpsde import VPSDE
 from uvic.training.rng import ShardedRNG
 
 
