@@ -24,26 +24,34 @@ from uvic.attention import (
 # ---------------------------------------------------------------------------------------------------------
 
 
-def keep_mask_f64(Lq, Lk, causal, kpm, B):
+def keep_mask_f64(Lq, Lk, causal, kpm, B, window=None):
     keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
     if causal:
         for i in range(Lq):
             keep[:, :, i, i + Lk - Lq + 1 :] = False  # key j kept iff j <= i + Lk - Lq
+    if window is not None:  # FlashAttention's window_size: i + Lk - Lq - left <= j <= i + Lk - Lq + right
+        left, right = window
+        for i in range(Lq):
+            for j in range(Lk):
+                if (left >= 0 and j < i + Lk - Lq - left) or (right >= 0 and j > i + Lk - Lq + right):
+                    keep[:, :, i, j] = False
     if kpm is not None:
         keep &= kpm[:, None, None, :]
     return keep
 
 
-def cog_f64(q, k, v, causal=False, kpm=None, scale=None, attention="cog"):
+def cog_f64(q, k, v, causal=False, kpm=None, scale=None, attention="cog", window=None, softcap=None):
     """attn_ij = s_ij exp(|p_ij| - m_i) / sum_{j kept} exp(|p_ij| - m_i); empty rows give 0 (attention="softmax":
-    exp(p_ij - m_i) and no sign)."""
+    exp(p_ij - m_i) and no sign). A softcap c first maps p to c tanh(p / c)."""
     cog = attention == "cog"
     q, k, v = q.double(), k.double(), v.double()
     B, _, Lq, hd = q.shape
     Lk = k.shape[2]
     scale = hd**-0.5 if scale is None else scale
     p = scale * torch.einsum("bhid,bhjd->bhij", q, k)
-    keep = keep_mask_f64(Lq, Lk, causal, kpm, B)
+    if softcap is not None:
+        p = softcap * torch.tanh(p / softcap)
+    keep = keep_mask_f64(Lq, Lk, causal, kpm, B, window)
     score = p.abs() if cog else p
     score = torch.where(keep, score, torch.full_like(score, -1e300))
     m = score.amax(-1, keepdim=True).detach()
@@ -84,10 +92,9 @@ def max_err(a, b):
     return [(x.double() - y.double()).abs().max().item() for x, y in zip(a, b)]
 
 
-def plain_formula(q, k, v, causal=False, key_padding_mask=None, scale=None, attention="cog"):
+def plain_formula(q, k, v, attention="cog", **kw):
     """The paper's 'faster' formula computed in the input dtype (no upcast): the error baseline."""
-    return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                         attention=attention, upcast=False)
+    return attention_ref(q, k, v, attention=attention, upcast=False, **kw)
 
 
 def check_backend(backend, q, k, v, do, attention="cog", factor=4.0, floor=1e-6, **kw):
@@ -98,7 +105,8 @@ def check_backend(backend, q, k, v, do, attention="cog", factor=4.0, floor=1e-6,
     else:
         op, backend_kw = {"cog": cog_attention, "softmax": softmax_attention}[attention], {"backend": backend}
     truth = fwd_bwd(lambda *a, **k_: cog_f64(*a, attention=attention, **k_), q.double(), k.double(), v.double(), do.double(),
-                    causal=kw.get("causal", False), kpm=kw.get("key_padding_mask"), scale=kw.get("scale"))
+                    causal=kw.get("causal", False), kpm=kw.get("key_padding_mask"), scale=kw.get("scale"),
+                    window=kw.get("window"), softcap=kw.get("softcap"))
     got = fwd_bwd(lambda *a, **k_: op(*a, **backend_kw, **k_), q, k, v, do, **kw)
     base = fwd_bwd(lambda *a, **k_: plain_formula(*a, attention=attention, **k_), q, k, v, do, **kw)
     for t in got:
@@ -349,7 +357,7 @@ def test_cog_differs_from_softmax_and_has_negative_weights():
     w_soft = softmax_attention(q, k, eye, backend="torch")
     assert (w_cog < 0).any() and (w_soft >= 0).all()
     torch.testing.assert_close(w_cog.abs().sum(-1), torch.ones(1, 1, 8, dtype=torch.float64))  # sum |w| = 1
-    p = (q @ k.transpose(-2, -1)) * 8**-0.5
+    p = (q @ k.transpose(-2, -1)) * 9**-0.5
     torch.testing.assert_close(torch.sign(w_cog), torch.sign(p))
 
 
@@ -448,11 +456,19 @@ def test_bad_inputs(op):
         ((q, k, v), {"key_padding_mask": torch.ones(2, 5, dtype=torch.bool)}, "(B, Lk)"),
         ((q, k, v), {"backend": "flash"}, "unknown attention backend"),
         ((q, k, v), {"scale": float("nan")}, "scale"),
+        ((q[..., :0], k[..., :0], v[..., :0]), {}, "head dim is 0"),
+        ((q.to("meta"), k.to("meta"), v.to("meta")), {}, "meta tensors"),
+        ((q, k, v), {"window": 3}, "window must be"),
+        ((q, k, v), {"window": (2, -2)}, "window must be"),
+        ((q, k, v), {"window": (2.0, 1)}, "window must be"),
+        ((q, k, v), {"softcap": 0.0}, "softcap must be"),
+        ((q, k, v), {"softcap": float("inf")}, "softcap must be"),
     ]
     for args, kw, msg in cases:
-        with pytest.raises(ValueError, match=None) as info:
-            op(*args, **kw)
-        assert msg in str(info.value), (msg, str(info.value))
+        for backend in ("auto", "reference", "torch") if "backend" not in kw else (kw["backend"],):
+            with pytest.raises(ValueError, match=None) as info:
+                op(*args, **{"backend": backend, **kw})
+            assert msg in str(info.value), (msg, backend, str(info.value))
 
 
 def test_triton_backend_on_cpu_is_a_clear_error():
@@ -481,3 +497,100 @@ def test_autocast_bf16(op, backend):
     expect = cog_f64(q.detach(), k.detach(), v.detach(), causal=True,
                      attention="cog" if op is cog_attention else "softmax")
     assert (out.double() - expect).abs().max() < 0.05
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sliding windows and logit softcaps (FlashAttention's window_size and softcap)
+# ---------------------------------------------------------------------------------------------------------
+
+# (Lq, Lk, causal, window, softcap, pad): window 1 (a row sees only its diagonal key), windows wider than the keys,
+# two-sided and one-sided windows, windows with key padding, softcaps with masked keys, Lq != Lk both ways (rows
+# that see no key: Lq > Lk causal, or a window that ends before key 0).
+WINDOW_CASES = [
+    (33, 33, True, (0, -1), None, False),
+    (33, 33, False, (0, 0), 2.0, True),
+    (33, 33, True, (40, -1), None, False),
+    (33, 33, False, (50, 50), 1.0, False),
+    (40, 40, True, (6, -1), None, True),
+    (40, 40, False, (3, 7), 2.0, True),
+    (40, 40, False, (-1, 4), None, False),
+    (17, 45, True, (5, 0), 5.0, True),
+    (45, 17, True, (3, -1), 0.5, True),
+    (45, 17, False, (2, 2), None, False),
+    (29, 29, False, None, 1.5, True),
+]
+
+
+@pytest.mark.parametrize("op", [cog_attention, softmax_attention])
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("Lq,Lk,causal,window,softcap,pad", WINDOW_CASES)
+def test_window_and_softcap_match_f64(op, backend, Lq, Lk, causal, window, softcap, pad):
+    q, k, v, do = make_inputs(2, 3, Lq, Lk, 16, seed=Lq + 3 * Lk, qk_std=2.0)
+    kpm = None
+    if pad:
+        kpm = torch.rand(2, Lk, generator=torch.Generator().manual_seed(2)) > 0.35
+        kpm[1, Lk // 2 :] = False  # late rows of item 1 have their whole window padded away
+    attention = "cog" if op is cog_attention else "softmax"
+    kw = {"causal": causal, "window": window, "softcap": softcap, "key_padding_mask": kpm}
+    # floor: rows with one kept key have dS = A (s g - D) = 0 exactly in the plain formula's autograd (softmax over
+    # one entry), while the tiled backend's g = dO . v and D = dO . O round differently (~1e-6 at these sizes).
+    check_backend(backend, q, k, v, do, attention=attention, floor=1e-5, **kw)
+    if backend == "torch" and attention == "cog":
+        # Small banded tiles: blocks of 5 query rows over the keys of their band (the skipping path).
+        check_backend(tiled(3 * 5 * 8), q, k, v, do, floor=1e-5, **kw)
+
+
+def test_window_one_and_window_wider_than_keys():
+    q, k, v, _ = make_inputs(1, 2, 20, 20, 8, dtype=torch.float64, seed=4)
+    for op in (cog_attention, softmax_attention):
+        for backend in ("reference", "torch"):
+            # window (0, 0): each row keeps only its diagonal key, so o_i = sign(p_ii) v_i (Cog) or v_i (softmax).
+            out = op(q, k, v, window=(0, 0), backend=backend)
+            p_ii = (q * k).sum(-1, keepdim=True)
+            want = torch.sign(p_ii) * v if op is cog_attention else v
+            torch.testing.assert_close(out, want)
+            # a window reaching past every key is no window.
+            torch.testing.assert_close(op(q, k, v, causal=True, window=(25, 3), backend=backend),
+                                       op(q, k, v, causal=True, backend=backend))
+
+
+def test_softcap_keeps_signs_and_bounds_magnitudes():
+    # With c small against |p|, every |p'| = c tanh(|p| / c) is close to c: the weights of kept keys become
+    # nearly uniform in magnitude, and their signs stay those of p.
+    q, k, v, _ = make_inputs(1, 1, 6, 9, 9, dtype=torch.float64, seed=8, qk_std=4.0)
+    p = (q @ k.transpose(-2, -1)) * 9**-0.5
+    assert p.abs().min() > 0.02  # |p| / c > 20: tanh is 1 to float64 precision
+    eye = torch.eye(9, dtype=torch.float64).expand(1, 1, 9, 9)
+    for backend in ("reference", "torch"):
+        attn = cog_attention(q, k, eye, softcap=1e-3, backend=backend)  # v = identity: the output is the weights
+        torch.testing.assert_close(attn, torch.sign(p) / 9, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["cog", "softmax"])
+def test_window_softcap_gradcheck_float64(attention):
+    q, k, v, _ = make_inputs(1, 2, 6, 8, 4, dtype=torch.float64, seed=12)
+    kpm = torch.tensor([[True, True, False, True, True, True, False, True]])
+    op = cog_attention if attention == "cog" else softmax_attention
+    for backend in ("reference", "torch"):
+        inputs = tuple(t.clone().requires_grad_(True) for t in (q, k, v))
+        fn = lambda q_, k_, v_: op(q_, k_, v_, causal=True, window=(2, -1), softcap=0.8, key_padding_mask=kpm,
+                                   backend=backend)  # fmt: skip
+        assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_banded_tiles_skip_keys_outside_the_band():
+    """The torch backend's tiles cover only key blocks some row of the tile can see: the scores it computes for a
+    causal or windowed call are within one tile-diagonal of the band's area, not the full Lq x Lk."""
+    from uvic.attention import _band, _tile_keys, _tiles
+
+    Lq = Lk = 2048
+    nh = 12
+    for causal, window, band_area in [(True, None, Lq * (Lq + 1) // 2), (True, (255, -1), 256 * Lq),
+                                      (False, (63, 64), 128 * Lq)]:  # fmt: skip
+        band = _band(causal, window)
+        computed = 0
+        for _, hs, rs in _tiles(1, nh, Lq, Lk, 2**20, band):
+            ks = _tile_keys(rs, Lq, Lk, band)
+            computed += (hs.stop - hs.start) * (rs.stop - rs.start) * (ks.stop - ks.start)
+        rows = max(rs.stop - rs.start for _, _, rs in _tiles(1, nh, Lq, Lk, 2**20, band))
+        assert nh * band_area <= computed <= nh * (band_area + rows * Lk), (causal, window, computed / nh / band_area)

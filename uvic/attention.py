@@ -5,8 +5,9 @@ softmax weights with signed ones:
 
     p = scale * q k^T,    attn = sign(p) * softmax(|p|),    o = attn v
 
-so a query can subtract a value vector as well as add it. The semantics every backend shares (masks, empty
-inputs, rows with no kept key, non-finite values in masked keys) are written out in docs/attention.md.
+so a query can subtract a value vector as well as add it. The semantics every backend shares (masks, sliding
+windows, logit softcaps, empty inputs, rows with no kept key, non-finite values in masked keys) are written out in
+docs/attention.md.
 
 Shape letters: B batch, nh heads, Lq / Lk query / key tokens, hd head dim. Every tensor is in the
 `F.scaled_dot_product_attention` layout (B, nh, L, hd).
@@ -72,6 +73,8 @@ def unsupported_reason(
     key_padding_mask: torch.Tensor | None = None,
     *,
     backend: Backend = "torch",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ) -> str | None:
     """Why `backend` cannot run on these inputs, in words; None when it can.
 
@@ -84,6 +87,8 @@ def unsupported_reason(
         q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd).
         key_padding_mask: (B, Lk) bool (True = the key takes part) or None.
         backend: "auto", "reference", "torch" or "triton".
+        window: (left, right) ints >= -1 (-1 = unbounded) or None, as `cog_attention`.
+        softcap: a positive finite float or None, as `cog_attention`.
     Returns:
         A short reason, or None.
     """
@@ -100,6 +105,8 @@ def unsupported_reason(
         return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.device == k.device == v.device):
         return f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+    if q.is_meta:
+        return "q, k, v are meta tensors (shapes only, no data); the attention op needs tensors with values"
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
     if k.shape[0] != B or k.shape[1] != nh or k.shape[3] != hd:
@@ -108,6 +115,8 @@ def unsupported_reason(
         return f"v {tuple(v.shape)} must have the (B, nh, Lk) of k {tuple(k.shape)}"
     if v.shape[3] != hd:
         return f"v head dim {v.shape[3]} must equal the q/k head dim {hd}"
+    if hd == 0:
+        return "head dim is 0; q, k and v need at least one feature per head (the default scale is hd ** -0.5)"
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask)
@@ -116,6 +125,12 @@ def unsupported_reason(
             return f"key_padding_mask must have shape (B, Lk) = {(B, Lk)}, got {tuple(key_padding_mask.shape)}"
         if key_padding_mask.device != q.device:
             return f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}"
+    if (why := _window_problem(window)) is not None:
+        return why
+    if softcap is not None and not (
+        isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap) and softcap > 0
+    ):
+        return f"softcap must be a positive finite float or None (no cap), got {softcap!r}"
     if backend != "triton":
         return None
     # The fused kernel's envelope (the header of kernels/attention.py).
@@ -132,35 +147,70 @@ def unsupported_reason(
         return f"L * hd = {max(Lq, Lk) * hd} elements per (batch, head); the kernel allows fewer than 2**31"
     if B * nh > MAX_BATCH_HEADS:
         return f"B * nh = {B * nh} is larger than the kernel grid allows ({MAX_BATCH_HEADS})"
+    if _normal_window(window) is not None or softcap is not None:
+        return "sliding windows and softcaps are not in the kernel yet (the torch backend has them)"
     if q.is_cuda:
         return config_arch(*cuda_device_info(q.device.index))[1]
     return None
 
 
-def _check_inputs(q, k, v, key_padding_mask, scale, backend: str, attention: str) -> None:
+def _window_problem(window) -> str | None:
+    """Why `window` is not a valid sliding window (None or (left, right), ints >= -1), or None."""
+    if window is None:
+        return None
+    ok = (isinstance(window, (tuple, list)) and len(window) == 2
+          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window))  # fmt: skip
+    if not ok:
+        return f"window must be None or (left, right) with ints >= -1 (-1 = unbounded), got {window!r}"
+    return None
+
+
+def _band(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """The kept band as (left, right), -1 = unbounded: query i keeps key j when i + d - left <= j <= i + d + right,
+    d = Lk - Lq (bottom-right aligned). `causal` is right = 0 (a window's right side cannot widen it)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    return int(left), int(right)
+
+
+def _check_inputs(q, k, v, key_padding_mask, scale, backend: str, attention: str, window=None, softcap=None) -> None:
     """Raise a ValueError that names the problem for anything the op does not accept."""
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTIONS}")
     # "auto" checks what every backend needs; it falls back from the kernel rather than fail.
-    problem = unsupported_reason(q, k, v, key_padding_mask, backend=backend)
+    problem = unsupported_reason(q, k, v, key_padding_mask, backend=backend, window=window, softcap=softcap)
     if problem is not None:
         raise ValueError(problem if backend != "triton" else f"backend='triton' cannot run on these inputs: {problem}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
 
 
+def _band_keep(rows: torch.Tensor, cols: torch.Tensor, d: int, band: tuple[int, int]) -> torch.Tensor | None:
+    """(rows, cols) bool: query i keeps key j when i + d - left <= j <= i + d + right (`_band`); None if all do."""
+    left, right = band
+    keep = None
+    if right >= 0:
+        keep = cols[None, :] <= rows[:, None] + (d + right)
+    if left >= 0:
+        lower = cols[None, :] >= rows[:, None] + (d - left)
+        keep = lower if keep is None else keep & lower
+    return keep
+
+
 def _keep_mask(
-    Lq: int, Lk: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
-) -> torch.Tensor | None:
+    Lq: int, Lk: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device,
+    window: tuple[int, int] | None = None,
+) -> torch.Tensor | None:  # fmt: skip
     """Boolean keep-mask broadcastable to (B, 1, Lq, Lk) (True = the key takes part), or None when all keys do.
 
-    `causal` keeps key j for query i when j <= i + Lk - Lq (bottom-right aligned, as FlashAttention-2).
+    `causal` keeps key j for query i when j <= i + Lk - Lq (bottom-right aligned, as FlashAttention-2); `window`
+    (left, right) keeps i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1 = unbounded), FlashAttention's
+    `window_size`.
     """
-    keep = None
-    if causal:
-        i = torch.arange(Lq, device=device)
-        j = torch.arange(Lk, device=device)
-        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None, None]  # (1, 1, Lq, Lk)
+    keep = _band_keep(torch.arange(Lq, device=device), torch.arange(Lk, device=device), Lk - Lq, _band(causal, window))
+    if keep is not None:
+        keep = keep[None, None]  # (1, 1, Lq, Lk)
     if key_padding_mask is not None:
         kpm = key_padding_mask[:, None, None, :]  # (B, 1, 1, Lk)
         keep = kpm if keep is None else keep & kpm
@@ -197,12 +247,15 @@ def attention_ref(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     attention: AttentionKind = "cog",
     upcast: bool = True,
 ) -> torch.Tensor:
     """Dense attention by the paper's formula; the ground truth every other backend is tested against.
 
-    Cog: `sign(p) * softmax(|p|.masked_fill(~keep, -inf))` (paper Fig. 2, "faster"); softmax: `softmax(p)`.
+    Cog: `sign(p) * softmax(|p|.masked_fill(~keep, -inf))` (paper Fig. 2, "faster"); softmax: `softmax(p)`. With
+    `softcap` c, p is first replaced by `c * tanh(p / c)`.
     Query rows with no kept key return zeros with zero gradients (no NaN). Inputs are not checked (call
     `unsupported_reason` first, as `cog_attention` does).
 
@@ -211,6 +264,8 @@ def attention_ref(
         causal: bottom-right aligned causal mask.
         key_padding_mask: (B, Lk) bool, True = the key takes part.
         scale: multiplies q k^T; defaults to hd ** -0.5.
+        window: (left, right) sliding window, -1 = unbounded (as `cog_attention`).
+        softcap: logit softcap c > 0, or None.
         attention: "cog" (signed weights) or "softmax".
         upcast: compute in float32 (float64 stays float64) and cast the result back.
     Returns:
@@ -224,7 +279,9 @@ def attention_ref(
     Lq, Lk = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = scale * (q @ k.transpose(-2, -1))  # (B, nh, Lq, Lk)
-    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device)
+    if softcap is not None:
+        p = softcap * torch.tanh(p / softcap)
+    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device, window)
     has_key = None
     if keep is not None:
         has_key = keep.any(-1, keepdim=True)  # (B or 1, 1, Lq, 1)
@@ -245,22 +302,35 @@ def attention_ref(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# "torch" backend for Cog: tiled, recompute in backward, O(L * tile) memory
+# "torch" backend: tiled, recompute in backward, O(L * tile) memory
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _tiles(B: int, nh: int, Lq: int, Lk: int, tile_elements: int) -> list[tuple[slice, slice, slice]]:
+def _tiles(
+    B: int, nh: int, Lq: int, Lk: int, tile_elements: int, band: tuple[int, int] = (-1, -1)
+) -> list[tuple[slice, slice, slice]]:  # fmt: skip
     """Split the (B, nh, Lq) rows into tiles of about `tile_elements` scores, as (batch items, heads, query rows).
 
     A tile holds several whole batch items when one fits (short sequences: few, large matmuls instead of a
     Python loop over batch items), else several whole heads of one batch item, else a block of query rows of
-    one head. A one-item tile is a strided view that bmm reads without a copy (also for q, k, v sliced out of
-    a fused qkv projection); the out, dk and dv slices a tile writes are always contiguous.
+    one head. With a band (causal or a sliding window, `_band`) that does not fit, tiles are blocks of query rows
+    of all heads of one item (few Python iterations), sized by the keys a row sees, so that the keys outside the
+    band are skipped block by block (`_tile_keys`). A one-item tile is a strided view that bmm reads without a copy
+    (also for q, k, v sliced out of a fused qkv projection); the out, dk and dv slices a tile writes are always
+    contiguous.
     """
     per_head = Lq * Lk
     if per_head * nh <= tile_elements:
         items = max(1, tile_elements // (per_head * nh))
         return [(slice(b, min(b + items, B)), slice(0, nh), slice(0, Lq)) for b in range(0, B, items)]
+    if band != (-1, -1):
+        left, right = band
+        # Keys one row sees on average: a two-sided window's width, else about half the keys (causal-like).
+        seen = min(Lk, left + right + 1) if left >= 0 and right >= 0 else max(1, Lk // 2)
+        heads = nh if nh * BAND_MIN_ROWS * seen <= tile_elements else max(1, tile_elements // (BAND_MIN_ROWS * seen))
+        rows = min(Lq, max(1, tile_elements // (heads * seen)))
+        return [(slice(b, b + 1), slice(h, min(h + heads, nh)), slice(r, min(r + rows, Lq)))
+                for b in range(B) for h in range(0, nh, heads) for r in range(0, Lq, rows)]
     if per_head <= tile_elements:
         heads = max(1, min(nh, tile_elements // per_head))
         return [(slice(b, b + 1), slice(h, min(h + heads, nh)), slice(0, Lq))
@@ -270,27 +340,41 @@ def _tiles(B: int, nh: int, Lq: int, Lk: int, tile_elements: int) -> list[tuple[
             for r in range(0, Lq, rows)]
 
 
+# Banded tiles take all heads of an item while that leaves at least this many query rows per tile; else fewer
+# heads (per-tile Python overhead grows as the row blocks shrink).
+BAND_MIN_ROWS = 16
+
+
+def _tile_keys(rs: slice, Lq: int, Lk: int, band: tuple[int, int]) -> slice:
+    """The keys a tile of query rows can see: rows i see i + d - left <= j <= i + d + right (d = Lk - Lq), so key
+    blocks outside the band are skipped. At least one key is in the slice; rows that see none are masked to zero
+    by the keep-mask."""
+    left, right = band
+    d = Lk - Lq
+    lo = max(0, rs.start + d - left) if left >= 0 else 0
+    hi = min(Lk, rs.stop + d + right) if right >= 0 else Lk
+    lo = min(lo, Lk - 1)
+    return slice(lo, max(hi, lo + 1))
+
+
 def _tile_keep(
-    bs: slice, rs: slice, Lq: int, ks: slice, Lk: int, causal: bool, kpm: torch.Tensor | None, device: torch.device
-) -> torch.Tensor | None:
+    bs: slice, rs: slice, Lq: int, ks: slice, Lk: int, band: tuple[int, int], kpm: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | None:  # fmt: skip
     """Keep-mask of one tile over keys `ks`, broadcastable to (items, heads, rows, keys); None when all are kept."""
+    left, right = band
+    d = Lk - Lq
     keep = None
-    if causal and rs.start < Lq - 1:  # otherwise every row of the tile sees all keys (j <= i + Lk - Lq)
-        i = torch.arange(rs.start, rs.stop, device=device)
-        j = torch.arange(ks.start, ks.stop, device=device)
-        keep = (j[None, :] <= i[:, None] + (Lk - Lq))[None, None]  # (1, 1, rows, keys)
+    cut_right = right >= 0 and ks.stop - 1 > rs.start + d + right  # some key is past some row's band
+    cut_left = left >= 0 and ks.start < rs.stop - 1 + d - left
+    if cut_right or cut_left:
+        rows = torch.arange(rs.start, rs.stop, device=device)
+        cols = torch.arange(ks.start, ks.stop, device=device)
+        keep = _band_keep(rows, cols, d, (left if cut_left else -1, right if cut_right else -1))[None, None]
     if kpm is not None:
         tile_kpm = kpm[bs, ks][:, None, None, :]  # (items, 1, 1, keys)
         keep = tile_kpm if keep is None else keep & tile_kpm
     return keep
-
-
-def _tile_keys(rs: slice, Lq: int, Lk: int, causal: bool) -> slice:
-    """The keys a tile of query rows can see: causal rows i see j <= i + Lk - Lq, so later key blocks are skipped
-    (at least one key is kept in the slice; rows that see none are masked to zero by the keep-mask)."""
-    if not causal:
-        return slice(0, Lk)
-    return slice(0, max(1, min(Lk, rs.stop + Lk - Lq)))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -310,23 +394,49 @@ def _flat_keep(keep: torch.Tensor | None, hs: slice) -> torch.Tensor | None:
     return _flat(keep.expand(-1, hs.stop - hs.start, -1, -1)) if keep.shape[0] > 1 else keep[0]
 
 
-def _tile_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile of the forward: q (G, r, hd), k and v (G, Lk, hd), keep broadcastable to (G, r, Lk) or None.
+def _tile_scores(q, k, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(p, t): the tile's scores p = scale q k^T, softcapped to c * tanh(p / c) when `softcap` is c, (G, r, keys);
+    t = tanh(p / c) (for the softcap's derivative 1 - t^2) or None."""
+    p = torch.bmm(q * scale, k.transpose(1, 2))  # q * scale is (r, hd), far smaller than p
+    if softcap is None:
+        return p, None
+    t = torch.tanh(p * (1.0 / softcap))
+    return t * softcap, t
 
-    Returns (E v, l): E = sign(p) * exp(|p| - m) with m the row max of |p| over kept keys (0 for rows with none),
-    so E v = l * O, (G, r, hd); and l = rowsum(exp(|p| - m)) over kept keys, (G, r, 1). Exact zeros p = 0 count
-    in l and get sign 0 (no weight), as in the reference.
-    """
-    s = torch.bmm(q * scale, k.transpose(1, 2))  # p, (G, r, Lk); q * scale is (r, hd), far smaller than p
-    if keep is not None:
-        s = s.masked_fill(~keep, 0.0)  # |0| cannot raise the row max, which is >= 0 anyway
-    a = s.abs()
-    e = torch.exp(a - a.amax(-1, keepdim=True))
+
+def _tile_weights(s: torch.Tensor, keep: torch.Tensor | None, cog: bool) -> torch.Tensor:
+    """E = exp(score - m) over kept keys (0 elsewhere), m the row max of the score over kept keys: the score is
+    |s| for Cog (m >= 0, so rows with no kept key have m = 0), s for softmax (m = 0 on rows with no kept key)."""
+    if cog:
+        if keep is not None:
+            s = s.masked_fill(~keep, 0.0)  # |0| cannot raise the row max, which is >= 0 anyway
+        a = s.abs()
+        e = torch.exp(a - a.amax(-1, keepdim=True))
+    else:
+        if keep is not None:
+            s = s.masked_fill(~keep, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        if keep is not None:
+            m = m.clamp_min(torch.finfo(s.dtype).min)  # rows with no kept key: exp(-inf - finite) = 0, no NaN
+        e = torch.exp(s - m)
     if keep is not None:
         e = e.masked_fill(~keep, 0.0)
-    return torch.bmm(e * torch.sign(s), v), e.sum(-1, keepdim=True)
+    return e
+
+
+def _tile_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None,
+    softcap: float | None = None, cog: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One tile of the forward: q (G, r, hd), k and v (G, Lk, hd), keep broadcastable to (G, r, Lk) or None.
+
+    Returns (E' v, l): E' = sign(p) * E for Cog (E for softmax), E = exp(score - m) over kept keys
+    (`_tile_weights`), so E' v = l * O, (G, r, hd); and l = rowsum(E), (G, r, 1). Exact zeros p = 0 count in l
+    and get sign 0 (no weight), as in the reference.
+    """
+    s, _ = _tile_scores(q, k, scale, softcap)
+    e = _tile_weights(s, keep, cog)
+    return torch.bmm(e * torch.sign(s) if cog else e, v), e.sum(-1, keepdim=True)
 
 
 def _tile_backward(
@@ -338,40 +448,46 @@ def _tile_backward(
     D: torch.Tensor,
     scale: float,
     keep: torch.Tensor | None,
+    softcap: float | None = None,
+    cog: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tile of the backward: q, do (G, r, hd); k, v (G, Lk, hd); inv_l = 1/l and D = rowsum(dO * O), (G, r, 1).
 
-    Recomputes E = l * A as `_tile_forward` does and returns this tile's (dQ, dK, dV) contributions, with
-    dV = E^T (dO / l), l dP = E * (sign(p) * (dO v^T) - D), dQ = scale dP K and dK = scale dP^T Q.
+    Recomputes E' = l * A as `_tile_forward` does and returns this tile's (dQ, dK, dV) contributions, with
+    dV = E'^T (dO / l), l dS = E' * (sign(s) * (dO v^T) - D) (Cog; softmax: E * (dO v^T - D)) for the (capped)
+    score s, l dP = l dS * (1 - t^2) through a softcap (t = tanh(p / c)), dQ = scale dP K and dK = scale dP^T Q.
     """
-    s = torch.bmm(q * scale, k.transpose(1, 2))
-    if keep is not None:
-        s = s.masked_fill(~keep, 0.0)
-    a = s.abs()
-    sgn = torch.sign(s)
-    e = torch.exp(a - a.amax(-1, keepdim=True))
-    if keep is not None:
-        e = e.masked_fill(~keep, 0.0)
-    e = e * sgn  # E = l * A
+    s, t = _tile_scores(q, k, scale, softcap)
+    e = _tile_weights(s, keep, cog)
+    g = torch.bmm(do, v.transpose(1, 2))
+    if cog:
+        sgn = torch.sign(s)
+        e = e * sgn  # E' = l * A
+        dp = e * (sgn * g - D)  # l * dS
+    else:
+        dp = e * (g - D)
     dv = torch.bmm(e.transpose(1, 2), do * inv_l)
-    dp = e * (sgn * torch.bmm(do, v.transpose(1, 2)) - D)  # l * dP
+    if t is not None:
+        dp = dp * (1.0 - t * t)  # d(c tanh(p / c)) / dp
     inv_l = inv_l * scale
     return torch.bmm(dp, k) * inv_l, torch.bmm(dp.transpose(1, 2), q * inv_l), dv
 
 
-def _tile_forward_into(q, k, v, scale: float, keep, o_out: torch.Tensor, l_out: torch.Tensor) -> None:
+def _tile_forward_into(
+    q, k, v, scale: float, keep, softcap, cog: bool, o_out: torch.Tensor, l_out: torch.Tensor
+) -> None:  # fmt: skip
     """`_tile_forward` written into views of the outputs (compiled, the last pointwise loop writes there directly)."""
-    o, l = _tile_forward(q, k, v, scale, keep)
+    o, l = _tile_forward(q, k, v, scale, keep, softcap, cog)
     o_out.copy_(o)
     l_out.copy_(l)
 
 
 def _tile_backward_into(
-    q, k, v, do, inv_l, D, scale: float, keep, dq_out: torch.Tensor, dk_out: torch.Tensor, dv_out: torch.Tensor,
-    accumulate: bool,
-) -> None:
+    q, k, v, do, inv_l, D, scale: float, keep, softcap, cog: bool, dq_out: torch.Tensor, dk_out: torch.Tensor,
+    dv_out: torch.Tensor, accumulate: bool,
+) -> None:  # fmt: skip
     """`_tile_backward` written into views of dQ, dK, dV (dK, dV accumulate over query blocks when `accumulate`)."""
-    dq, dk, dv = _tile_backward(q, k, v, do, inv_l, D, scale, keep)
+    dq, dk, dv = _tile_backward(q, k, v, do, inv_l, D, scale, keep, softcap, cog)
     dq_out.copy_(dq)
     if accumulate:
         dk_out.add_(dk)
@@ -418,46 +534,50 @@ def _run_tile(name: str, compiled: bool, *args) -> None:
                            str(err).splitlines()[0] if str(err) else "")
     return fn(*args)
 
+class _AttentionTorch(torch.autograd.Function):
+    """Tiled Cog (or softmax) attention with the FlashAttention memory contract (docs/attention.md, "The torch
+    backend").
 
-class _CogAttentionTorch(torch.autograd.Function):
-    """Tiled Cog attention with the FlashAttention memory contract (docs/attention.md, "The torch backend").
-
-    Tiles (see `_tiles`) hold complete query rows, so the transient memory is a few tiles of `tile_elements`
-    scores whatever the sequence length.
+    Tiles (see `_tiles`) hold complete query rows over the keys of their band, so the transient memory is a few
+    tiles of `tile_elements` scores whatever the sequence length.
 
     Forward saves q, k, v, the output and one float per query row: log l_i, the log-sum-exp of |p_i| relative to
     its row max m_i (LSE_i = m_i + log l_i). Backward recomputes m_i from the same tile, so no precision is lost
     at large |p| (an absolute fp32 LSE near |p| = 1e4 has an ulp of 1e-3, a 1e-3 relative error in every weight).
     With E = sign(p) * exp(|p| - m) = l * A, every 1/l factor moves onto a (rows, hd) block:
         O = (E v) / l,   dV = A^T dO = E^T (dO / l),   dP = A * (sign(p) * g - D) = (E * (sign(p) * g - D)) / l,
-    with g = dO v^T and D = rowsum(dO * O); dQ = scale dP K and dK = scale dP^T Q.
+    with g = dO v^T and D = rowsum(dO * O); dQ = scale dP K and dK = scale dP^T Q. (Softmax mode: E = exp(p - m)
+    and dP = (E * (g - D)) / l; a softcap multiplies dP by 1 - tanh^2(p / c).)
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, key_padding_mask, scale, tile_elements, compile):
+    def forward(ctx, q, k, v, causal, key_padding_mask, scale, tile_elements, compile, window, softcap, cog):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
+        band = _band(causal, window)
         ct = _compute_dtype(q.dtype)
         qc = q.to(ct)  # a view when already in the compute dtype
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         l_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
-        for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements):
-            ks = _tile_keys(rs, Lq, Lk, causal)
-            keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
+        for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements, band):
+            ks = _tile_keys(rs, Lq, Lk, band)
+            keep = _tile_keep(bs, rs, Lq, ks, Lk, band, key_padding_mask, q.device)
             # The out / l slices of a tile are contiguous, so their 3-d views are written in place.
             _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
-                      scale, _flat_keep(keep, hs), _flat_out(out[bs, hs, rs]), _flat_out(l_all[bs, hs, rs]))
+                      scale, _flat_keep(keep, hs), softcap, cog, _flat_out(out[bs, hs, rs]),
+                      _flat_out(l_all[bs, hs, rs]))  # fmt: skip
         out = out.mul_(_safe_reciprocal(l_all)).to(q.dtype)  # rows with no kept key: l = 0, O = 0
         ctx.save_for_backward(q, k, v, out, l_all.log_(), key_padding_mask)
-        ctx.causal, ctx.scale, ctx.tile_elements, ctx.compile = causal, scale, tile_elements, compile
+        ctx.band, ctx.scale, ctx.tile_elements, ctx.compile = band, scale, tile_elements, compile
+        ctx.softcap, ctx.cog = softcap, cog
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, log_l, key_padding_mask = ctx.saved_tensors
-        causal, scale = ctx.causal, ctx.scale
+        band, scale = ctx.band, ctx.scale
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
@@ -465,22 +585,26 @@ class _CogAttentionTorch(torch.autograd.Function):
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
         inv_l = _safe_reciprocal(log_l.exp())  # 0 on rows with no kept key
-        tiles = _tiles(B, nh, Lq, Lk, ctx.tile_elements)
+        tiles = _tiles(B, nh, Lq, Lk, ctx.tile_elements, band)
         whole_heads = all(rs.stop - rs.start == Lq for _, _, rs in tiles)  # else query blocks accumulate dK, dV
         dq = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         dk = dq.new_empty(B, nh, Lk, hd) if whole_heads else dq.new_zeros(B, nh, Lk, hd)
         dv = torch.empty_like(dk) if whole_heads else torch.zeros_like(dk)
+        if whole_heads and band != (-1, -1):  # keys outside every row's band get no gradient
+            dk.zero_()
+            dv.zero_()
         compiled = _use_compiled(q, B * nh * Lq * Lk, ctx.compile)
         for bs, hs, rs in tiles:
-            ks = _tile_keys(rs, Lq, Lk, causal)
-            keep = _tile_keep(bs, rs, Lq, ks, Lk, causal, key_padding_mask, q.device)
+            ks = _tile_keys(rs, Lq, Lk, band)
+            keep = _tile_keep(bs, rs, Lq, ks, Lk, band, key_padding_mask, q.device)
             _run_tile(
                 "backward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
                 _flat(do[bs, hs, rs]), _flat(inv_l[bs, hs, rs]), _flat(D[bs, hs, rs]), scale,
-                _flat_keep(keep, hs), _flat_out(dq[bs, hs, rs]), _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks]),
+                _flat_keep(keep, hs), ctx.softcap, ctx.cog, _flat_out(dq[bs, hs, rs]), _flat_out(dk[bs, hs, ks]),
+                _flat_out(dv[bs, hs, ks]),
                 not whole_heads,  # query blocks of one head accumulate dK, dV (zero-initialised)
             )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
@@ -496,6 +620,8 @@ def tiled_cog_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     tile_elements: int = TILE_ELEMENTS,
     compile: bool | None = None,
 ) -> torch.Tensor:
@@ -503,23 +629,35 @@ def tiled_cog_attention(
     is this function with the defaults.
 
     Args:
-        q, k, v, causal, key_padding_mask, scale: as `cog_attention`.
+        q, k, v, causal, key_padding_mask, scale, window, softcap: as `cog_attention`.
         tile_elements: scores per tile. A tile holds several whole batch items when they fit, else several whole
-            heads of one item, else a block of query rows of one head (the transient memory is a few tiles).
+            heads of one item, else a block of query rows (of all heads of one item when causal or windowed, so
+            that key blocks outside the band are skipped); the transient memory is a few tiles.
         compile: run the tile math through `torch.compile` (True), in eager PyTorch (False), or decide per call
             (None: CPU calls with at least COMPILE_MIN_SCORES scores, unless UVIC_ATTENTION_COMPILE=0). A compiler
             that fails is reported once (a warning) and eager PyTorch is used from then on.
     Returns:
         (B, nh, Lq, hd) in the input dtype.
     """
-    _check_inputs(q, k, v, key_padding_mask, scale, "torch", "cog")
+    _check_inputs(q, k, v, key_padding_mask, scale, "torch", "cog", window, softcap)
     if not (isinstance(tile_elements, int) and tile_elements >= 1):
         raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    window = _normal_window(window)
+    softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
-        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
+                             softcap=softcap)  # fmt: skip
     with torch.autocast(q.device.type, enabled=False):
-        return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, tile_elements, compile)
+        return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, tile_elements, compile, window,
+                                     softcap, True)  # fmt: skip
+
+
+def _normal_window(window) -> tuple[int, int] | None:
+    """A valid `window` as a tuple, None when it bounds neither side."""
+    if window is None or tuple(window) == (-1, -1):
+        return None
+    return int(window[0]), int(window[1])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -527,10 +665,14 @@ def tiled_cog_attention(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _attention(q, k, v, causal: bool, key_padding_mask, scale, backend: str, attention: str) -> torch.Tensor:
+def _attention(
+    q, k, v, causal: bool, key_padding_mask, scale, window, softcap, backend: str, attention: str
+) -> torch.Tensor:  # fmt: skip
     """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
-    _check_inputs(q, k, v, key_padding_mask, scale, backend, attention)
+    _check_inputs(q, k, v, key_padding_mask, scale, backend, attention, window, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    window = _normal_window(window)
+    softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         # Nothing to attend with or to: an empty output, or zeros (a row with no key), and zero gradients.
         backend = "reference"
@@ -538,11 +680,12 @@ def _attention(q, k, v, causal: bool, key_padding_mask, scale, backend: str, att
         # cog: the kernel for 16-bit CUDA inputs inside its envelope (fp32 runs on the kernel only with small IEEE
         # tiles, so "auto" gives it to the torch backend). softmax: SDPA, PyTorch's fastest kernels.
         use_kernel = (attention == "cog" and q.is_cuda and q.dtype != torch.float32
-                      and unsupported_reason(q, k, v, key_padding_mask, backend="triton") is None)  # fmt: skip
+                      and unsupported_reason(q, k, v, key_padding_mask, backend="triton", window=window,
+                                             softcap=softcap) is None)  # fmt: skip
         backend = "triton" if use_kernel else "torch"
-    kw = {"causal": causal, "key_padding_mask": key_padding_mask, "scale": scale}
-    if backend == "torch" and attention == "softmax":
-        return _sdpa(q, k, v, **kw)
+    kw = {"causal": causal, "key_padding_mask": key_padding_mask, "scale": scale, "window": window, "softcap": softcap}
+    if backend == "torch" and attention == "softmax" and softcap is None:
+        return _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window)
     # The op chooses its own compute precision (float32 math on q, k, v as given), so autocast is off inside it:
     # under autocast q, k, v already carry the low-precision dtype, and the output comes back in that dtype.
     with torch.autocast(q.device.type, enabled=False):
@@ -552,16 +695,20 @@ def _attention(q, k, v, causal: bool, key_padding_mask, scale, backend: str, att
             from uvic.kernels.ops import fused_attention
 
             return fused_attention(q, k, v, attention=attention, **kw)
-        return _CogAttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None)
+        # softmax with a softcap (which SDPA cannot apply) runs on the tiled backend's softmax mode.
+        return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None, window, softcap,
+                                     attention == "cog")  # fmt: skip
 
 
-def _sdpa(q, k, v, *, causal: bool, key_padding_mask, scale: float) -> torch.Tensor:
+def _sdpa(q, k, v, *, causal: bool, key_padding_mask, scale: float, window=None) -> torch.Tensor:
     """softmax_attention's "torch" backend: `F.scaled_dot_product_attention` with the op's mask semantics."""
     Lq, Lk = q.shape[2], k.shape[2]
-    if key_padding_mask is None and (not causal or Lq == Lk):
+    if key_padding_mask is None and window is None and (not causal or Lq == Lk):
         # The fast path: no explicit mask, so SDPA can use its fused kernels.
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device)
+    keep = _keep_mask(Lq, Lk, causal, key_padding_mask, q.device, window)
+    if keep is None:  # a window wider than the keys
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
     has_key = keep.any(-1, keepdim=True)
     k, v = _drop_padded_keys(k, v, key_padding_mask)
     # Rows with no kept key attend to everything (finite) and are zeroed afterwards, so no NaN anywhere.
@@ -577,6 +724,8 @@ def cog_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Cog attention: `sign(p) * softmax(|p|) @ v` with `p = scale * q k^T` (paper Eq. 3).
@@ -588,13 +737,18 @@ def cog_attention(
         causal: mask key j for query i when j > i + Lk - Lq (bottom-right aligned, KV-cache friendly).
         key_padding_mask: (B, Lk) bool, True = the key takes part; padded keys' k and v rows are never read.
         scale: multiplies q k^T; defaults to hd ** -0.5.
+        window: (left, right) sliding window, FlashAttention's `window_size`: query i keeps key j when
+            i + Lk - Lq - left <= j <= i + Lk - Lq + right; -1 leaves that side unbounded. With `causal`,
+            (w - 1, -1) or (w - 1, 0) is Mistral's local attention over the last w tokens. None: no window.
+        softcap: logit softcap c > 0 (Gemma 2): the scores become p' = c * tanh(p / c) before the sign and the
+            magnitude, so sign(p') = sign(p) and |p'| = c * tanh(|p| / c). None: no cap.
         backend: "auto", "reference", "torch" or "triton" (see the module docstring).
     Returns:
         (B, nh, Lq, hd) in the input dtype; rows with no kept key are zeros.
     Raises:
         ValueError: the inputs are malformed, or `backend` cannot run on them (the message says why).
     """
-    return _attention(q, k, v, causal, key_padding_mask, scale, backend, "cog")
+    return _attention(q, k, v, causal, key_padding_mask, scale, window, softcap, backend, "cog")
 
 
 def softmax_attention(
@@ -605,11 +759,15 @@ def softmax_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Softmax attention `softmax(p) @ v`, with the signature, shapes and mask semantics of `cog_attention`.
 
     The "torch" backend, and "auto", is `F.scaled_dot_product_attention` (flash / memory-efficient kernels where
-    PyTorch has them); "triton" is the fused kernel in its softmax mode, for like-for-like comparisons with Cog.
+    PyTorch has them; with a softcap, which SDPA cannot apply, the tiled backend's softmax mode); "triton" is the
+    fused kernel in its softmax mode, for like-for-like comparisons with Cog.
+    Args, returns and raises: as `cog_attention`.
     """
-    return _attention(q, k, v, causal, key_padding_mask, scale, backend, "softmax")
+    return _attention(q, k, v, causal, key_padding_mask, scale, window, softcap, backend, "softmax")
