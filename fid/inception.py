@@ -16,7 +16,7 @@ Both run in fp32 with TF32 and autocast off. Shapes: images (B, 3, H, W) uint8; 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import io
 import logging
 import os
 from pathlib import Path
@@ -25,6 +25,8 @@ from typing import Iterator, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from uvic.io import UnsafeFileError, load_torch_data, sha256_file
 
 
 logger = logging.getLogger(__name__)
@@ -58,15 +60,6 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown FID mode {mode!r}; choose one of {', '.join(MODES)}")
     return mode
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _hub_candidates() -> list[Path]:
@@ -182,15 +175,26 @@ class InceptionExtractor(nn.Module):
         path, self.weights_sha256 = resolve_weights(weights, sha256=sha256, allow_download=allow_download)
         self.weights_path = str(path)
         features = [str(dims)] + (["logits_unbiased"] if with_logits else [])
-        # Given a path, torch-fidelity loads it strictly with torch.load and never downloads.
+        # The weights are read here with torch.load(weights_only=True), whatever the checksum setting, and handed
+        # to torch-fidelity (which would unpickle a path in full) as an in-memory copy of plain tensors.
         try:
+            state = load_torch_data(path, what="FID Inception weights")
+            if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
+                raise TypeError(f"a {type(state).__name__}, not a state dict of tensors")
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            buffer.seek(0)
             self.net = FeatureExtractorInceptionV3("inception-v3-compat", features,
-                                                   feature_extractor_weights_path=path)
+                                                   feature_extractor_weights_path=buffer)
+        except UnsafeFileError:
+            raise
         except Exception as e:  # noqa: BLE001 - torch.load / load_state_dict: UnpicklingError, RuntimeError, ...
+            cause = e.__cause__ if e.__cause__ is not None else e
             checked = "was skipped" if sha256 is None else "passed"
             raise ValueError(
-                f"cannot load the FID Inception weights {str(path)!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
-                f"the file is corrupt or not {WEIGHTS_NAME} (its SHA-256 check {checked})"
+                f"cannot load the FID Inception weights {str(path)!r} ({type(cause).__name__}: "
+                f"{' '.join(str(cause).split())[:200]}); the file is corrupt or not {WEIGHTS_NAME} (its SHA-256 "
+                f"check {checked})"
             ) from e
 
     @torch.no_grad()

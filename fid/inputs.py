@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import pickle
 import re
 import warnings
 from pathlib import Path
@@ -24,8 +23,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from uvic.data.images import check_image
+from uvic.data.images import check_image, read_cifar10_batches
 from uvic.errors import DataError
+from uvic.io import to_uint8 as _quantize
 
 
 logger = logging.getLogger(__name__)
@@ -53,17 +53,7 @@ def to_uint8(images: Batch, value_range: ValueRange = (0.0, 1.0)) -> torch.Tenso
         if x.shape[-1] != 3:
             raise ValueError(f"expected (B, 3, H, W) or (B, H, W, 3) RGB images, got shape {tuple(x.shape)}")
         x = x.permute(0, 3, 1, 2)
-    if x.dtype == torch.uint8:
-        return x.contiguous()
-    if not x.is_floating_point():
-        raise ValueError(f"images must be uint8 or floating point, got {x.dtype}")
-    if not torch.isfinite(x).all():
-        raise ValueError("images contain NaN or Inf")
-    lo, hi = value_range
-    if (lo, hi) != (0.0, 1.0):
-        x = (x - lo) / (hi - lo)
-    # torchvision.utils.save_image: mul(255).add_(0.5).clamp_(0, 255).to(uint8).
-    return x.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8).contiguous()
+    return _quantize(x, value_range).contiguous()
 
 
 def _natural_key(path: Path) -> tuple:
@@ -168,8 +158,9 @@ class ImageArray(Dataset):
 def cifar10(root: str | os.PathLike, split: str = "train", *, md5_check: bool = False) -> ImageArray:
     """A CIFAR-10 split read directly from the ``cifar-10-batches-py`` pickles.
 
-    torchvision's loader insists on the md5 of every batch file; this reads them directly, with the same md5
-    table (`torchvision.datasets.CIFAR10`) applied only when `md5_check` is set.
+    torchvision's loader insists on the md5 of every batch file; this reads them with
+    `uvic.data.images.read_cifar10_batches` (the training reader, which refuses anything but plain data), with the
+    same md5 table (`torchvision.datasets.CIFAR10`) applied only when `md5_check` is set.
 
     Args:
         root: the ``cifar-10-batches-py`` folder or its parent.
@@ -183,7 +174,7 @@ def cifar10(root: str | os.PathLike, split: str = "train", *, md5_check: bool = 
         raise ValueError(f"CIFAR-10 split must be 'train' or 'test', got {split!r}")
     root = Path(root)
     folder = root if (root / "batches.meta").exists() or root.name == CIFAR10.base_folder else root / CIFAR10.base_folder
-    chunks = []
+    files = []
     for fname, md5 in CIFAR10.train_list if split == "train" else CIFAR10.test_list:
         path = folder / fname
         if not path.is_file():
@@ -191,11 +182,9 @@ def cifar10(root: str | os.PathLike, split: str = "train", *, md5_check: bool = 
                                     f"(cifar-10-python.tar.gz) extracted to {str(folder)!r}")  # fmt: skip
         if md5_check and (got := hashlib.md5(path.read_bytes()).hexdigest()) != md5:
             raise ValueError(f"md5 of {str(path)!r} is {got}, expected {md5} (corrupt or not the official file)")
-        with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="bytes")
-        data = np.asarray(entry[b"data"] if b"data" in entry else entry["data"], dtype=np.uint8)
-        chunks.append(data.reshape(-1, 3, 32, 32))  # rows are R(1024) G(1024) B(1024)
-    return ImageArray(np.concatenate(chunks), name=f"cifar10-{split}")
+        files.append(path)
+    images, _ = read_cifar10_batches(files)  # a data-only unpickler: a batch file cannot run code
+    return ImageArray(images, name=f"cifar10-{split}")
 
 
 def center_crop_lanczos(image: np.ndarray, resolution: int) -> np.ndarray:

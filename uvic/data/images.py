@@ -8,7 +8,6 @@ so that they resume exactly and do not depend on data-loader workers.
 from __future__ import annotations
 
 import logging
-import pickle
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from uvic.errors import DataError
+from uvic.io import UnsafeFileError, load_data_pickle
 
 
 logger = logging.getLogger(__name__)
@@ -66,17 +66,45 @@ class Cifar10(_TensorImages):
                 f"CIFAR-10 not found: {folder} lacks {missing}. Download {_CIFAR_URL} and extract it into {root} "
                 f"(so that {folder}/data_batch_1 exists), or set data.download=true on a machine that is online."
             )
-        data, labels = [], []
-        for f in files:
-            try:
-                with open(f, "rb") as fh:
-                    batch = pickle.load(fh, encoding="latin1")
-                data.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-                labels.extend(batch["labels"])
-            except Exception as e:  # noqa: BLE001 - any parse failure means the same thing to the user
-                raise ValueError(f"{f} is not a CIFAR-10 python batch (dict with 'data' and 'labels'): {e}") from e
-        images = np.concatenate(data).transpose(0, 2, 3, 1)  # (N, 32, 32, 3)
-        super().__init__(_to_model_range(images), torch.tensor(labels, dtype=torch.long))
+        data, labels = read_cifar10_batches(files)
+        images = data.transpose(0, 2, 3, 1)  # (N, 32, 32, 3)
+        super().__init__(_to_model_range(images), torch.from_numpy(labels))
+
+
+def read_cifar10_batches(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels of CIFAR-10 python batches (`data_batch_1`..`5`, `test_batch`), in file order.
+
+    The batches are pickles; they are read with a data-only unpickler (`uvic.io.load_data_pickle`) that builds
+    dicts, lists, bytes, str, ints and uint8 arrays only, so a batch file cannot run code.
+
+    Returns:
+        ((N, 3, 32, 32) uint8 images, the rows' R, G, B planes; (N,) int64 labels).
+    Raises:
+        UnsafeFileError: a file holds anything else (a class, a function); DataError: a file is not a batch.
+    """
+    data, labels = [], []
+    for f in files:
+        try:
+            batch = load_data_pickle(f, dtypes=("u1",), what="CIFAR-10 batch")
+        except UnsafeFileError:
+            raise
+        except DataError as e:
+            raise DataError(f"{f} is not a CIFAR-10 python batch (not a readable pickle: {e.__cause__})") from e
+        try:
+            if not isinstance(batch, dict):
+                raise TypeError(f"a {type(batch).__name__}, not a dict")
+            rows = batch[b"data"] if b"data" in batch else batch["data"]
+            rows = np.asarray(rows, dtype=np.uint8).reshape(-1, 3, 32, 32)  # R(1024) G(1024) B(1024) per row
+            got = batch[b"labels"] if b"labels" in batch else batch["labels"]
+            got = np.asarray([int(v) for v in got], dtype=np.int64)
+            if len(got) != len(rows):
+                raise ValueError(f"{len(rows)} images but {len(got)} labels")
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{f} is not a CIFAR-10 python batch (a dict with 'data' (N, 3072) uint8 and 'labels'): "
+                            f"{type(e).__name__}: {e}") from e
+        data.append(rows)
+        labels.append(got)
+    return np.concatenate(data), np.concatenate(labels)
 
 
 def _download_cifar10(root: Path) -> None:

@@ -1,24 +1,31 @@
 """Checkpoints: atomic, verified save; rotation; discovery; resume. Task-agnostic (diffusion and LM runs share it).
 
 Layout of one checkpoint, `run_dir/checkpoints/step_000001000/`:
-    model.safetensors, optimizer.bin, random_states_{rank}.pkl, custom_checkpoint_{i}.pkl
-                        `accelerator.save_state`: model, optimizer, RNG states, registered objects (LR schedule,
-                        the run's sharded generator)
-    {name}.safetensors  extra models such as the EMA weights
-    config.yaml         the resolved config of the run
-    meta.json           {"step": ..., "sha256": {file: hex digest}}; written last
+    model.safetensors       the trained model (safetensors)
+    optimizer.bin           the optimizer's state dict (tensors and plain data)
+    training_state.pt       the accelerator's step counter, the fp16 loss scaler, and the registered objects (LR
+                            schedule, the run's sharded generator), as tensors and plain data
+    random_states_{rank}.pt each process's Python, NumPy, torch and CUDA generator states
+    {name}.safetensors      extra models such as the EMA weights
+    config.yaml             the resolved config of the run
+    meta.json               {"step": ..., "sha256": {file: hex digest}}; written last
+
+Nothing in a checkpoint is unpickled in full: the `.pt` / `.bin` files are read with `torch.load(weights_only=True)`
+(`uvic.io.load_torch_data`), which builds tensors and plain containers only, so a checkpoint someone else wrote
+cannot run code when it is resumed, exported or sampled (docs/security.md). accelerate's `save_state` /
+`load_state` are not used: they pickle the registered objects and the RNG states.
 
 A checkpoint is written into `.tmp-step_...-{pid}/` (the launch's main-process PID, so that two writers never share
-a temporary dir) and renamed into place when complete, so a crash during a save leaves the previous checkpoints
-untouched and the partial directory is never picked up. Re-saving a step renames the old copy aside
+a temporary dir), fsync'd, and renamed into place when complete, so a crash during a save leaves the previous
+checkpoints untouched and the partial directory is never picked up. Re-saving a step renames the old copy aside
 (`.old-step_...`), renames the new one in, and only then deletes the old one. A directory is deleted by renaming it
 to `.deleting-...` first, so a kill during the deletion never leaves a half-deleted `step_*`; `sweep_leftovers`
-(called at the start of a run, under the run-dir lock) removes what such interruptions leave behind.
+(called at the start of a run, under the run-dir lock) removes what such interruptions leave behind. A symlink in
+`checkpoints/` is removed as a link, never followed.
 
 `meta.json` records the SHA-256 of every other file. `verify_checkpoint` checks them, and that the recorded step is
-the one in the directory name, before a checkpoint is resumed or exported: a mismatch is a `CheckpointError` naming
-the file and the newest checkpoint of the run that verifies. Checkpoints written before hashes were recorded load
-with a warning, unverified.
+the one in the directory name, before a checkpoint is resumed or exported: a mismatch (or a `meta.json` without
+hashes) is a `CheckpointError` naming the file and the newest checkpoint of the run that verifies.
 
 A write that fails (disk full, read-only file system, a file where a directory should be) removes the partial
 checkpoint and raises `StorageError`, which says what failed and names the last complete checkpoint.
@@ -30,28 +37,35 @@ only ever see that branch, while the abandoned one stays on disk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+import torch
 import yaml
 from accelerate import Accelerator
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from uvic.errors import CheckpointError, StorageError, describe_os_error
+from uvic.io import fsync_dir, fsync_tree, load_torch_data, sha256_file
 
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d+)$")
 META = "meta.json"
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.bin"
+TRAINING_STATE = "training_state.pt"
 # Signs that an exception from a serializer (torch.save, safetensors) is a failed write, not a bug.
 _WRITE_FAILURE = re.compile(r"basic_ios|file write failed|No space left|Read-only file system|Permission denied|"
                             r"Os \{ code|Not a directory|Disk quota", re.IGNORECASE)
@@ -108,15 +122,6 @@ def resolve_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _file_hashes(ckpt: Path) -> dict[str, str]:
     return {p.relative_to(ckpt).as_posix(): sha256_file(p)
             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != META}  # fmt: skip
@@ -138,9 +143,8 @@ def _problem(path: Path) -> tuple[int | None, str | None]:
     m = _NAME.match(path.name)
     if m and int(m.group(1)) != step:
         return step, f"{meta_file} records step {step}, but the directory is {path.name}"
-    if hashes is None:
-        logger.warning("%s has no SHA-256 record (saved by an older uvic): using it unverified", path)
-        return step, None
+    if not hashes:
+        return step, f"{meta_file} records no SHA-256 hashes, so its files cannot be checked"
     for name, want in hashes.items():
         f = path / name
         if not f.is_file():
@@ -183,6 +187,22 @@ def verify_checkpoint(path: str | Path) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores besides the extra models.
+
+    Attributes:
+        model: the trained model (as prepared by accelerate), saved as `model.safetensors`.
+        optimizer: its optimizer, saved as `optimizer.bin`.
+        objects: named objects with `state_dict()` / `load_state_dict()` whose state is tensors and plain data
+            (the LR schedule, the run's `ShardedRNG`), saved in `training_state.pt`.
+    """
+
+    model: nn.Module | None = None
+    optimizer: Any = None
+    objects: dict[str, Any] = field(default_factory=dict)
+
+
 def save_checkpoint(
     accelerator: Accelerator,
     run_dir: str | Path,
@@ -190,10 +210,13 @@ def save_checkpoint(
     config: dict[str, Any],
     extra_models: dict[str, nn.Module] | None = None,
     keep: int = 3,
+    *,
+    state: TrainingState | None = None,
 ) -> Path:
-    """Save the accelerator state plus `extra_models` atomically as `checkpoints/step_{step:09d}`; keep the last `keep`.
+    """Save `state`, the RNG states and `extra_models` atomically as `checkpoints/step_{step:09d}`; keep the last
+    `keep`.
 
-    Call on every process (accelerate writes per-rank RNG states). Returns the checkpoint path.
+    Call on every process (each writes its own RNG states). Returns the checkpoint path.
 
     Raises:
         StorageError: a write failed on some process (disk full, read-only, not a directory); the partial
@@ -219,12 +242,14 @@ def save_checkpoint(
             save_file(state, str(tmp / f"{name}.safetensors"))
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         (tmp / META).write_text(json.dumps({"step": step, "sha256": _file_hashes(tmp)}))
+        fsync_tree(tmp)  # every file on disk before the rename makes the checkpoint visible
         _move_into_place(tmp, final)
+        fsync_dir(root)
 
     # Each phase ends with every process learning whether any failed, so that all stop together.
     failure = agree(accelerator, _attempt(prepare, root) if main else None)
     if failure is None:
-        failure = agree(accelerator, _attempt(lambda: accelerator.save_state(str(tmp)), root))
+        failure = agree(accelerator, _attempt(lambda: _save_state(accelerator, state or TrainingState(), tmp), root))
     if failure is None:
         failure = agree(accelerator, _attempt(finish, root) if main else None)
     if failure is not None:
@@ -242,6 +267,71 @@ def save_checkpoint(
                 logger.warning("could not delete the old checkpoint %s: %s", old, describe_os_error(e))
     accelerator.wait_for_everyone()
     return final
+
+
+def _save_state(accelerator: Accelerator, state: TrainingState, out: Path) -> None:
+    """Write `state` (main process) and this process's RNG states into the checkpoint dir `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        if state.model is not None:
+            save_model(accelerator.unwrap_model(state.model), str(out / MODEL))  # shared tensors stored once
+        if state.optimizer is not None:
+            torch.save(state.optimizer.state_dict(), out / OPTIMIZER)
+        scaler = getattr(accelerator, "scaler", None)
+        torch.save({"accelerator_step": int(accelerator.step),
+                    "scaler": None if scaler is None else scaler.state_dict(),
+                    "objects": {name: obj.state_dict() for name, obj in state.objects.items()}},
+                   out / TRAINING_STATE)  # fmt: skip
+    torch.save(_rng_states(), out / f"random_states_{accelerator.process_index}.pt")
+
+
+def _rng_states() -> dict[str, Any]:
+    """The global generators' states as tensors and plain data (what accelerate's `save_state` pickles)."""
+    _, key, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(gauss)},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    version, internal, gauss_next = states["python"]
+    random.setstate((int(version), tuple(int(v) for v in internal), gauss_next))
+    numpy_state = states["numpy"]
+    np.random.set_state(("MT19937", numpy_state["key"].numpy().astype(np.uint32), int(numpy_state["pos"]),
+                         int(numpy_state["has_gauss"]), float(numpy_state["cached_gaussian"])))  # fmt: skip
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"][: torch.cuda.device_count()])
+
+
+def _load_state(accelerator: Accelerator, state: TrainingState, path: Path) -> None:
+    """Restore what `_save_state` wrote; every file is read with `torch.load(weights_only=True)` or safetensors."""
+    if not (path / TRAINING_STATE).is_file():
+        pickles = sorted(p.name for p in path.glob("*.pkl"))
+        raise FileNotFoundError(f"{path / TRAINING_STATE} is missing" + (
+            f" (the checkpoint holds {', '.join(pickles)}: pickled training state, which uvic never loads because "
+            f"unpickling can run code; its weights can still be exported or sampled)" if pickles else ""))
+    if state.model is not None:
+        load_model(accelerator.unwrap_model(state.model), path / MODEL, strict=True)
+    if state.optimizer is not None:
+        state.optimizer.load_state_dict(load_torch_data(path / OPTIMIZER, what="optimizer state"))
+    saved = load_torch_data(path / TRAINING_STATE, what="training state")
+    accelerator.step = int(saved["accelerator_step"])
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None and saved["scaler"] is not None:
+        scaler.load_state_dict(saved["scaler"])
+    for name, obj in state.objects.items():
+        obj.load_state_dict(saved["objects"][name])
+    rng_file = path / f"random_states_{accelerator.process_index}.pt"
+    if rng_file.is_file():
+        _set_rng_states(load_torch_data(rng_file, what="random states"))
+    else:  # resumed on more processes than saved it; the run's own generator (`objects`) is restored regardless
+        logger.warning("%s has no %s: process %d's global generators (dropout, data-loader workers) start from the "
+                       "seed instead", path, rng_file.name, accelerator.process_index)
 
 
 def _attempt(fn: Callable[[], Any], where: Path) -> str | None:
@@ -287,9 +377,15 @@ def agree(accelerator: Accelerator, failure: str | None) -> str | None:
 
 def remove_dir(path: Path) -> None:
     """Delete a directory by renaming it to `.deleting-{name}-{pid}` first, so that a kill midway never leaves a
-    half-deleted directory under a name that is read (the `.deleting-` leftover is swept at the next start)."""
+    half-deleted directory under a name that is read (the `.deleting-` leftover is swept at the next start).
+    A symlink is unlinked, never followed: what it points to is not the run's to delete."""
+    if path.is_symlink():
+        path.unlink()
+        return
     doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
-    if doomed.exists():  # left by an earlier process that had the same PID
+    if doomed.is_symlink():
+        doomed.unlink()
+    elif doomed.exists():  # left by an earlier process that had the same PID
         shutil.rmtree(doomed)
     os.replace(path, doomed)
     shutil.rmtree(doomed)
@@ -328,7 +424,9 @@ def write_dir_atomically(out_dir: str | Path, write: Callable[[Path], Any], what
         if tmp.exists():
             remove_dir(tmp)
         write(tmp)
+        fsync_tree(tmp)
         _move_into_place(tmp, out_dir)
+        fsync_dir(out_dir.parent)
 
     failure = _attempt(attempt, out_dir.parent if out_dir.parent.is_dir() else Path("."))
     if failure is not None:
@@ -345,6 +443,9 @@ def _remove_dead_writers_leftovers(out_dir: Path) -> None:
     for p in out_dir.parent.glob(f".*-{out_dir.name}-*"):
         prefix, _, pid = p.name.rpartition("-")
         if prefix not in (f".tmp-{out_dir.name}", f".deleting-{out_dir.name}") or not pid.isdigit() or not p.is_dir():
+            continue
+        if p.is_symlink():
+            p.unlink()
             continue
         try:
             os.kill(int(pid), 0)  # no error: the writer is alive
@@ -367,15 +468,18 @@ def sweep_leftovers(run_dir: str | Path) -> list[str]:
         return []
     handled = []
     for p in sorted(root.iterdir()):
-        if not p.is_dir():
+        if p.is_symlink() and (p.name.startswith((".deleting-", ".tmp-", ".old-")) or
+                               (_NAME.match(p.name) and not (p / META).is_file())):  # fmt: skip
+            p.unlink()  # a link, never followed
+        elif not p.is_dir():
             continue
-        if p.name.startswith(".deleting-"):
+        elif p.name.startswith(".deleting-"):
             shutil.rmtree(p)
         elif p.name.startswith(".tmp-") or (_NAME.match(p.name) and not (p / META).is_file()):
             remove_dir(p)
         elif p.name.startswith(".old-"):
             final = root / p.name[len(".old-"):]
-            if (p / META).is_file() and not (final / META).is_file():
+            if (p / META).is_file() and not (final / META).is_file() and not p.is_symlink():
                 if final.exists():
                     remove_dir(final)
                 os.replace(p, final)
@@ -413,26 +517,32 @@ def abandon_newer_checkpoints(run_dir: str | Path, step: int) -> Path | None:
 
 
 def load_checkpoint(
-    accelerator: Accelerator, path: str | Path, extra_models: dict[str, nn.Module] | None = None
+    accelerator: Accelerator,
+    path: str | Path,
+    extra_models: dict[str, nn.Module] | None = None,
+    *,
+    state: TrainingState | None = None,
 ) -> int:
-    """Restore what `save_checkpoint` wrote into the prepared objects; returns the step.
+    """Restore what `save_checkpoint` wrote into `state` (prepared objects) and `extra_models`; returns the step.
+
+    Nothing is unpickled in full: safetensors and `torch.load(weights_only=True)` only.
 
     Raises:
         FileNotFoundError: `path` is not a complete checkpoint.
-        CheckpointError (a ValueError): it fails `verify_checkpoint`, or a file in it cannot be read or is
-            from a different model.
+        CheckpointError (a ValueError): it fails `verify_checkpoint`, or a file in it cannot be read, holds
+            anything but tensors and plain data, or is from a different model.
     """
     path = Path(path)
     if not (path / META).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META})")
     step = verify_checkpoint(path)
     try:
-        accelerator.load_state(str(path))
+        _load_state(accelerator, state or TrainingState(), path)
         for name, model in (extra_models or {}).items():
             model.load_state_dict(load_file(str(path / f"{name}.safetensors")))
     except Exception as e:  # noqa: BLE001 - any failure here means "this checkpoint cannot be resumed"
         raise CheckpointError(f"checkpoint {path} is unreadable or does not match this run: "
-                              f"{type(e).__name__}: {e}") from e
+                              f"{type(e).__name__}: {' '.join(str(e).split())}") from e
     logger.info("resumed from %s at step %d", path, step)
     return step
 

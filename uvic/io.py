@@ -1,0 +1,270 @@
+"""One helper per I/O job: file hashing, atomic (fsync'd) writes, data-only loading, image quantisation.
+
+Loading rule (docs/security.md): nothing read from a user-supplied path may run code. The two loaders here are the
+only ways the package reads pickled formats:
+- `load_torch_data`: `torch.load(weights_only=True)`, which rebuilds tensors and plain containers only;
+- `load_data_pickle`: a restricted unpickler that accepts plain Python data and numpy arrays of listed dtypes
+  (the CIFAR-10 python batches), and refuses every other global with a one-line `UnsafeFileError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from uvic.errors import DataError
+
+
+__all__ = [
+    "UnsafeFileError",
+    "atomic_write",
+    "fsync_dir",
+    "fsync_tree",
+    "load_data_pickle",
+    "load_torch_data",
+    "sha256_file",
+    "to_uint8",
+]
+
+
+class UnsafeFileError(DataError):
+    """A file holds something a data-only loader refuses (a pickled callable or class): nothing from it was run."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hashing and atomic writes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory, so that renames and new entries in it reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under `root` (a directory about to be renamed into place)."""
+    root = Path(root)
+    for p in sorted(root.rglob("*"), reverse=True):
+        if p.is_file() and not p.is_symlink():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        elif p.is_dir() and not p.is_symlink():
+            fsync_dir(p)
+    fsync_dir(root)
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary file next to `path` for writing; on success it is flushed, fsync'd and renamed to `path`.
+
+    A failure (or a kill) inside the block leaves `path` as it was: the temporary `.{name}.tmp{pid}` is removed
+    on an exception, and a kill leaves only that hidden file. `mode` is "wb" or "w".
+
+        with atomic_write(run_dir / "best.json", "w") as f:
+            json.dump(record, f)
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_write mode must be 'wb' or 'w', got {mode!r}")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # e.g. the file system went read-only: a hidden leftover, never read
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data-only loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_torch_data(path: str | os.PathLike, what: str = "file") -> Any:
+    """`torch.load(path, weights_only=True)` on CPU: tensors and plain containers, never pickled code.
+
+    Raises:
+        UnsafeFileError: the file holds other objects (the message names the file and the refused global).
+        DataError: the file is not a torch file at all (truncated, another format).
+    """
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line.strip() for line in str(e).splitlines()]
+        refused = next((line for line in lines if "GLOBAL" in line), None)
+        if refused is not None:
+            raise UnsafeFileError(f"{what} {path} holds objects other than tensors and plain data, which are never "
+                                  f"loaded because unpickling them can run code ({refused})") from e
+        why = next((line for line in lines if line.startswith("Unsupported")), lines[0] if lines else "")
+        raise DataError(f"{what} {path} is not a torch file of tensors ({why})") from e
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise DataError(f"{what} {path} is unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
+
+
+class _Refused(pickle.UnpicklingError):
+    """An object the data-only unpickler does not build."""
+
+
+class _ArrayBeingBuilt:
+    """What numpy's `_reconstruct` returns while unpickling: it becomes an array only in `__setstate__`, and only
+    for an allowed plain dtype. Any other use of it fails, and `_unwrap` replaces it by the array afterwards."""
+
+    def __init__(self, dtypes: frozenset[str]) -> None:
+        self.dtypes, self.array = dtypes, None
+
+    def __setstate__(self, state: tuple) -> None:
+        if not (isinstance(state, tuple) and len(state) == 5):
+            raise _Refused("numpy array with an unexpected state")
+        _, shape, dtype, is_fortran, raw = state
+        self.array = _array(raw, dtype, shape, "F" if is_fortran else "C", self.dtypes)
+
+
+def _array(raw: Any, dtype: Any, shape: Any, order: str, dtypes: frozenset[str]) -> np.ndarray:
+    """A copy of the array of `dtype` and `shape` held in `raw`, if `dtype` is one of `dtypes`."""
+    if not isinstance(dtype, np.dtype) or dtype.hasobject or dtype.str.lstrip("<>|=") not in dtypes:
+        raise _Refused(f"numpy array of dtype {dtype} refused (allowed: {', '.join(sorted(dtypes))})")
+    if isinstance(raw, str):  # Python 2 pickles read with encoding="latin1"
+        raw = raw.encode("latin1")
+    if not isinstance(raw, (bytes, bytearray, pickle.PickleBuffer)):
+        raise _Refused("numpy array without raw data")
+    if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise _Refused(f"numpy array of shape {shape!r}")
+    return np.frombuffer(raw, dtype=dtype).copy().reshape(shape, order=order)
+
+
+def _dtype(spec: Any, align: bool = False, copy: bool = False) -> np.dtype:
+    if not isinstance(spec, str):
+        raise _Refused(f"numpy dtype {spec!r} refused")
+    return np.dtype(spec, align, copy)
+
+
+def _latin1_bytes(text: Any, encoding: Any) -> bytes:
+    # Python 3 writes bytes as _codecs.encode(str, "latin1") in protocol 2.
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise _Refused("_codecs.encode refused")
+    return text.encode("latin1")
+
+
+class _Unpickler(pickle.Unpickler):
+    """Builds plain data (dict, list, tuple, str, bytes, int, float, bool, None) and numpy arrays of `dtypes`."""
+
+    def __init__(self, file: IO[bytes], dtypes: frozenset[str], **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
+        self.dtypes = dtypes
+
+    def find_class(self, module: str, name: str) -> Any:
+        numpy_core = module in ("numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.numeric",
+                                "numpy._core.numeric")
+        if numpy_core and name == "_reconstruct":
+            return lambda cls, shape, dtype: _ArrayBeingBuilt(self.dtypes)
+        if numpy_core and name == "_frombuffer":  # protocol 5
+            return lambda buf, dtype, shape, order: _array(buf, dtype, shape, order, self.dtypes)
+        if (module, name) == ("numpy", "ndarray"):
+            return np.ndarray  # only ever passed to _reconstruct above, which ignores it
+        if (module, name) == ("numpy", "dtype"):
+            return _dtype
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
+        raise _Refused(f"refused global {module}.{name}")
+
+
+def _unwrap(obj: Any) -> Any:
+    """Replace every `_ArrayBeingBuilt` by its array, through dicts, lists and tuples."""
+    if isinstance(obj, _ArrayBeingBuilt):
+        if obj.array is None:
+            raise _Refused("numpy array without state")
+        return obj.array
+    if isinstance(obj, dict):
+        return {_unwrap(k): _unwrap(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unwrap(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_unwrap(v) for v in obj)
+    return obj
+
+
+def load_data_pickle(path: str | os.PathLike, *, dtypes: tuple[str, ...] = ("u1",), encoding: str = "bytes",
+                     what: str = "file") -> Any:  # fmt: skip
+    """Unpickle plain data and numpy arrays of `dtypes` (numpy `dtype.str` codes without the byte order, e.g. "u1"
+    for uint8) from `path`; refuse anything else (a class, a function, `os.system`) before it is called.
+
+    Raises:
+        UnsafeFileError: the file holds a refused object; the message names the file and the object.
+        DataError: the file is not a pickle (truncated, another format).
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        obj = _Unpickler(io.BytesIO(data), frozenset(dtypes), encoding=encoding).load()
+    except _Refused as e:
+        raise UnsafeFileError(f"{what} {path} holds objects other than plain data ({e}); it was not loaded, "
+                              f"because unpickling them could run code") from e
+    except pickle.UnpicklingError as e:
+        raise DataError(f"{what} {path} is not a readable pickle ({e})") from e
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, MemoryError) as e:
+        raise DataError(f"{what} {path} is not a readable pickle ({type(e).__name__}: {e})") from e
+    return _unwrap(obj)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Image quantisation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = (0.0, 1.0)) -> Any:
+    """Quantise float images to uint8 as `torchvision.utils.save_image` does: uint8(clamp(255 x + 0.5, 0, 255)).
+
+    Args:
+        images: any shape, torch or numpy, floats in `value_range` (mapped to [0, 1] first); uint8 passes through.
+        value_range: (low, high) of the float input.
+    Returns:
+        uint8 of the same shape and kind (torch tensor on the same device, or numpy array).
+    Raises:
+        ValueError: non-finite values, or an integer dtype other than uint8.
+    """
+    is_numpy = isinstance(images, np.ndarray)
+    x = torch.from_numpy(np.ascontiguousarray(images)) if is_numpy else images
+    if x.dtype == torch.uint8:
+        return images
+    if not x.is_floating_point():
+        raise ValueError(f"images must be uint8 or floating point, got {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError("images contain NaN or Inf")
+    lo, hi = value_range
+    if (lo, hi) != (0.0, 1.0):
+        x = (x - lo) / (hi - lo)
+    # torchvision.utils.save_image: mul(255).add_(0.5).clamp_(0, 255).to(uint8).
+    out = x.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8)
+    return out.numpy() if is_numpy else out
