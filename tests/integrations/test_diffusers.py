@@ -4,9 +4,19 @@ Each switched layer is checked against the paper's formula written out here, sig
 the layer's own projections; each kept layer against diffusers' stock processor.
 """
 
+import warnings
+
 import pytest
 import torch
-from diffusers import DiTTransformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    DiTPipeline,
+    DiTTransformer2DModel,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+)
 from diffusers.models.attention_processor import (
     Attention,
     AttnProcessor,
@@ -17,7 +27,7 @@ from diffusers.models.attention_processor import (
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
-from uvic.integrations.diffusers import apply_cog_attention
+from uvic.integrations.diffusers import CONFIG_KEY, apply_cog_attention, load, restore_cog_attention
 
 
 def paper_attention(q, k, v, key_kept=None, cog=True, scale=None):
@@ -238,7 +248,8 @@ def test_every_input_of_the_default_processors():
                                   kw.get("temb"), cog=False, scale=zoo[name].scale)  # fmt: skip
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-        assert apply_cog_attention(zoo, keep_softmax=5) == []
+        with pytest.warns(UserWarning, match="ModuleDict has 3 attention block"):
+            assert apply_cog_attention(zoo, keep_softmax=5) == []
         assert [p.layer_scale for p in (attn.processor for attn in zoo.values())] == [False, False, True]
         for name, runs in inputs.items():
             for (kw, _), want in zip(runs, stock[name]):
@@ -261,8 +272,9 @@ def test_softmax_mode_reproduces_the_stock_model(kind):
     model, inputs, sample = MODELS[kind]()
     with torch.no_grad():
         stock = sample(model(**inputs))
-        assert apply_cog_attention(model, keep_softmax=100) == []  # every block kept: all processors in softmax mode
-        assert all(type(m.processor).__name__.startswith("Cog") and m.processor.attention == "softmax"
+        with pytest.warns(UserWarning, match="no layer runs Cog attention"):
+            assert apply_cog_attention(model, keep_softmax=100) == []  # every block kept: all in softmax mode
+        assert all(type(m.processor).__name__.startswith("KeptSoftmax") and m.processor.runs_softmax
                    for m in attention_layers(model).values())  # fmt: skip
         torch.testing.assert_close(sample(model(**inputs)), stock, rtol=0, atol=0)
 
@@ -356,3 +368,137 @@ def test_unsupported_processors_and_arguments_are_refused():
             apply_cog_attention(model, keep_softmax=bad)
     with pytest.raises(ValueError, match="no diffusers attention modules"):
         apply_cog_attention(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The placement survives saving, loading and processors that diffusers re-creates
+# ---------------------------------------------------------------------------------------------------------
+
+
+def processor_types(model):
+    return {name: type(m.processor) for name, m in attention_layers(model).items()}
+
+
+def test_a_saved_placement_is_restored_by_load(tmp_path):
+    model, inputs, sample = tiny_dit()
+    switched = apply_cog_attention(model, keep_softmax=1, backend="torch")
+    with torch.no_grad():
+        want = sample(model(**inputs))
+    model.save_pretrained(tmp_path)
+
+    plain = DiTTransformer2DModel.from_pretrained(tmp_path).eval()  # diffusers does not save processors
+    assert set(processor_types(plain).values()) == {AttnProcessor2_0}
+    assert plain.config[CONFIG_KEY] == {"keep_softmax": 1, "backend": "torch"}
+    assert restore_cog_attention(plain) == switched
+    assert processor_types(plain) == processor_types(model)
+
+    loaded = load(DiTTransformer2DModel, tmp_path).eval()
+    assert processor_types(loaded) == processor_types(model)
+    assert all(m.processor.backend == "torch" for m in attention_layers(loaded).values())
+    with torch.no_grad():
+        torch.testing.assert_close(sample(loaded(**inputs)), want, rtol=0, atol=0)
+
+
+def test_load_warns_when_nothing_was_recorded(tmp_path):
+    model, _, _ = tiny_dit()
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="DiTTransformer2DModel: its config records no Cog placement"):
+        loaded = load(DiTTransformer2DModel, tmp_path)
+    assert set(processor_types(loaded).values()) == {AttnProcessor2_0}
+
+
+def test_a_pipeline_is_restored_component_by_component(tmp_path):
+    transformer, inputs, _ = tiny_dit()
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
+    switched = apply_cog_attention(transformer, keep_softmax=1)
+    DiTPipeline(transformer=transformer, vae=vae, scheduler=DDIMScheduler()).save_pretrained(tmp_path)
+    pipe = load(DiTPipeline, tmp_path)  # the VAE recorded nothing: only the transformer is switched
+    assert processor_types(pipe.transformer) == processor_types(transformer)
+    assert set(processor_types(pipe.vae).values()) == {AttnProcessor2_0}
+    assert restore_cog_attention(pipe) == [f"transformer.{name}" for name in switched]
+
+
+def test_re_created_processors_keep_their_mode():
+    """diffusers re-creates processors as `processor.__class__()` (IP-adapter loading, for self-attention): the
+    class alone gives the same computation, `AttnProcessor`-style layers (scale_qk=False) included."""
+    model, inputs, sample = tiny_unet()
+    zoo, zoo_inputs = layer_zoo()
+    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(zoo, keep_softmax=0)
+
+    def run():
+        with torch.no_grad():
+            return [sample(model(**inputs))] + [zoo[name](**kw) for name, r in zoo_inputs.items() for kw, _ in r]
+
+    before, types = run(), {**processor_types(model), **processor_types(zoo)}
+    for m in [*attention_layers(model).values(), *attention_layers(zoo).values()]:
+        m.set_processor(type(m.processor)())
+    assert {**processor_types(model), **processor_types(zoo)} == types
+    for b, a in zip(before, run(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def ip_adapter_state_dict(unet):
+    """An IP-adapter checkpoint for `unet` (random weights), in the layout `_load_ip_adapter_weights` reads."""
+    torch.manual_seed(2)
+    dim = unet.config.cross_attention_dim
+    cross = [name for name in unet.attn_processors if not name.endswith("attn1.processor")]
+    hidden = {name: unet.get_submodule(name.removesuffix(".processor")).to_q.out_features for name in cross}
+    ip_adapter = {}
+    for i, name in enumerate(cross):
+        ip_adapter[f"{2 * i + 1}.to_k_ip.weight"] = torch.randn(hidden[name], dim)
+        ip_adapter[f"{2 * i + 1}.to_v_ip.weight"] = torch.randn(hidden[name], dim)
+    image_proj = {"proj.weight": torch.randn(4 * dim, dim), "proj.bias": torch.zeros(4 * dim),
+                  "norm.weight": torch.ones(dim), "norm.bias": torch.zeros(dim)}  # fmt: skip
+    return {"image_proj": image_proj, "ip_adapter": ip_adapter}
+
+
+def test_ip_adapter_loading_keeps_self_attention_and_says_what_it_replaced():
+    model, inputs, _ = tiny_unet()
+    apply_cog_attention(model, keep_softmax=1)
+    before = processor_types(model)
+    model._load_ip_adapter_weights([ip_adapter_state_dict(model)])
+    after = processor_types(model)
+    self_attention = [name for name in before if name.endswith("attn1")]
+    assert {name: after[name] for name in self_attention} == {name: before[name] for name in self_attention}
+    inputs["added_cond_kwargs"] = {"image_embeds": [torch.randn(2, 1, 24)]}
+    replaced = "mid_block.attentions.0.transformer_blocks.0.attn2 (IPAdapterAttnProcessor2_0)"
+    with pytest.warns(UserWarning, match=r"4 attention module\(s\) no longer run .*" + replaced.replace("(", r"\(")
+                      .replace(")", r"\)")):  # fmt: skip
+        model(**inputs)
+
+
+def test_replaced_processors_are_reported_and_a_fresh_apply_is_quiet():
+    model, inputs, _ = tiny_dit()
+    apply_cog_attention(model, keep_softmax=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**inputs)  # nothing replaced: no warning
+    attention_layers(model)["transformer_blocks.1.attn1"].set_processor(AttnProcessor2_0())
+    with pytest.warns(UserWarning, match=r"1 attention module\(s\) .*transformer_blocks.1.attn1 \(AttnProcessor2_0\)"):
+        model(**inputs)
+    apply_cog_attention(model, keep_softmax=1)  # re-placed: checked against the new processors only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**inputs)
+    assert len(model._forward_pre_hooks) == 1
+    # set_default_attn_processor refuses processors it does not know, so the placement is not lost silently
+    unet, _, _ = tiny_unet()
+    apply_cog_attention(unet)
+    with pytest.raises(ValueError, match="Cannot call `set_default_attn_processor`"):
+        unet.set_default_attn_processor()
+
+
+def test_a_model_with_too_few_blocks_says_that_nothing_was_switched():
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
+    with pytest.warns(UserWarning, match=r"AutoencoderKL has 2 attention block\(s\), and keep_softmax=1 .*no layer "
+                                         r"runs Cog attention"):  # fmt: skip
+        assert apply_cog_attention(vae) == []
+    assert all(type(m.processor).__name__ == "KeptSoftmaxAttnProcessor" and m.processor.runs_softmax
+               for m in attention_layers(vae).values())  # fmt: skip
+    assert apply_cog_attention(vae, keep_softmax=0) == ["encoder.mid_block.attentions.0",
+                                                        "decoder.mid_block.attentions.0"]  # fmt: skip
+    assert all(type(m.processor).__name__ == "CogAttnProcessor" and not m.processor.runs_softmax
+               for m in attention_layers(vae).values())  # fmt: skip
