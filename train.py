@@ -10,6 +10,7 @@
 import argparse
 import dataclasses
 import logging
+import os
 
 from uvic.config import load_config
 from uvic.errors import cli_errors
@@ -24,7 +25,13 @@ def main() -> None:
                    help="continue from the latest checkpoint of train.run_dir, or from the given checkpoint dir")
     p.add_argument("--export", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="export the EMA weights of a checkpoint (default: the latest) to run_dir/pipeline and exit")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()  # overrides may follow the options
+    for option in ("resume", "export"):
+        value = getattr(args, option)
+        if value and "=" in value and not os.path.exists(value):
+            # `--resume train.max_steps=150`: argparse gave the override to the option; it is an override, not a path.
+            args.overrides = [*args.overrides, value]
+            setattr(args, option, "latest")
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as e:

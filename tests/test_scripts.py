@@ -207,3 +207,30 @@ def test_unreadable_training_image_exits_with_one_line_before_training(tmp_path,
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {image_dir / '5.png'} is not a readable image (")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resume_followed_by_an_override_resumes_the_latest_and_applies_it():
+    r = _run([sys.executable, "train.py", "configs/demo_digits.yaml", "--resume", "train.max_steps=150",
+              "train.lr=0.001", "--dry-run"])
+    assert r.returncode == 0, r.stderr
+    train = yaml.safe_load(r.stdout)["train"]
+    assert train["resume"] == "latest" and train["max_steps"] == 150 and train["lr"] == 0.001
+
+
+def test_a_failed_start_leaves_no_lock(tmp_path, image_dir, tiny):
+    run = tmp_path / "run"
+    # The model expects 16x16 images, the folder holds 8x8 ones: refused after the run dir was locked.
+    r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(run, image_dir, **{"model.img_size": 16})])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: dataset 'image_folder' gives images of shape (3, 8, 8)")
+    assert run.is_dir() and not (run / ".lock").exists()
+
+
+def test_export_followed_by_an_override_is_not_taken_as_a_checkpoint(tmp_path, image_dir, tiny):
+    run = tmp_path / "run"
+    assert _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(run, image_dir)]).returncode == 0
+    shutil.rmtree(run / "pipeline")
+    r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(tmp_path / "elsewhere", image_dir),
+              "--export", f"train.run_dir={run}"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(run / "pipeline") and (run / "pipeline" / "model_index.json").is_file()

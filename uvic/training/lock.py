@@ -4,7 +4,9 @@ Two launches on one `train.run_dir` would interleave their checkpoints, `metrics
 process of a launch therefore holds `fcntl.flock(LOCK_EX)` on `run_dir/.lock` (which records its PID) until the run
 ends; the other processes of the same launch share the run, and every process of a second launch stops with
 `RunLockedError` naming the holder's PID. The kernel drops a flock when its holder dies (kill -9 included), so a
-crashed run never leaves a stale lock behind: the PID in the file is informative only.
+crashed run never leaves a stale lock behind: the PID in the file is informative only. A run that ends (or fails
+to start) removes the file while it still holds the lock; a launch that locked a file removed meanwhile retries
+on the new one, so two runs never hold locks on two different files.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class RunDirLock:
 
     def acquire(self) -> None:
         """Take the lock or raise `RunLockedError` (held by another run) / `StorageError` (cannot create the dir)."""
+        while not self._try_acquire():  # the file was removed by a run that ended while we opened it
+            pass
+
+    def _try_acquire(self) -> bool:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -48,15 +54,26 @@ class RunDirLock:
                 f"{self.path.parent} is in use by another training run (PID {holder}); wait for it to finish, "
                 f"or choose another train.run_dir"
             ) from None
+        try:
+            current = os.stat(self.path)
+        except FileNotFoundError:
+            current = None
+        if current is None or not os.path.samestat(current, os.fstat(fd)):
+            os.close(fd)
+            return False
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        return True
 
     def release(self) -> None:
-        """Drop the lock (the file stays, so that a waiting run never races on its creation)."""
+        """Remove the lock file, then drop the lock (removed first, so that no run ever locks a file that stays)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.ftruncate(fd, 0)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:  # e.g. the file system went read-only: the file stays, harmless (its lock is dropped)
+                pass
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
