@@ -33,6 +33,7 @@ __all__ = [
     "load_torch_data",
     "sha256_file",
     "to_uint8",
+    "weights_only_error",
 ]
 
 
@@ -120,17 +121,23 @@ def load_torch_data(path: str | os.PathLike, what: str = "file") -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        lines = [line.strip() for line in str(e).splitlines()]
-        refused = next((line for line in lines if "GLOBAL" in line), None)
-        if refused is not None:
-            raise UnsafeFileError(f"{what} {path} holds objects other than tensors and plain data, which are never "
-                                  f"loaded because unpickling them can run code ({refused})") from e
-        why = next((line for line in lines if line.startswith("Unsupported")), lines[0] if lines else "")
-        raise DataError(f"{what} {path} is not a torch file of tensors ({why})") from e
+        raise weights_only_error(path, e, what) from e
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         if isinstance(e, FileNotFoundError):
             raise
         raise DataError(f"{what} {path} is unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
+
+
+def weights_only_error(path: str | os.PathLike, error: pickle.UnpicklingError, what: str = "file") -> DataError:
+    """The one-line error for a `torch.load(weights_only=True)` refusal: `UnsafeFileError` naming the refused
+    global, or `DataError` for a file that is not a torch file of tensors at all."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    refused = next((line for line in lines if "GLOBAL" in line), None)
+    if refused is not None:
+        return UnsafeFileError(f"{what} {path} holds objects other than tensors and plain data, which are never "
+                               f"loaded because unpickling them can run code ({refused})")
+    why = next((line for line in lines if line.startswith("Unsupported")), lines[0] if lines else "")
+    return DataError(f"{what} {path} is not a torch file of tensors ({why})")
 
 
 class _Refused(pickle.UnpicklingError):

@@ -160,9 +160,9 @@ def test_pickled_objects_need_explicit_trust(tmp_path):
     ckpt = official_checkpoint("vanilla")
     ckpt["args"] = argparse.Namespace(lr=1.0)  # a non-tensor object, as training scripts often store
     torch.save(ckpt, tmp_path / "ckpt.pt")
-    with pytest.raises(ValueError, match="weights_only=False"):
+    with pytest.raises(ValueError, match="trust_pickle=True"):
         cogformer_from_official(tmp_path / "ckpt.pt")
-    assert cogformer_from_official(tmp_path / "ckpt.pt", weights_only=False).config.attention == "softmax"
+    assert cogformer_from_official(tmp_path / "ckpt.pt", trust_pickle=True).config.attention == "softmax"
 
 
 @pytest.mark.parametrize("theta", [500000.0, 1000.0])

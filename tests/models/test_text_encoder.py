@@ -134,7 +134,9 @@ def test_loads_openai_torchscript_archive(tmp_path):
         warnings.simplefilter("ignore")  # torch.jit.trace is deprecated in recent torch
         torch.jit.trace(Jit(src.text), torch.zeros(1, 32)).save(str(tmp_path / "ViT-L-14.pt"))
     dst = CLIPTextEncoder(**TINY).eval()
-    dst.load_text_state_dict(load_clip_state_dict(tmp_path / "ViT-L-14.pt"))
+    with pytest.raises(ValueError, match="TorchScript archive, which is not loaded"):  # it holds code
+        load_clip_state_dict(tmp_path / "ViT-L-14.pt")
+    dst.load_text_state_dict(load_clip_state_dict(tmp_path / "ViT-L-14.pt", trust_torchscript=True))
     with torch.no_grad():
         torch.testing.assert_close(dst.encode_text(CAPTIONS[:2]), src.encode_text(CAPTIONS[:2]))
 

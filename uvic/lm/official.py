@@ -42,11 +42,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 from pathlib import Path
 
 import torch
 
+from uvic.io import UnsafeFileError, load_torch_data
 from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM, RotaryEmbedding
 
 
@@ -183,12 +183,13 @@ def convert_official_state_dict(model_cfg: dict, state: dict[str, torch.Tensor])
 
 
 def cogformer_from_official(
-    path: str | os.PathLike, attention_backend: str = "auto", weights_only: bool = True
+    path: str | os.PathLike, attention_backend: str = "auto", trust_pickle: bool = False
 ) -> CogformerForCausalLM:
     """Load an official Cogformer / Transformer `.pt` checkpoint as a `CogformerForCausalLM` in eval mode.
 
-    `weights_only=True` loads with `torch.load(weights_only=True)` (no pickled code runs); pass False only for
-    a file you trust if it holds other Python objects.
+    The file is read with `torch.load(weights_only=True)` (tensors and plain data; nothing in it runs).
+    `trust_pickle=True` unpickles it in full, which runs whatever code the file holds: only for a file you trust
+    that stores other Python objects (e.g. an argparse Namespace).
     """
     path = Path(path)
     if not path.is_file():
@@ -196,13 +197,14 @@ def cogformer_from_official(
             f"official checkpoint {path} not found; download it from the links in github.com/trestad/CogAttn "
             "(readme 'Checkpoints') and pass its path"
         )
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"{path} holds objects that torch.load(weights_only=True) refuses ({err}); if you trust the file, "
-            "load it with cogformer_from_official(path, weights_only=False)"
-        ) from err
+    if trust_pickle:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    else:
+        try:
+            ckpt = load_torch_data(path, what="official checkpoint")
+        except UnsafeFileError as err:
+            raise UnsafeFileError(f"{err}; if you trust the file, load it with "
+                                  f"cogformer_from_official(path, trust_pickle=True)") from err
     if not isinstance(ckpt, dict) or "model_cfg" not in ckpt or "model" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ValueError(f"{path} is not an official Cogformer checkpoint: expected 'model_cfg' and 'model', got {keys}")

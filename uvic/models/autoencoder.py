@@ -22,6 +22,8 @@ import torch
 from diffusers import AutoencoderKL
 from diffusers.utils.torch_utils import randn_tensor
 
+from uvic.io import load_torch_data
+
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ def load_ldm_autoencoder(
 
         state = load_file(str(path))
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_torch_data(path, what="autoencoder weights")  # tensors and plain data only
         state = state.get("state_dict", state)
     config = dict(config) if config is not None else sd_v1_vae_config(scaling_factor)
     config["scaling_factor"] = scaling_factor

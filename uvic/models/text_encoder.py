@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -60,16 +61,26 @@ def tokenize(texts: str | list[str], context_length: int = 77, pad_token_id: int
     return ids.masked_fill(after_eot, pad_token_id)
 
 
-def load_clip_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """State dict of a CLIP checkpoint file: open_clip's formats (.bin/.pt state dicts, .safetensors) or OpenAI's
-    TorchScript archive (`ViT-L-14.pt`, which `torch.load(weights_only=True)` refuses)."""
+def load_clip_state_dict(path: str | os.PathLike, trust_torchscript: bool = False) -> dict[str, torch.Tensor]:
+    """State dict of a CLIP checkpoint file in open_clip's formats (.safetensors, or .bin/.pt state dicts read with
+    `torch.load(weights_only=True)`). A TorchScript archive (OpenAI's `ViT-L-14.pt`) holds code, which loading it
+    runs: it is refused unless `trust_torchscript=True` (only for a file from a source you trust; docs/security.md)."""
     from open_clip.factory import load_state_dict
 
+    from uvic.io import weights_only_error
+
     try:
-        return load_state_dict(str(path))
+        return load_state_dict(str(path), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise weights_only_error(path, e, "CLIP checkpoint") from e
     except RuntimeError as e:
         if "TorchScript" not in str(e):
             raise
+        if not trust_torchscript:
+            raise ValueError(f"{path} is a TorchScript archive, which is not loaded because loading it runs the code "
+                             f"it holds; use open_clip's safetensors weights (from_open_clip(pretrained='openai') "
+                             f"fetches them), or load_clip_state_dict(path, trust_torchscript=True) for a file you "
+                             f"trust") from e
         return torch.jit.load(str(path), map_location="cpu").state_dict()
 
 

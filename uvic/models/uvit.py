@@ -394,7 +394,9 @@ def _load_official_state_dict(model: UViTModel, checkpoint_path: str | os.PathLi
             f"checkpoint {path!r} not found: download the official nnet_ema.pth (U-ViT README / CogAttn readme) "
             "and pass its path"
         )
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    from uvic.io import load_torch_data
+
+    state_dict = load_torch_data(path, what="checkpoint")  # tensors and plain data only: nothing in it runs
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"{path!r} does not hold a state dict (got {type(state_dict).__name__})")
     try:

@@ -553,7 +553,7 @@ def read_checkpoint_config(path: str | Path) -> dict[str, Any]:
     try:
         return yaml.safe_load((path / "config.yaml").read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"cannot read the config of checkpoint {path}: {e}") from e
+        raise ValueError(f"cannot read the config of checkpoint {path}: {' '.join(str(e).split())}") from e
 
 
 def load_model_weights(model: nn.Module, path: str | Path, name: str) -> nn.Module:
