@@ -5,20 +5,33 @@ from the layer's own projections and transformers' rotary embedding.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
 from transformers import (
+    AttentionInterface,
     AutoModelForCausalLM,
-    BartConfig,
-    BartForConditionalGeneration,
+    CLIPConfig,
+    CLIPModel,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+    ViTConfig,
+    ViTModel,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
 )
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from uvic.integrations.transformers import apply_cog_attention
@@ -110,7 +123,8 @@ def test_all_layers_kept_is_the_stock_model(family):
     ids, mask = batch()
     with torch.no_grad():
         stock = model(ids, attention_mask=mask).logits
-        assert apply_cog_attention(model, keep_softmax=2) == []
+        with pytest.warns(UserWarning, match=r"keep_softmax=2 keeps every layer of its stacks \(4 layers\)"):
+            assert apply_cog_attention(model, keep_softmax=2) == []
         real = mask.bool()
         torch.testing.assert_close(model(ids, attention_mask=mask).logits[real], stock[real], rtol=1e-5, atol=1e-5)
         assert len(apply_cog_attention(model, keep_softmax=0)) == 4
@@ -167,13 +181,27 @@ def test_save_and_load_keep_the_rule(tmp_path):
     model = tiny("llama", layers=6)
     apply_cog_attention(model, keep_softmax=2)
     model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="cog").eval()
-    assert loaded.config.cog_keep_softmax == 2
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # the saved config names "cog"
+    assert loaded.config._attn_implementation == "cog" and loaded.config.cog_keep_softmax == 2
     ids, mask = batch()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
     fresh = AutoModelForCausalLM.from_config(loaded.config, attn_implementation="cog")
     assert fresh.config._attn_implementation == "cog" and fresh.config.cog_keep_softmax == 2
+    loaded.save_pretrained(tmp_path / "again")  # a loaded model saves "cog" again
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "again").config._attn_implementation == "cog"
+
+
+def test_a_cog_config_running_another_implementation_warns(tmp_path):
+    model = tiny("llama")
+    apply_cog_attention(model)
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"Llama model .*records Cog attention \(cog_keep_softmax=1\), but it runs "
+                                         r"'sdpa' attention"):  # fmt: skip
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny("llama")  # a stock config: no warning
 
 
 def test_a_training_step_has_finite_gradients():
@@ -192,26 +220,156 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
     apply_cog_attention(model, keep_softmax=1)
     ids, _ = batch()
     four_d = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
-    with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\).*4-D masks are not supported"):
+    with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\).*a 4-D torch.bool mask \(4-D masks"):
         model(ids, attention_mask=four_d)
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match="Llama attention mask: Cog attention needs keys that end at the current"):
+    with pytest.raises(ValueError, match="Llama attention mask: Cog attention needs causal keys that end at the current"):
         model(ids, past_key_values=cache, use_cache=True)
     packed = torch.cat([torch.arange(4), torch.arange(5)])[None].expand(2, -1)  # two documents in each row
     with pytest.raises(ValueError, match="Llama attention mask: .*another pattern .*packed sequences"):
         model(ids, position_ids=packed, use_cache=False)
-    short_window = tiny("mistral", sliding_window=4)
-    apply_cog_attention(short_window)
-    with pytest.raises(ValueError, match="Mistral attention mask: .*a sliding window shorter than the sequence"):
-        short_window(ids)
     for bad in (-1, 2.0):
         with pytest.raises(ValueError, match="keep_softmax"):
             apply_cog_attention(model, keep_softmax=bad)
     with pytest.raises(ValueError, match="Linear is not a transformers model"):
         apply_cog_attention(torch.nn.Linear(2, 2))
-    bart = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
-                                                   encoder_ffn_dim=32, decoder_ffn_dim=32))  # fmt: skip
-    with pytest.raises(ValueError, match="BartForConditionalGeneration is an encoder-decoder model"):
-        apply_cog_attention(bart)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Encoders, cross-attention, sliding windows and softcaps, against the formula with transformers' own masks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def formula_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """An `AttentionInterface` entry written from the paper: p = scaling * q k^T (capped as c * tanh(p / c) with a
+    softcap c), then sign(p) * softmax(|p|) on layers flagged `formula_cog`, softmax(p) elsewhere, over the keys
+    transformers' own boolean mask keeps (causal, sliding window, padding; None: every key)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    p = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        p = softcap * torch.tanh(p / softcap)
+    cog = module.formula_cog
+    scores = p.abs() if cog else p
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    w = torch.softmax(scores, -1).nan_to_num(0.0)  # a padded query that sees no key: zeros
+    return ((torch.sign(p) * w if cog else w) @ value).transpose(1, 2), None
+
+
+def formula_mask(*args, **kwargs):
+    """transformers' SDPA mask, always materialised: (B, 1, Lq, Lk) bool, True = attend."""
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
+
+
+AttentionInterface.register("formula", formula_attention)
+AttentionMaskInterface.register("formula", formula_mask)
+
+
+def tiny_vit():
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=8, patch_size=2, num_channels=3, hidden_size=16, num_hidden_layers=3,
+                       num_attention_heads=2, intermediate_size=32)  # fmt: skip
+    pixels = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    return ViTModel(config), {"pixel_values": pixels}, lambda out: out.last_hidden_state
+
+
+def tiny_clip():
+    torch.manual_seed(0)
+    config = CLIPConfig(text_config={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                     "num_hidden_layers": 3, "num_attention_heads": 2, "max_position_embeddings": 16},
+                        vision_config={"image_size": 8, "patch_size": 2, "hidden_size": 16, "intermediate_size": 32,
+                                       "num_hidden_layers": 3, "num_attention_heads": 2},
+                        projection_dim=8)  # fmt: skip
+    ids, mask = batch()
+    pixels = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "attention_mask": mask.flip(-1), "pixel_values": pixels}  # right-padded captions
+    return CLIPModel(config), inputs, lambda out: torch.cat([out.text_model_output.last_hidden_state.flatten(1),
+                                                             out.vision_model_output.last_hidden_state.flatten(1)], 1)
+
+
+def tiny_whisper():
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=64, num_mel_bins=8, encoder_layers=3, decoder_layers=3, d_model=16,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                           decoder_ffn_dim=32, max_source_positions=8, max_target_positions=16, pad_token_id=0,
+                           decoder_start_token_id=1)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    inputs = {"input_features": torch.randn(2, 8, 16, generator=g),
+              "decoder_input_ids": torch.randint(1, 64, (2, 7), generator=g)}
+    return WhisperForConditionalGeneration(config), inputs, lambda out: out.logits
+
+
+def tiny_windowed(family):
+    """Local attention over 4 tokens on 9-token sequences: Mistral (every layer), Gemma 2 (alternating local and
+    global layers, attention logits softcapped at 2), Gemma 3 (local layers, then a global one). Gemma 2's batch is
+    right-padded: the stock (eager) Gemma 2 turns left-padded rows to NaN, as their first windows hold only padding."""
+    torch.manual_seed(0)
+    kw = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0,
+          "sliding_window": 4}
+    if family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**kw))
+    elif family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**kw, head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
+                                               final_logit_softcapping=None))  # fmt: skip
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, head_dim=8, query_pre_attn_scalar=8,
+                                                   layer_types=["sliding_attention"] * 3 + ["full_attention"]))
+    ids, mask = batch()
+    if family == "gemma2":
+        ids, mask = ids.flip(-1), mask.flip(-1)
+    return model, {"input_ids": ids, "attention_mask": mask}, lambda out: out.logits[mask.bool()]
+
+
+ENCODERS = {"vit": tiny_vit, "clip": tiny_clip, "whisper": tiny_whisper, "mistral_window": lambda: tiny_windowed(
+    "mistral"), "gemma2": lambda: tiny_windowed("gemma2"), "gemma3": lambda: tiny_windowed("gemma3")}
+# The attention modules apply_cog_attention(keep_softmax=1) switches: the middle layer of each 3-layer stack
+# (CLIP: the text and the vision tower; Whisper: the encoder and the decoder, self- and cross-attention).
+SWITCHED = {
+    "vit": ["layers.1.attention"],
+    "clip": ["text_model.encoder.layers.1.self_attn", "vision_model.encoder.layers.1.self_attn"],
+    "whisper": ["model.encoder.layers.1.self_attn", "model.decoder.layers.1.self_attn",
+                "model.decoder.layers.1.encoder_attn"],
+}
+
+
+@pytest.mark.parametrize("kind", list(ENCODERS))
+def test_switched_models_match_the_formula_with_transformers_masks(kind):
+    model, inputs, output = ENCODERS[kind]()
+    model = model.double().eval()
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        stock = output(model(**inputs))
+        switched = apply_cog_attention(model, keep_softmax=1)
+        if kind in SWITCHED:
+            assert switched == SWITCHED[kind]
+        got = output(model(**inputs))
+        for name, m in model.named_modules():
+            m.formula_cog = name in switched
+        model.set_attn_implementation("formula")
+        expect = output(model(**inputs))
+        for name in switched:  # the reference is not the stock model: its flagged layers are Cog
+            model.get_submodule(name).formula_cog = False
+        tol = 1e-6 if kind == "gemma2" else 1e-10  # stock Gemma 2 is eager attention, whose softmax runs in float32
+        torch.testing.assert_close(output(model(**inputs)), stock, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, expect, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(got, stock, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+def test_windowed_generation_with_a_cache_longer_than_the_window(family):
+    model, inputs, _ = tiny_windowed(family)
+    model.eval()
+    apply_cog_attention(model, keep_softmax=1)
+    kw = {"attention_mask": inputs["attention_mask"], "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with_cache = model.generate(inputs["input_ids"], use_cache=True, **kw)
+    assert torch.equal(with_cache, model.generate(inputs["input_ids"], use_cache=False, **kw))
+
+
+def test_t5_is_refused_for_its_position_bias():
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    with pytest.raises(ValueError, match="T5Attention adds a learned relative-position bias to the attention scores"):
+        apply_cog_attention(t5)

@@ -1,24 +1,33 @@
 """Cog attention in transformers models through transformers' public attention interfaces.
 
 Importing this module registers the attention implementation "cog" with `transformers.AttentionInterface` and
-its mask with `transformers.masking_utils.AttentionMaskInterface`, so decoder-only models that dispatch attention
-through the interface (Llama, Qwen2/3, Mistral, ...) accept it:
+its mask with `transformers.masking_utils.AttentionMaskInterface`, so models that dispatch attention through the
+interface (Llama, Qwen2/3, Mistral, Gemma 2/3, ViT, CLIP, Whisper, ...) accept it:
 
     import uvic.integrations.transformers  # registers "cog"
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cog")
-    # or, on a loaded model, in one call:
     switched = apply_cog_attention(model, keep_softmax=1)
+    model.save_pretrained("run")            # config.json names the implementation and the placement
+    model = AutoModelForCausalLM.from_pretrained("run")   # Cog again, as long as this module is imported
 
-The placement rule lives in the model config as `cog_keep_softmax` (saved by `save_pretrained`): decoder layers
-0 .. k-1 and the last k keep softmax attention (`uvic.attention.softmax_attention`, i.e. SDPA), every layer between
-runs `uvic.attention.cog_attention`. A config without the field uses DEFAULT_KEEP_SOFTMAX.
+The placement rule lives in the model config as `cog_keep_softmax` (saved by `save_pretrained`): in each stack of
+layers (a decoder's, an encoder's, a vision tower's), layers 0 .. k-1 and the last k keep softmax attention
+(`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention`. A config without
+the field uses DEFAULT_KEEP_SOFTMAX.
 
-Masks: causal (bottom-right aligned, so a KV cache needs no extra mask) or bidirectional, plus key padding from the
-2-D `attention_mask`. Shapes: B batch, nh heads, Lq / Lk query / key tokens, hd head dim.
+Importing this module also makes every transformers model check its attention implementation when it is built:
+one whose config records Cog attention (`cog_keep_softmax`) but runs another implementation warns, and one built
+with "cog" gets `attn_implementation: "cog"` in its config, which is what `from_pretrained` reads back.
+
+Masks: causal (bottom-right aligned, so a KV cache needs no extra mask), causal with a sliding window (Mistral,
+Gemma 2/3 local layers) or bidirectional (encoders, cross-attention), plus key padding from the 2-D
+`attention_mask`; logit softcaps (Gemma 2) go to the op. Shapes: B batch, nh heads, Lq / Lk query / key tokens,
+hd head dim.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,10 +45,12 @@ CONFIG_FIELD = "cog_keep_softmax"
 DEFAULT_KEEP_SOFTMAX = 1  # the paper's placement: softmax in the first and last layer
 
 
-def layer_uses_cog(config, layer_idx: int) -> bool:
-    """Whether decoder layer `layer_idx` of a model with this config runs Cog attention (else softmax)."""
+def layer_uses_cog(config, layer_idx: int, num_layers: int | None = None) -> bool:
+    """Whether layer `layer_idx` of a stack of `num_layers` layers (default: `config.num_hidden_layers`) runs Cog
+    attention (else softmax) under this config's placement."""
     keep = getattr(config, CONFIG_FIELD, DEFAULT_KEEP_SOFTMAX)
-    return keep <= layer_idx < config.num_hidden_layers - keep
+    n = config.num_hidden_layers if num_layers is None else num_layers
+    return keep <= layer_idx < n - keep
 
 
 def cog_mask(
@@ -55,32 +66,37 @@ def cog_mask(
     """The mask "cog" attention gets: the (B, kv_length) key padding mask (True = the key takes part), or None.
 
     Registered with `AttentionMaskInterface`; transformers calls it with the arguments of its other mask builders.
-    The causal part is not materialised: it is the op's bottom-right aligned `causal=True`, which equals
-    transformers' causal pattern when the keys end at the current token (no cache, or a DynamicCache).
+    The causal part and a sliding window are not materialised: they are the op's bottom-right aligned `causal=True`
+    and `window`, which equal transformers' patterns when the keys end at the current token (no cache, a
+    DynamicCache, or its sliding layers).
 
     Raises:
-        ValueError: a mask pattern other than causal or bidirectional (sliding windows that cut keys, packed
-            sequences, block masks), or a cache whose keys do not end at the current token (StaticCache). The mask
-            is built once for all layers, so the message names the model (from `config`), not a layer.
+        ValueError: a mask pattern other than causal, causal with the config's sliding window, or bidirectional
+            (packed sequences, block masks, bidirectional windows), or causal keys that do not end at the current
+            token (StaticCache). The mask is built once for all layers, so the message names the model (from
+            `config`), not a layer.
     """
     config = kwargs.get("config")
     where = "attention mask" if config is None else f"{type(config).__name__.removesuffix('Config')} attention mask"
-    q_offset = int(q_offset)
-    if kv_offset != 0 or q_offset + q_length != kv_length:
-        raise ValueError(f"{where}: Cog attention needs keys that end at the current token (self-attention with no "
-                         f"cache or a DynamicCache); got {kv_length} keys at offset {kv_offset} for the {q_length} "
-                         f"queries at {q_offset} (a static or sliding cache, or cross-attention)")  # fmt: skip
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    if mask_function is not bidirectional_mask_function and kv_offset + kv_length != q_offset + q_length:
+        raise ValueError(f"{where}: Cog attention needs causal keys that end at the current token (no cache or a "
+                         f"DynamicCache); got {kv_length} keys at offset {kv_offset} for the {q_length} queries at "
+                         f"{q_offset} (a static cache)")  # fmt: skip
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
-        # Any other pattern (e.g. a sliding window longer than the sequence) is accepted only if it is the causal one.
+        # Any other pattern is accepted only if it is the causal one or the causal one cut by the sliding window.
         device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
         i = torch.arange(q_length, device=device)[None, :, None] + q_offset
-        j = torch.arange(kv_length, device=device)[None, None, :]
+        j = torch.arange(kv_length, device=device)[None, None, :] + kv_offset
         b = torch.arange(batch_size, device=device)[:, None, None]
         pattern = mask_function(b, torch.zeros_like(b), i, j)
-        if not bool((pattern == (j <= i)).all()):
-            raise ValueError(f"{where}: Cog attention supports causal or bidirectional masks with key padding; "
-                             f"this model asks for another pattern ({getattr(mask_function, '__name__', mask_function)}"
-                             ": a sliding window shorter than the sequence, packed sequences or a block mask)")  # fmt: skip
+        window = getattr(config, "sliding_window", None)
+        allowed = [j <= i] + ([(j <= i) & (j > i - window)] if isinstance(window, int) else [])
+        if not any(bool((pattern == a).all()) for a in allowed):
+            raise ValueError(f"{where}: Cog attention supports causal masks (with the config's sliding window, if "
+                             "any) or bidirectional ones, with key padding; this model asks for another pattern "
+                             f"({getattr(mask_function, '__name__', mask_function)}: packed sequences, a block "
+                             "mask or a bidirectional window)")  # fmt: skip
     if attention_mask is None:
         return None
     kpm = attention_mask[:, -kv_length:].to(torch.bool)
@@ -98,40 +114,47 @@ def cog_attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The "cog" entry of `AttentionInterface`: Cog or softmax attention for `module` by its layer index.
+    """The "cog" entry of `AttentionInterface`: Cog or softmax attention for `module` by its place in its stack.
 
     Args:
-        module: the model's attention module (carries `config`, `layer_idx`, `is_causal`, `num_key_value_groups`).
+        module: the model's attention module (carries `config`, and `cog_layer` = (index, stack length) set by
+            `apply_cog_attention` or at build time, else `layer_idx`; `is_causal`, `num_key_value_groups`).
         query: (B, nh, Lq, hd); key, value: (B, nh_kv, Lk, hd) (grouped-query heads are repeated).
         attention_mask: what `cog_mask` built: (B, Lk) bool key padding mask, or None.
         dropout: must be 0 (attention dropout is not supported).
         scaling: multiplies q k^T.
         is_causal: overrides `module.is_causal`.
+        kwargs: `sliding_window` w (causal: keys i - w < j <= i) and `softcap` c go to the op.
     Returns:
         ((B, Lq, nh, hd) attention output, None): the interface's (output, weights); weights are not returned.
     """
-    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    place = getattr(module, "cog_layer", None)
+    where = f"{type(module).__name__} (layer {place[0] if place else getattr(module, 'layer_idx', '?')})"
     if dropout:
         raise ValueError(f"{where}: attention dropout ({dropout}) is not supported by Cog attention")
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{where}: `{name}` is not supported by Cog attention")
-    window = kwargs.get("sliding_window")
-    if window is not None and key.shape[2] > window:
-        raise ValueError(f"{where}: a sliding window ({window}) shorter than the keys ({key.shape[2]}) is not "
-                         "supported by Cog attention")  # fmt: skip
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{where}: attention sinks (`s_aux`) are not supported by Cog attention")
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
         raise ValueError(f"{where}: Cog attention takes causal or bidirectional attention with a 2-D key padding "
-                         f"mask; got a {attention_mask.dim()}-D {attention_mask.dtype} mask (4-D masks are not "
-                         "supported)")  # fmt: skip
+                         f"mask; got a {attention_mask.dim()}-D {attention_mask.dtype} mask (4-D masks, e.g. a "
+                         "position bias, are not supported)")  # fmt: skip
+    if place is None:
+        if not isinstance(getattr(module, "layer_idx", None), int):
+            raise ValueError(f"{where}: no layer index to place Cog attention by; call apply_cog_attention(model)")
+        place = (module.layer_idx, module.config.num_hidden_layers)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if not causal:
+            raise ValueError(f"{where}: a bidirectional sliding window is not supported by Cog attention")
+        window = (int(window) - 1, 0)  # transformers' window w: keys i - w < j <= i
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    op = cog_attention if layer_uses_cog(module.config, module.layer_idx) else softmax_attention
-    out = op(query, key, value, causal=bool(causal), key_padding_mask=attention_mask, scale=scaling,
-             backend=getattr(module.config, "cog_backend", "auto"))  # fmt: skip
+    op = cog_attention if layer_uses_cog(module.config, *place) else softmax_attention
+    out = op(query, key, value, causal=causal, key_padding_mask=attention_mask, scale=scaling, window=window,
+             softcap=kwargs.get("softcap"), backend=getattr(module.config, "cog_backend", "auto"))  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -139,41 +162,112 @@ AttentionInterface.register(IMPLEMENTATION, cog_attention_forward)
 AttentionMaskInterface.register(IMPLEMENTATION, cog_mask)
 
 
-def _attention_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of the model's per-layer attention modules (an `...Attention` class with an int `layer_idx`)."""
-    return [(name, m) for name, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
+def _attention_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int, int]]:
+    """(name, module, index, stack length) of the model's attention modules: the innermost `...Attention` modules
+    (not a wrapper around another `...Attention`) that sit in a stack of layers (an `nn.ModuleList`
+    whose entries are the layers), in module order."""
+    modules = dict(model.named_modules())
+    found = []
+    for name, m in modules.items():
+        if not type(m).__name__.endswith("Attention") or any(
+            type(c).__name__.endswith("Attention") for c in m.children()
+        ):
+            continue
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            stack = modules.get(".".join(parts[:cut]))
+            if isinstance(stack, torch.nn.ModuleList) and parts[cut].isdigit():
+                found.append((name, m, int(parts[cut]), len(stack)))
+                break
+    return found
+
+
+def _configs(config) -> list:
+    """The config and its sub-configs (e.g. CLIP's text and vision configs), at any depth."""
+    found = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            found += _configs(sub)
+    return found
+
+
+def _after_build(model: PreTrainedModel) -> None:
+    """On a model just built: with "cog", record the implementation for `save_pretrained` and place the layers;
+    with another implementation but a config that records Cog, warn."""
+    config = model.config
+    if config._attn_implementation == IMPLEMENTATION:
+        config.attn_implementation = IMPLEMENTATION  # saved in config.json; from_pretrained reads it back
+        for _, module, index, n in _attention_layers(model):
+            module.cog_layer = (index, n)
+    elif getattr(config, CONFIG_FIELD, None) is not None:
+        name = type(config).__name__.removesuffix("Config")
+        warnings.warn(f"{name} model {str(config.name_or_path)!r}: its config records Cog attention "
+                      f"({CONFIG_FIELD}={getattr(config, CONFIG_FIELD)}), but it runs "
+                      f"{config._attn_implementation!r} attention; load it with attn_implementation='cog' or call "
+                      "uvic.integrations.transformers.apply_cog_attention", stacklevel=3)  # fmt: skip
+
+
+def _checked_post_init(post_init: Callable) -> Callable:
+    @functools.wraps(post_init)
+    def wrapper(self, *args, **kwargs):
+        out = post_init(self, *args, **kwargs)
+        _after_build(self)
+        return out
+
+    wrapper.uvic_cog_check = True
+    return wrapper
+
+
+# `post_init` ends every transformers model's __init__ (from_config and from_pretrained included).
+if not getattr(PreTrainedModel.post_init, "uvic_cog_check", False):
+    PreTrainedModel.post_init = _checked_post_init(PreTrainedModel.post_init)
 
 
 def apply_cog_attention(model: PreTrainedModel, keep_softmax: int = 1, backend: Backend = "auto") -> list[str]:
-    """Switch a transformers model to Cog attention in the paper's placement: decoder layers 0 .. k-1 and the last
-    k keep softmax, every layer between runs Cog (k = `keep_softmax`).
+    """Switch a transformers model to Cog attention in the paper's placement: in each stack of layers, layers
+    0 .. k-1 and the last k keep softmax, every layer between runs Cog (k = `keep_softmax`).
 
-    Sets `model.config.cog_keep_softmax` (saved with the model; load it again with
-    `from_pretrained(path, attn_implementation="cog")`) and the attention implementation "cog".
+    Sets `config.cog_keep_softmax`, `config.cog_backend` (on sub-configs too) and the attention implementation
+    "cog"; `save_pretrained` saves all three, and `from_pretrained` restores them while this module is imported.
 
     Args:
-        model: a transformers model whose attention goes through `AttentionInterface` (Llama, Qwen2, ...).
-        keep_softmax: layers kept on softmax at each end; 0 switches every layer.
-        backend: the `uvic.attention` backend (stored as `config.cog_backend`).
+        model: a transformers model whose attention goes through `AttentionInterface` (Llama, Qwen2, Gemma 2,
+            ViT, CLIP, Whisper, ...).
+        keep_softmax: layers kept on softmax at each end of each stack; 0 switches every layer.
+        backend: the `uvic.attention` backend.
     Returns:
-        The names of the attention modules that now run Cog attention.
+        The names of the attention modules that now run Cog attention. Warns when that is none of them.
     Raises:
         ValueError: a bad `keep_softmax`, or a model that cannot take the "cog" implementation (named): not a
-            transformers model, an encoder-decoder model, or one that does not use `AttentionInterface`.
+            transformers model, one whose attention adds a position bias to the scores (T5's relative position
+            bias), or one that does not use `AttentionInterface`.
     """
     if not isinstance(keep_softmax, int) or isinstance(keep_softmax, bool) or keep_softmax < 0:
         raise ValueError(f"keep_softmax must be an int >= 0, got {keep_softmax!r}")
     layers = _attention_layers(model)
-    if not isinstance(model, PreTrainedModel) or not layers or not hasattr(model.config, "num_hidden_layers"):
+    if not isinstance(model, PreTrainedModel) or not layers:
         raise ValueError(f"{type(model).__name__} is not a transformers model with per-layer attention modules")
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; Cog attention covers decoder-only "
-                         "models (its mask has no cross-attention)")  # fmt: skip
+    biased = [type(m).__name__ for _, m, _, _ in layers if hasattr(m, "relative_attention_bias")]
+    if biased:
+        raise ValueError(f"{type(model).__name__}: {biased[0]} adds a learned relative-position bias to the attention "
+                         "scores; Cog attention takes only masks that remove keys, not a bias, so it does not "
+                         "apply")  # fmt: skip
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} does not dispatch its attention through transformers' "
                          "AttentionInterface, so it cannot run Cog attention")  # fmt: skip
-    setattr(model.config, CONFIG_FIELD, keep_softmax)
-    model.config.cog_backend = backend
-    return [name for name, m in layers if layer_uses_cog(model.config, m.layer_idx)]
+    for config in _configs(model.config):
+        setattr(config, CONFIG_FIELD, keep_softmax)
+        config.cog_backend = backend
+    model.config.attn_implementation = IMPLEMENTATION
+    switched = []
+    for name, module, index, n in layers:
+        module.cog_layer = (index, n)
+        if layer_uses_cog(module.config, index, n):
+            switched.append(name)
+    if not switched:
+        warnings.warn(f"{type(model).__name__}: keep_softmax={keep_softmax} keeps every layer of its stacks "
+                      f"({', '.join(sorted({str(n) for *_, n in layers}))} layers) on softmax, so no layer runs "
+                      "Cog attention (use a smaller keep_softmax, 0 switches every layer)", stacklevel=2)  # fmt: skip
+    return switched
