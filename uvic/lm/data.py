@@ -23,6 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from uvic.errors import DataError
+from uvic.io import atomic_write
+
 
 logger = logging.getLogger(__name__)
 
@@ -103,20 +106,38 @@ def load_tokenizer(spec: str) -> Any:
             f"tokenizer {spec!r} not found: pass 'byte', a tokenizer.json, a sentencepiece .model file, "
             "or a directory saved with save_pretrained"
         )
-    if path.is_dir():
-        from transformers import AutoTokenizer
+    if path.suffix not in (".json", ".model") and not path.is_dir():
+        raise ValueError(f"cannot tell the tokenizer type of {spec!r}: expected 'byte', *.json, *.model or a directory")
+    try:
+        if path.is_dir():
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if path.suffix == ".json":
-        from transformers import PreTrainedTokenizerFast
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if path.suffix == ".json":
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_file=str(path))
-    if path.suffix == ".model":
+            return PreTrainedTokenizerFast(tokenizer_file=str(path))
         return _SentencePieceTokenizer(str(path))
-    raise ValueError(f"cannot tell the tokenizer type of {spec!r}: expected 'byte', *.json, *.model or a directory")
+    except ImportError:
+        raise
+    except Exception as err:  # the tokenizer libraries raise bare Exception / OSError / RuntimeError for bad files
+        raise DataError(f"tokenizer {spec!r} could not be read: {err}") from err
 
 
-def _token_dtype(vocab_size: int) -> np.dtype:
+def token_dtype(name: str) -> np.dtype:
+    """The numpy dtype named `name` (a `token_dtype` setting), which must be an unsigned integer type."""
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        raise ValueError(f"unknown token_dtype {name!r}: token ids are stored as an unsigned integer type, "
+                         "'uint16' (vocabularies up to 65536) or 'uint32'") from None
+    if dt.kind != "u":
+        raise ValueError(f"token_dtype {name!r} is not an unsigned integer type: token ids are stored as 'uint16' "
+                         "(vocabularies up to 65536) or 'uint32'")
+    return dt
+
+
+def _vocab_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
@@ -131,32 +152,44 @@ def encode_text(text: str, tokenizer: Any) -> np.ndarray:
             end = nl + 1 if nl > start else end
         ids.extend(tokenizer.encode(text[start:end], add_special_tokens=False))
         start = end
-    return np.asarray(ids, dtype=_token_dtype(len(tokenizer)))
+    return np.asarray(ids, dtype=_vocab_dtype(len(tokenizer)))
 
 
 def read_text_tokens(path: str | os.PathLike, tokenizer: Any) -> np.ndarray:
     """Read a UTF-8 text file and tokenize it (see `encode_text`)."""
     path = Path(path)
+    _check_is_file(path, "text file", "a UTF-8 text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); pass a UTF-8 text file, "
+                        "or a .bin of token ids") from None
+    return encode_text(text, tokenizer)
+
+
+def _check_is_file(path: Path, what: str, expected: str) -> None:
+    if path.is_dir():
+        raise DataError(f"{what} {path} is a directory; expected {expected}")
     if not path.is_file():
-        raise FileNotFoundError(f"text file {path} does not exist")
-    return encode_text(path.read_text(encoding="utf-8"), tokenizer)
+        raise FileNotFoundError(f"{what} {path} does not exist (expected {expected})")
 
 
 def write_token_bin(tokens: np.ndarray, path: str | os.PathLike, dtype: str = "uint16") -> None:
-    """Write token ids as a flat binary file of `dtype` (readable by `read_token_bin`)."""
-    dt = np.dtype(dtype)
+    """Write token ids as a flat binary file of `dtype` (readable by `read_token_bin`), atomically: a failed write
+    leaves `path` as it was."""
+    dt = token_dtype(dtype)
     tokens = np.asarray(tokens)
     if tokens.size and int(tokens.max()) > np.iinfo(dt).max:
         raise ValueError(f"token id {int(tokens.max())} does not fit in {dt}; write with dtype='uint32'")
-    tokens.astype(dt).tofile(path)
+    with atomic_write(path) as f:
+        tokens.astype(dt, copy=False).tofile(f)
 
 
 def read_token_bin(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
     """Memory-map a flat binary file of token ids (nanoGPT-style `.bin`) as a read-only 1-D array."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"token file {path} does not exist (expected a flat {dtype} array of token ids)")
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = token_dtype(dtype).itemsize
+    _check_is_file(path, "token file", f"a flat {dtype} array of token ids")
     if path.stat().st_size % itemsize:
         raise ValueError(f"{path} has {path.stat().st_size} bytes, not a multiple of the {dtype} size {itemsize}")
     return np.memmap(path, dtype=dtype, mode="r")
@@ -165,8 +198,10 @@ def read_token_bin(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray
 def load_tokens(path: str | os.PathLike, fmt: str = "auto", tokenizer: str = "byte", dtype: str = "uint16") -> np.ndarray:
     """Token ids from a `.bin` file (`fmt="bin"`) or a text file tokenized with `tokenizer` (`fmt="text"`).
 
-    `fmt="auto"` picks "bin" for a `.bin` suffix and "text" otherwise.
+    `fmt="auto"` picks "bin" for a `.bin` suffix and "text" otherwise. `dtype` is the `.bin` element type, checked
+    whatever the format.
     """
+    token_dtype(dtype)
     if fmt == "auto":
         fmt = "bin" if Path(path).suffix == ".bin" else "text"
     if fmt == "bin":

@@ -4,13 +4,17 @@
 
 `--tokenizer` is "byte", a tokenizer.json, a sentencepiece .model or a transformers tokenizer directory; ids are
 written as uint16 (uint32 with `--dtype uint32` for vocabularies over 65536), the format `uvic.lm.data` reads.
+Bad input (a missing or non-UTF-8 text, an unknown tokenizer, an output that cannot be written) stops with one
+`error: ...` line before any tokenizing, and a failed write leaves no partial `.bin`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
+from uvic.errors import StorageError, check_writable, cli_errors, storage_errors
 from uvic.lm.data import load_tokenizer, read_text_tokens, write_token_bin
 
 
@@ -25,9 +29,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="uint16", choices=["uint16", "uint32"])
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tokens = read_text_tokens(args.text, load_tokenizer(args.tokenizer))
-    write_token_bin(tokens, args.out, args.dtype)
-    logger.info("wrote %d tokens (%s) to %s", len(tokens), args.dtype, args.out)
+    with cli_errors():
+        out = Path(args.out)
+        # The output first, so that a long tokenization never ends in an unwritable path.
+        if out.is_dir():
+            raise StorageError(f"--out {out} is a directory; pass the path of the .bin file to write")
+        check_writable(out.parent, f"--out {out}")
+        tokenizer = load_tokenizer(args.tokenizer)
+        tokens = read_text_tokens(args.text, tokenizer)
+        with storage_errors(f"could not write {out}"):
+            write_token_bin(tokens, out, args.dtype)
+    logger.info("wrote %d tokens (%s) to %s", len(tokens), args.dtype, out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import math
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any
 
 import torch
 
-from uvic.models.cogformer import CogformerForCausalLM
+from uvic.errors import DataError, check_writable, cli_errors, storage_errors
+from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 
 
 logger = logging.getLogger(__name__)
@@ -157,13 +159,19 @@ def load_model_and_tokenizer(model_path: str, tokenizer: str | None) -> tuple[Co
     """A Cogformer from a save_pretrained directory or an official `.pt` checkpoint, and its tokenizer.
 
     The tokenizer defaults to the one saved in the model directory; official checkpoints need `tokenizer`
-    (the Llama-2 tokenizer they were trained with).
+    (the Llama-2 tokenizer they were trained with). Only data is loaded: a directory's weights from
+    `model.safetensors`, an official checkpoint with `torch.load(weights_only=True)`.
+
+    Raises:
+        FileNotFoundError: `model_path` does not exist.
+        DataError: it is not a Cogformer (another model's directory, no weights, a refused or foreign `.pt`).
     """
     from uvic.lm.data import load_tokenizer
 
     path = Path(model_path)
     if path.is_dir():
-        model = CogformerForCausalLM.from_pretrained(str(path))
+        _check_cogformer_dir(path)
+        model = CogformerForCausalLM.from_pretrained(str(path), use_safetensors=True)
         tok_spec = tokenizer or str(path)
     elif path.is_file():
         from uvic.lm.official import cogformer_from_official
@@ -178,6 +186,23 @@ def load_model_and_tokenizer(model_path: str, tokenizer: str | None) -> tuple[Co
     else:
         raise FileNotFoundError(f"model {model_path!r} not found: pass a save_pretrained directory or an official .pt")
     return model, load_tokenizer(tok_spec)
+
+
+def _check_cogformer_dir(path: Path) -> None:
+    """Refuse a directory that is not a saved Cogformer with safetensors weights, naming what it holds instead."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise DataError(f"{path} is not a saved Cogformer: it has no config.json (pass a save_pretrained directory "
+                        "or an official .pt checkpoint)")
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError) as err:
+        raise DataError(f"{config} is not a JSON model config ({err})") from None
+    if model_type != CogformerConfig.model_type:
+        raise DataError(f"{path} holds a {model_type!r} model, not a Cogformer ({CogformerConfig.model_type!r})")
+    if not (path / "model.safetensors").is_file():
+        raise DataError(f"{path} has no model.safetensors: only safetensors weights are loaded (other formats can "
+                        "run code); save the model with save_pretrained")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,10 +228,12 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--ns must be comma-separated integers, got {args.ns!r}")
     if args.ref_n not in ns:
         p.error(f"--ns {args.ns} does not include the normalisation point --ref-n {args.ref_n}")
-    model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer)
-    model.to(args.device)
-    title = Path(args.model).name
-    rows = run_probes(model, tokenizer, args.out, tasks, ns, args.prompt, title=title, ref_n=args.ref_n)
+    with cli_errors(), storage_errors(f"could not write the probes to {args.out}"):
+        check_writable(args.out, f"--out {args.out}")  # before loading a model that may be large
+        model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer)
+        model.to(args.device)
+        title = Path(args.model).name
+        rows = run_probes(model, tokenizer, args.out, tasks, ns, args.prompt, title=title, ref_n=args.ref_n)
     for row in rows:
         logger.info("%-12s n=%4d  rel_linf=%.4f  rel_head_linf=%.4f", row["task"], row["n"], row["rel_linf"],
                     row["rel_head_linf"])  # fmt: skip
