@@ -12,6 +12,10 @@ import torch
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
+    BartConfig,
+    BartForConditionalGeneration,
+    BertConfig,
+    BertModel,
     CLIPConfig,
     CLIPModel,
     Gemma2Config,
@@ -324,11 +328,32 @@ def tiny_windowed(family):
     return model, {"input_ids": ids, "attention_mask": mask}, lambda out: out.logits[mask.bool()]
 
 
-ENCODERS = {"vit": tiny_vit, "clip": tiny_clip, "whisper": tiny_whisper, "mistral_window": lambda: tiny_windowed(
+def tiny_bert():
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                        intermediate_size=64, pad_token_id=0)  # fmt: skip
+    ids, mask = batch()
+    ids, mask = ids.flip(-1), mask.flip(-1)  # right-padded: a key padding mask in bidirectional attention
+    return BertModel(config), {"input_ids": ids, "attention_mask": mask}, lambda out: out.last_hidden_state[mask.bool()]
+
+
+def tiny_bart():
+    """An encoder-decoder: padded encoder input, so the cross-attention gets a key padding mask too."""
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=64, d_model=16, encoder_layers=3, decoder_layers=3, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+    ids, mask = batch()
+    inputs = {"input_ids": ids.flip(-1) + 3, "attention_mask": mask.flip(-1), "decoder_input_ids": ids[:, :5] + 3}
+    return BartForConditionalGeneration(config), inputs, lambda out: out.logits
+
+
+ENCODERS = {"bert": tiny_bert, "bart": tiny_bart, "vit": tiny_vit, "clip": tiny_clip, "whisper": tiny_whisper, "mistral_window": lambda: tiny_windowed(
     "mistral"), "gemma2": lambda: tiny_windowed("gemma2"), "gemma3": lambda: tiny_windowed("gemma3")}
 # The attention modules apply_cog_attention(keep_softmax=1) switches: the middle layer of each 3-layer stack
-# (CLIP: the text and the vision tower; Whisper: the encoder and the decoder, self- and cross-attention).
+# (CLIP: the text and the vision tower; Whisper, BART: the encoder and the decoder, self- and cross-attention).
 SWITCHED = {
+    "bart": ["model.encoder.layers.1.self_attn", "model.decoder.layers.1.self_attn",
+             "model.decoder.layers.1.encoder_attn"],
     "vit": ["layers.1.attention"],
     "clip": ["text_model.encoder.layers.1.self_attn", "vision_model.encoder.layers.1.self_attn"],
     "whisper": ["model.encoder.layers.1.self_attn", "model.decoder.layers.1.self_attn",
