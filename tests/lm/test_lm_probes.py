@@ -94,31 +94,20 @@ def test_cli_on_saved_model(tmp_path):
         main(["--model", str(tmp_path / "model"), "--out", str(tmp_path / "r"), "--ns", "4,8"])
 
 
-def _error_line(capsys, argv: list[str]) -> str:
-    """Run the CLI on `argv`, which must fail; returns its single stderr line."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code not in (0, None)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
-
-
-def test_cli_refuses_a_missing_model_or_a_directory_that_is_not_a_cogformer(tmp_path, capsys):
+def test_cli_refuses_a_missing_model_or_a_directory_that_is_not_a_cogformer(tmp_path, cli_error):
     out = ["--out", str(tmp_path / "p")]
-    assert "not found" in _error_line(capsys, ["--model", str(tmp_path / "nope"), *out])
+    assert "not found" in cli_error(main, ["--model", str(tmp_path / "nope"), *out])
     (tmp_path / "empty").mkdir()
-    assert "no config.json" in _error_line(capsys, ["--model", str(tmp_path / "empty"), *out])
+    assert "no config.json" in cli_error(main, ["--model", str(tmp_path / "empty"), *out])
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    assert "'bert' model, not a Cogformer" in _error_line(capsys, ["--model", str(tmp_path / "bert"), *out])
+    assert "'bert' model, not a Cogformer" in cli_error(main, ["--model", str(tmp_path / "bert"), *out])
     # A Cogformer saved with pickled weights only: refused, since loading them could run code.
     model = CogformerForCausalLM(cogformer_config("tiny"))
     model.save_pretrained(tmp_path / "pickled")
     (tmp_path / "pickled" / "model.safetensors").unlink()
     torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
-    capsys.readouterr()  # save_pretrained's progress bar
-    assert "no model.safetensors" in _error_line(capsys, ["--model", str(tmp_path / "pickled"), *out])
+    assert "no model.safetensors" in cli_error(main, ["--model", str(tmp_path / "pickled"), *out])
 
 
 class _Payload:
@@ -131,12 +120,12 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_cli_refuses_a_foreign_or_malicious_checkpoint(tmp_path, capsys):
+def test_cli_refuses_a_foreign_or_malicious_checkpoint(tmp_path, cli_error):
     out = ["--tokenizer", "byte", "--out", str(tmp_path / "p")]
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    line = _error_line(capsys, ["--model", str(tmp_path / "other.pt"), *out])
+    line = cli_error(main, ["--model", str(tmp_path / "other.pt"), *out])
     assert "other.pt" in line and "not an official Cogformer checkpoint" in line
     marker = tmp_path / "pwned"
     torch.save({"model_cfg": {}, "model": _Payload(marker)}, tmp_path / "evil.pt")
-    line = _error_line(capsys, ["--model", str(tmp_path / "evil.pt"), *out])
+    line = cli_error(main, ["--model", str(tmp_path / "evil.pt"), *out])
     assert "evil.pt" in line and not marker.exists()

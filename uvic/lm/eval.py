@@ -21,7 +21,7 @@ def main() -> None:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as err:
-        raise SystemExit(f"lm-evaluation-harness is not installed ({err}); install it with `pip install lm-eval`")
+        raise SystemExit(f"error: lm-evaluation-harness is not installed ({err}); install it with `pip install lm-eval`")
     sys.argv[0] = "lm_eval"
     cli_evaluate()
 

@@ -137,7 +137,7 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
     """Euler–Maruyama for the reverse VP-SDE, U-ViT's CIFAR-10 evaluation sampler (`sde.euler_maruyama`).
 
     Args:
-        beta_min, beta_max: the VP-SDE (see `uvic.schedulers.vpsde.VPSDE`).
+        beta_min, beta_max: the VP-SDE (`uvic.schedulers.noise_schedule.VPSDE`).
         time_scale: network time per unit of t (U-ViT: 999), read by `uvic.schedulers.timesteps`.
         t_eps: the smallest non-zero grid time.
         num_train_timesteps: only reported by `len()`, for diffusers compatibility.
