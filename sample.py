@@ -34,7 +34,7 @@ from uvic.pipelines.sampling import (
     sample_to_folder,
     save_grid,
 )
-from uvic.schedulers import SAMPLERS
+from uvic.schedulers import sampler_names
 from uvic.training.runs import load_pipeline
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     mode.add_argument("--out-dir", metavar="DIR", help="write one PNG per image (for FID)")
     p.add_argument("--num-images", type=int_at_least(1), default=None,
                    help="default: one per prompt for text prompts, else 64")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: the pipeline's scheduler")
+    p.add_argument("--sampler", choices=sampler_names(), default=None, help="default: the pipeline's scheduler")
     p.add_argument("--steps", type=int_at_least(1), default=50, help="sampler steps (official CIFAR-10 FID: euler_maruyama 1000)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="image i uses seed + i")
     p.add_argument("--batch-size", type=int_at_least(1), default=64)

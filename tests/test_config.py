@@ -14,7 +14,7 @@ def test_model_config_fields_are_the_model_kwargs():
     params = [p for p in inspect.signature(UViTModel.__init__).parameters if p != "self"]
     assert [f.name for f in dataclasses.fields(UViTConfig)] == params
     # and the model accepts the config as is
-    model = UViTModel(**{**dataclasses.asdict(UViTConfig()), "embed_dim": 16, "depth": 2, "num_heads": 2,
+    model = UViTModel(**{**dataclasses.asdict(Config().model), "embed_dim": 16, "depth": 2, "num_heads": 2,
                          "img_size": 8})
     assert model.config.attention == "cog"
     # One default for the attention switch, in the schema and in the model.
@@ -101,11 +101,17 @@ def test_shipped_configs_load():
     assert demo.data.name == "digits" and demo.model.in_chans == 1 and demo.model.attention == "cog"  # a U-ViC
 
 
-def test_attention_field_lists_exactly_the_model_attention_kinds():
-    kinds = typing.get_args(typing.get_type_hints(UViTConfig)["attention"])
-    assert kinds == ("softmax", "cog")
-    for kind in kinds:  # each one builds a model; anything else is rejected by the config
-        assert UViTModel(img_size=8, patch_size=2, embed_dim=16, depth=2, num_heads=2, attention=kind).config.attention == kind
+def test_attention_choices_are_exactly_the_attention_kinds_of_the_op():
+    from uvic.attention import ATTENTIONS, AttentionKind
+    from uvic.config import CHOICES
+
+    assert CHOICES["model.attention"]() == ATTENTIONS == typing.get_args(AttentionKind) == ("cog", "softmax")
+    for kind in ATTENTIONS:  # each one builds a model and an LM; anything else is rejected by the config
+        cfg = load_config(None, [f"model.attention={kind}"])
+        assert UViTModel(**{**dataclasses.asdict(cfg.model), "embed_dim": 16, "depth": 2}).config.attention == kind
+        assert load_config(None, ["task=lm", f"model.attention={kind}"]).model.attention == kind
+    with pytest.raises(ConfigError, match=r"^config key model.attention: 'linear' is not one of \['cog', 'softmax'\]$"):
+        load_config(None, ["task=lm", "model.attention=linear"])
 
 
 # Issue 15, items 5 and 6: YAML syntax errors and values out of range are one clear ConfigError.
@@ -175,15 +181,97 @@ def test_lm_values_out_of_range_are_errors(override, message):
 def test_shipped_configs_resolve_to_the_stored_run_configs():
     """Each file in configs/ (and each task's defaults) resolves to the run config stored in
     tests/data_files/resolved_configs.json, so moving a value between a config file, a preset and a dataclass
-    default cannot change a run."""
+    default cannot change a run (a stored key that is gone is a difference too)."""
     import json
     from pathlib import Path
 
     root = Path(__file__).resolve().parent
     stored = json.loads((root / "data_files" / "resolved_configs.json").read_text())
-    for name, expected in stored.items():  # configs added later are not in the store
+
+    def stored_keys(resolved, expected):  # fields added later (with their defaults) are not in the store
+        return {k: stored_keys(resolved[k], v) if isinstance(v, dict) else resolved[k]
+                for k, v in expected.items() if k in resolved}
+
+    for name, expected in stored.items():  # configs added later are not in the store either
         if name.startswith("<defaults"):
             cfg = load_config(None, [name.strip("<>").split()[1]])
         else:
             cfg = load_config(root.parent / "configs" / name)
-        assert cfg.to_dict() == expected, name
+        assert stored_keys(cfg.to_dict(), expected) == expected, name
+
+
+def test_model_section_defaults_are_the_model_signatures():
+    from uvic.config import LMModelConfig
+    from uvic.models import CogformerConfig
+
+    for section, fn in ((UViTConfig, UViTModel.__init__), (LMModelConfig, CogformerConfig.__init__)):
+        params = inspect.signature(fn).parameters
+        assert all(f.default == params[f.name].default for f in dataclasses.fields(section))
+    assert UViTConfig().img_size == 224  # the model's default, not the CIFAR-10 run's
+    assert Config().model == UViTConfig.from_preset("uvic-s2-cifar10")  # the run's default is a preset
+
+
+def test_a_model_section_starts_from_its_preset_and_overrides_it(tmp_path):
+    from uvic.config import LMModelConfig
+    from uvic.models import COGFORMER_PRESETS, UVIT_PRESETS
+
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  preset: uvit-s2-mscoco\n  depth: 16\n")
+    cfg = load_config(p, ["model.attention_backend=torch"])
+    assert dataclasses.asdict(cfg.model) == {**dataclasses.asdict(UViTConfig()), **UVIT_PRESETS["uvit-s2-mscoco"],
+                                             "depth": 16, "attention_backend": "torch"}
+    assert "preset" not in cfg.to_dict()["model"] and config_from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+    # An override may name the preset; keys of the file still win over it.
+    assert load_config(p, ["model.preset=uvic-s2-cifar10"]).model == UViTConfig.from_preset("uvic-s2-cifar10",
+                                                                                           depth=16)
+    lm = load_config(None, ["task=lm", "model.preset=tiny", "model.vocab_size=300"]).model
+    assert lm == LMModelConfig(**{**COGFORMER_PRESETS["tiny"], "vocab_size": 300})
+    with pytest.raises(ConfigError, match=r"^config key model.preset: unknown preset 'uvit-xl'; available: \["):
+        load_config(None, ["model.preset=uvit-xl"])
+    with pytest.raises(ConfigError, match=r"^config key model.preset: unknown Cogformer preset '7B'"):
+        load_config(None, ["task=lm", "model.preset=7B"])
+    with pytest.raises(ConfigError, match=r"unknown config key.*train.preset"):
+        load_config(None, ["train.preset=fast"])
+
+
+def test_a_new_sampler_and_preset_are_choices_in_the_config_yaml_and_clis(tmp_path, monkeypatch, capsys):
+    """One entry in SAMPLER_TABLE and one in UVIT_PRESETS reach config validation, YAML files, train.py --dry-run,
+    sample.py --sampler and the training task's pipeline, with no other edit."""
+    import re
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from uvic.models import UVIT_PRESETS
+    from uvic.schedulers import SAMPLER_TABLE, VPSDEEulerMaruyamaScheduler
+    from uvic.training.tasks import DiffusionTask
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(ConfigError, match="sample.sampler: 'dummy' is not one of"):
+        load_config(None, ["sample.sampler=dummy"])
+    with pytest.raises(ConfigError, match="model.preset: unknown preset 'uvic-dummy'"):
+        load_config(None, ["model.preset=uvic-dummy"])
+
+    dummy_scheduler = type("DummyScheduler", (VPSDEEulerMaruyamaScheduler,), {})
+    monkeypatch.setitem(SAMPLER_TABLE["vpsde"], "dummy", dummy_scheduler)
+    dummy_model = {"img_size": 8, "patch_size": 2, "in_chans": 3, "embed_dim": 16, "depth": 2, "num_heads": 2,
+                   "attention": "cog"}
+    monkeypatch.setitem(UVIT_PRESETS, "uvic-dummy", dummy_model)
+
+    p = tmp_path / "dummy.yaml"
+    p.write_text("model:\n  preset: uvic-dummy\nsample:\n  sampler: dummy\n")
+    cfg = load_config(p)
+    assert {k: getattr(cfg.model, k) for k in dummy_model} == dummy_model and cfg.sample.sampler == "dummy"
+    pipe = DiffusionTask(cfg).pipeline(DiffusionTask(cfg).build_model())
+    assert type(pipe.scheduler) is dummy_scheduler
+
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "argv", ["train.py", str(p), "--dry-run"])
+    runpy.run_path("train.py", run_name="__main__")
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["embed_dim"] == 16 and printed["sample"]["sampler"] == "dummy"
+    monkeypatch.setattr(sys, "argv", ["sample.py", "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path("sample.py", run_name="__main__")
+    choices = re.search(r"--sampler \{([^}]*)\}", capsys.readouterr().out)[1].split(",")
+    assert e.value.code == 0 and "dummy" in choices and "euler_maruyama" in choices

@@ -33,7 +33,7 @@ import importlib.util
 import logging
 import math
 import os
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,8 @@ from uvic.kernels.configs import config_arch
 Backend = Literal["auto", "reference", "torch", "triton"]
 AttentionKind = Literal["cog", "softmax"]
 BACKENDS = ("auto", "reference", "torch", "triton")
-ATTENTIONS = ("cog", "softmax")
+# The one list of attention kinds (models, configs and the integrations check against it).
+ATTENTIONS: tuple[str, ...] = get_args(AttentionKind)
 
 logger = logging.getLogger(__name__)
 

@@ -18,39 +18,59 @@ only what differs. Unknown keys and values of the wrong type are errors that nam
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
+from uvic.attention import ATTENTIONS, BACKENDS
 from uvic.errors import ConfigError
+from uvic.models.cogformer import CogformerConfig, cogformer_preset
+from uvic.models.uvit import UViTModel, uvit_preset
+from uvic.schedulers import sampler_names
 
 
-@dataclass(frozen=True)
-class UViTConfig:
-    """`UViTModel.__init__` keyword arguments, field for field (a test pins the two together)."""
+class ModelSection:
+    """A `model` section: a frozen dataclass whose fields are a model's keyword arguments, with the types and
+    defaults of the model's own signature (`model_section` writes it from the signature; nothing is restated).
 
-    img_size: int = 32
-    patch_size: int = 2
-    in_chans: int = 3
-    embed_dim: int = 512
-    depth: int = 12
-    num_heads: int = 8
-    mlp_ratio: float = 4.0
-    qkv_bias: bool = False
-    mlp_time_embed: bool = False
-    num_classes: int = -1
-    clip_dim: int | None = None
-    num_clip_token: int = 77
-    conv: bool = True
-    skip: bool = True
-    # U-ViC: Cog attention in every block but the first and last executed ones (paper Sec. 4).
-    attention: Literal["softmax", "cog"] = "cog"
-    attention_backend: str = "auto"
+    In YAML, `preset: NAME` starts the section from an entry of the model family's preset table (the one place a
+    model size is written); the section's other keys override it:
+
+        model:
+          preset: uvit-s2-cifar10
+          depth: 13
+    """
+
+    # The family's one preset lookup: name -> the model's kwargs; raises ValueError for an unknown name.
+    preset_kwargs: ClassVar[Callable[[str], dict[str, Any]]]
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> Any:
+        """The section of preset `name`, with field overrides."""
+        return cls(**{**cls.preset_kwargs(name), **overrides})
+
+
+def model_section(name: str, signature_of: Callable, preset_kwargs: Callable[[str], dict[str, Any]], doc: str,
+                  exclude: tuple[str, ...] = ()) -> type:
+    """A frozen `ModelSection` dataclass named `name` whose fields are the keyword arguments of `signature_of`
+    (less `exclude`), with their annotated types and default values."""
+    hints = typing.get_type_hints(signature_of)
+    params = [p for p in inspect.signature(signature_of).parameters.values()
+              if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in exclude]
+    namespace = {"__doc__": doc, "__module__": __name__, "preset_kwargs": staticmethod(preset_kwargs)}
+    return dataclasses.make_dataclass(name, [(p.name, hints[p.name], field(default=p.default)) for p in params],
+                                      bases=(ModelSection,), namespace=namespace, frozen=True)
+
+
+UViTConfig = model_section("UViTConfig", UViTModel.__init__, uvit_preset, """`UViTModel.__init__` keyword
+    arguments, field for field, with the model's defaults; `preset:` names an entry of `UVIT_PRESETS`.""")
 
 
 @dataclass(frozen=True)
@@ -141,7 +161,8 @@ class SampleConfig:
 
     # U-ViT's own DPM-Solver for either schedule: the CIFAR-10 training monitor's (noise prediction, logSNR grid)
     # for "vpsde", the MS-COCO evaluation sampler (DPM-Solver++, time-uniform) for "discrete".
-    sampler: Literal["euler_maruyama", "dpm_solver", "ddpm", "ddim", "uvit_dpm_solver"] = "uvit_dpm_solver"
+    # A name of `uvic.schedulers.SAMPLER_TABLE` (checked by `CHOICES`).
+    sampler: str = "uvit_dpm_solver"
     num_inference_steps: int = 50
     # Text-to-image only; diffusers' convention (1 + the official scale: official 1.0 is 2.0).
     guidance_scale: float = 2.0
@@ -167,7 +188,8 @@ class Config(_RunConfig):
     """Everything one diffusion run needs. `task` picks the training task (see `uvic.training.tasks`)."""
 
     task: str = "diffusion"
-    model: UViTConfig = field(default_factory=UViTConfig)
+    # U-ViC-S/2: Cog attention in every block but the first and last executed ones (paper Sec. 4).
+    model: UViTConfig = field(default_factory=lambda: UViTConfig.from_preset("uvic-s2-cifar10"))
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -187,24 +209,13 @@ class Text2ImageRunConfig(Config):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LMModelConfig:
-    """Cogformer architecture, exactly `CogformerConfig.__init__`'s architecture kwargs (a test pins the two);
-    defaults are the paper's 141M model (Sec. 4.1)."""
-
-    vocab_size: int = 32000
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    head_dim: int | None = None
-    max_position_embeddings: int = 2048
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    attention: Literal["cog", "softmax"] = "cog"  # "cog" (Cogformer) or "softmax" (the Transformer baseline)
-    num_softmax_layers: int = 1  # softmax in the first and last k layers: 1 at 141M, 2 at 600M, 3 at 1B
-    attention_backend: str = "auto"
-    initializer_range: float = 0.02
+LMModelConfig = model_section(
+    "LMModelConfig", CogformerConfig.__init__, cogformer_preset,
+    """`CogformerConfig.__init__`'s architecture kwargs with its defaults (the paper's 141M model, Sec. 4.1);
+    `preset:` names an entry of `COGFORMER_PRESETS`.""",
+    # Generation settings and special-token ids, which the LM task's export takes from the tokenizer.
+    exclude=("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings"),
+)
 
 
 @dataclass(frozen=True)
@@ -317,28 +328,42 @@ def _parse_yaml(text: str, where: str) -> Any:
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
-    """Build the run config of `data["task"]` from a (possibly partial) nested dict, checking every key and type."""
+    """Build the run config of `data["task"]` from a (possibly partial) nested dict, checking every key and type.
+
+    Each section starts from the run config's default for it, or from the preset its `preset` key names (model
+    sections, `ModelSection`), and the keys given replace those values.
+    """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
-    return validate_ranges(_build(CONFIG_CLASSES.get(task, Config), data, prefix=""))
+    cls = CONFIG_CLASSES.get(task, Config)
+    return validate_ranges(_build(cls, data, prefix="", base=cls()))
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
     where = prefix.rstrip(".") or "config"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
-    hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    if issubclass(cls, ModelSection):
+        names.add("preset")
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys in {where}: {sorted(names)}")
+    data = dict(data)
+    if "preset" in data:
+        preset = data.pop("preset")
+        try:
+            base = cls.from_preset(_coerce(preset, str, prefix + "preset"))
+        except ValueError as e:
+            raise ConfigError(f"config key {prefix}preset: {e}") from None
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, prefix + name + ".")
+            kwargs[name] = _build(hint, value, prefix + name + ".", getattr(base, name))
         else:
             kwargs[name] = _coerce(value, hint, prefix + name)
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs)
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -450,12 +475,32 @@ def _numeric_hint(hint: Any) -> bool:
     return hint in (int, float) or any(_numeric_hint(a) for a in typing.get_args(hint))
 
 
+# The allowed values of string fields with a fixed set of names, by dotted key. Each is read from its table when
+# a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention kind) is a valid value at once.
+CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+    "model.attention": lambda: ATTENTIONS,
+    "model.attention_backend": lambda: BACKENDS,
+    "sample.sampler": sampler_names,
+}
+
+
+def _check_choices(cfg: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, key + ".")
+        elif key in CHOICES and value not in (choices := CHOICES[key]()):
+            raise ConfigError(f"config key {key}: {value!r} is not one of {list(choices)}")
+
+
 def validate_ranges(cfg: Any) -> Any:
-    """Check every numeric field of `cfg` against `RANGES` (None = unset passes; floats must be finite); returns it.
+    """Check every numeric field of `cfg` against `RANGES` (None = unset passes; floats must be finite) and every
+    named choice against `CHOICES`; returns `cfg`.
 
     Raises:
         ConfigError: the first field out of range, e.g. "config key train.max_steps: must be >= 1, got 0".
     """
+    _check_choices(cfg)
     for key, value in numeric_fields(cfg).items():
         if value is None:
             continue

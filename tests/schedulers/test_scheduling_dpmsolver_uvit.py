@@ -354,10 +354,10 @@ def test_vpsde_monitor_sampler_reaches_the_data_marginal():
 
 def test_vpsde_config_and_selection():
     from uvic.config import DiffusionConfig
-    from uvic.schedulers import SAMPLERS, VPSDEDPMSolverScheduler, VPSDEEulerMaruyamaScheduler, convert_scheduler
+    from uvic.schedulers import VPSDEDPMSolverScheduler, VPSDEEulerMaruyamaScheduler, convert_scheduler, sampler_names
     from uvic.schedulers.timesteps import network_timestep_for, schedule_of
 
-    assert "uvit_dpm_solver" in SAMPLERS
+    assert "uvit_dpm_solver" in sampler_names()
     sched = _vpsde_scheduler()
     cfg = sched.config
     assert (cfg.beta_min, cfg.beta_max, cfg.time_scale, cfg.t_eps) == (0.1, 20.0, 999.0, 1e-4)

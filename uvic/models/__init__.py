@@ -10,6 +10,7 @@ from uvic.models.cogformer import (
     CogformerForCausalLM,
     CogformerModel,
     cogformer_config,
+    cogformer_preset,
 )
 from uvic.models.layers import Attention, Mlp, PatchEmbed, patchify, timestep_embedding, unpatchify
 from uvic.models.uvit import (
@@ -19,6 +20,7 @@ from uvic.models.uvit import (
     UViTOutput,
     build_preset,
     uvit_from_official,
+    uvit_preset,
 )
 
 
@@ -28,6 +30,7 @@ __all__ = [
     "CogformerForCausalLM",
     "CogformerModel",
     "cogformer_config",
+    "cogformer_preset",
     "Attention",
     "Mlp",
     "PatchEmbed",
@@ -40,4 +43,5 @@ __all__ = [
     "UVIT_PRESETS",
     "build_preset",
     "uvit_from_official",
+    "uvit_preset",
 ]

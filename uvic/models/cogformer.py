@@ -17,6 +17,8 @@ hd head dim, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,8 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from uvic.attention import BACKENDS, cog_attention, softmax_attention
-from uvic.models.layers import ATTENTION_TYPES
+from uvic.attention import ATTENTIONS, BACKENDS, cog_attention, softmax_attention
 
 
 class CogformerConfig(PretrainedConfig):
@@ -73,8 +74,8 @@ class CogformerConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
-        if attention not in ATTENTION_TYPES:
-            raise ValueError(f"attention must be one of {ATTENTION_TYPES}, got {attention!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         if num_softmax_layers < 0 or 2 * num_softmax_layers > num_hidden_layers:
@@ -437,11 +438,17 @@ COGFORMER_PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
+def cogformer_preset(name: str) -> dict[str, Any]:
+    """The `CogformerConfig` kwargs of preset `name` ("tiny", "141M", "600M", "1B"); the one preset lookup, used by
+    `cogformer_config` and by an LM config's `model: {preset: NAME}`."""
+    if name not in COGFORMER_PRESETS:
+        raise ValueError(f"unknown Cogformer preset {name!r}; expected one of {sorted(COGFORMER_PRESETS)}")
+    return dict(COGFORMER_PRESETS[name])
+
+
 def cogformer_config(preset: str, **overrides) -> CogformerConfig:
     """A CogformerConfig from a preset name ("tiny", "141M", "600M", "1B") plus keyword overrides."""
-    if preset not in COGFORMER_PRESETS:
-        raise ValueError(f"unknown Cogformer preset {preset!r}; expected one of {sorted(COGFORMER_PRESETS)}")
-    return CogformerConfig(**{**COGFORMER_PRESETS[preset], **overrides})
+    return CogformerConfig(**{**cogformer_preset(preset), **overrides})
 
 
 def register_auto_classes() -> None:

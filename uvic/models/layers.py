@@ -15,11 +15,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from uvic.attention import BACKENDS, cog_attention, softmax_attention
-
-
-# The one attention switch of every uvic model: Cog weights sign(p) softmax(|p|), or plain softmax.
-ATTENTION_TYPES = ("cog", "softmax")
+from uvic.attention import ATTENTIONS, BACKENDS, cog_attention, softmax_attention
 
 
 def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:
@@ -102,8 +98,8 @@ class Attention(nn.Module):
         self, dim: int, num_heads: int, qkv_bias: bool = False, attention: str = "softmax", backend: str = "auto"
     ) -> None:
         super().__init__()
-        if attention not in ATTENTION_TYPES:
-            raise ValueError(f"attention must be one of {ATTENTION_TYPES}, got {attention!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if dim % num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads={num_heads}")
         if backend not in BACKENDS:

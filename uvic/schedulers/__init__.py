@@ -42,7 +42,12 @@ SAMPLER_TABLE: dict[str, dict[str, type[SchedulerMixin]]] = {
     },
 }
 
-SAMPLERS = ("euler_maruyama", "dpm_solver", "ddpm", "ddim", "uvit_dpm_solver")
+
+def sampler_names() -> tuple[str, ...]:
+    """Every sampler name of `SAMPLER_TABLE`, in table order: the choices of `sample.sampler` and
+    `sample.py --sampler`, read from the table at each call so that a new entry is a choice everywhere."""
+    return tuple(dict.fromkeys(name for table in SAMPLER_TABLE.values() for name in table))
+
 
 # Config keys a scheduler of one class must not hand to another: each VP-SDE solver keeps its own final time.
 _PER_CLASS_KEYS = ("t_eps",)
@@ -94,7 +99,6 @@ def is_continuous(scheduler: SchedulerMixin) -> bool:
 
 
 __all__ = [
-    "SAMPLERS",
     "SAMPLER_TABLE",
     "DiscreteSchedule",
     "NoiseSchedule",
@@ -108,5 +112,6 @@ __all__ = [
     "is_continuous",
     "network_timestep",
     "network_timestep_for",
+    "sampler_names",
     "schedule_of",
 ]

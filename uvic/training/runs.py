@@ -51,7 +51,7 @@ def load_pipeline(
 
     Args:
         source: the directory.
-        sampler: switch the scheduler (`uvic.schedulers.SAMPLERS`); None keeps the saved / configured one.
+        sampler: switch the scheduler (`uvic.schedulers.sampler_names()`); None keeps the saved / configured one.
         text_encoder: see `uvic.pipelines.sampling.load_pretrained` (text prompts with a pipeline that has none).
     Raises:
         FileNotFoundError: `source` is neither kind of directory. ValueError: the run's task has no pipeline.

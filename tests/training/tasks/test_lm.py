@@ -20,7 +20,7 @@ from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 from uvic.training import train
 from uvic.training.checkpoint import list_checkpoints
 from uvic.training.loop import lr_lambda
-from uvic.training.tasks.lm import LMTask, build_dataset, build_model, lm_loss, model_config_from_preset
+from uvic.training.tasks.lm import LMTask, build_dataset, build_model, lm_loss
 
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -142,7 +142,7 @@ def test_loss_ignores_padding_and_dataset_from_bin(tmp_path):
     assert len(ds) == 18 and ds[1]["input_ids"].tolist() == tokens[32:64].tolist()
     batch = {"input_ids": torch.stack([ds[i]["input_ids"] for i in range(4)])}
     torch.manual_seed(0)
-    model = build_model(model_config_from_preset("tiny")).eval()
+    model = build_model(LMModelConfig.from_preset("tiny")).eval()
     ids = batch["input_ids"][:1, :20]
     padded = torch.cat([torch.full((1, 5), 256), ids], 1)
     mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 20, dtype=torch.long)], 1)
@@ -160,7 +160,7 @@ def test_loss_ignores_padding_and_dataset_from_bin(tmp_path):
 def test_lm_task_for_the_shared_loop(tmp_path):
     """The Task-protocol object: dataset, loss, a text sample and a save_pretrained export."""
     small_text(tmp_path / "data.txt")
-    task = LMTask(LMRunConfig(model=model_config_from_preset("tiny"),
+    task = LMTask(LMRunConfig(model=LMModelConfig.from_preset("tiny"),
                               data=LMDataConfig(path=str(tmp_path / "data.txt"), block_size=32)))
     task.sample_prompt, task.sample_tokens = "the", 5
     model = task.build_model()
@@ -174,7 +174,7 @@ def test_lm_task_for_the_shared_loop(tmp_path):
     task.export(model, tmp_path / "export")
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / "export"), CogformerForCausalLM)
     assert AutoTokenizer.from_pretrained(tmp_path / "export").encode("ab", add_special_tokens=False) == [97, 98]
-    small_vocab = LMTask(LMRunConfig(model=model_config_from_preset("tiny", vocab_size=50), data=task.data_cfg))
+    small_vocab = LMTask(LMRunConfig(model=LMModelConfig.from_preset("tiny", vocab_size=50), data=task.data_cfg))
     with pytest.raises(ValueError, match="vocab_size"):
         small_vocab.build_dataset()
 

@@ -18,26 +18,19 @@ import torch
 
 from uvic.config import LMDataConfig, LMModelConfig
 from uvic.lm.data import TokenDataset, load_tokenizer, load_tokens
-from uvic.models.cogformer import COGFORMER_PRESETS, CogformerConfig, CogformerForCausalLM
+from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 from uvic.training.optim import decay_matrices
 from uvic.training.rng import ShardedRNG
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LMTask", "build_dataset", "build_model", "lm_loss", "model_config_from_preset"]
+__all__ = ["LMTask", "build_dataset", "build_model", "lm_loss"]
 
 
 def build_model(cfg: LMModelConfig) -> CogformerForCausalLM:
     """A randomly initialised Cogformer with the architecture in `cfg`."""
     return CogformerForCausalLM(CogformerConfig(**dataclasses.asdict(cfg)))
-
-
-def model_config_from_preset(preset: str, **overrides: Any) -> LMModelConfig:
-    """`LMModelConfig` of a Cogformer preset ("tiny", "141M", "600M", "1B") with field overrides."""
-    if preset not in COGFORMER_PRESETS:
-        raise ValueError(f"unknown Cogformer preset {preset!r}; expected one of {sorted(COGFORMER_PRESETS)}")
-    return LMModelConfig(**{**COGFORMER_PRESETS[preset], **overrides})
 
 
 def build_dataset(cfg: LMDataConfig, split: str = "train") -> TokenDataset:
