@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from uvic.errors import StorageError, check_writable, cli_errors, int_at_least, storage_errors
+from uvic.io import atomic_write
 
 from .inception import DIMS, MODES, WEIGHTS_ENV, WEIGHTS_NAME, WEIGHTS_SHA256_PREFIX
 from .inputs import open_source
@@ -119,7 +120,7 @@ def _run(args: argparse.Namespace) -> str:
     if args.expect_n is not None:
         _check_n(result.n, args.expect_n)
     if args.json and process_state().is_main_process:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=2)
     return str(result)
 

@@ -24,6 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
+from uvic.io import atomic_write
+
 from .inception import WEIGHTS_SHA256_PREFIX, InceptionExtractor, Mode, check_mode
 from .inputs import GeneratorSource, Source, ValueRange, open_source
 
@@ -106,8 +108,9 @@ def save_stats(stats: FIDStats, path: str | os.PathLike) -> None:
     extra = {} if stats.n is None else {"n": np.int64(stats.n)}
     if stats.mode is not None:
         extra["mode"] = np.str_(stats.mode)
-    np.savez(path, mu=stats.mu.astype(np.float64), sigma=stats.sigma.astype(np.float64),
-             meta=np.str_(json.dumps({**stats.meta, "name": stats.name})), **extra)  # fmt: skip
+    with atomic_write(path) as f:  # a kill or a full disk never leaves a truncated .npz under `path`
+        np.savez(f, mu=stats.mu.astype(np.float64), sigma=stats.sigma.astype(np.float64),
+                 meta=np.str_(json.dumps({**stats.meta, "name": stats.name})), **extra)  # fmt: skip
 
 
 def is_stats_file(path: str | os.PathLike) -> bool:

@@ -363,3 +363,35 @@ def test_export_onto_a_file_is_refused_and_the_file_kept(tmp_path, image_dir, ti
                             f"directory); nothing was written")
     assert (tmp_path / "out").read_text() == "not a pipeline"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "out", "run"]
+
+
+# 5. Symlinks in checkpoints/ and checkpoints without hashes.
+
+
+def test_rotation_and_sweep_unlink_symlinks_and_never_follow_them(tmp_path, image_dir, tiny_overrides):
+    elsewhere = tmp_path / "someone_elses"
+    elsewhere.mkdir()
+    (elsewhere / "meta.json").write_text('{"step": 1}')
+    (elsewhere / "precious.bin").write_bytes(b"keep me")
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 2})))
+    ckpts = run / "checkpoints"
+    (ckpts / "step_000000001").symlink_to(elsewhere, target_is_directory=True)  # a listed checkpoint, rotated out
+    (ckpts / ".deleting-step_000000000-123").symlink_to(elsewhere, target_is_directory=True)  # swept at start-up
+    train(load_config(None, tiny_overrides(run, image_dir, **{"train.keep_checkpoints": 1, "train.resume": "latest",
+                                                              "train.max_steps": 4})))
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000004"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["meta.json", "precious.bin"]
+    assert (elsewhere / "precious.bin").read_bytes() == b"keep me"
+
+
+def test_a_checkpoint_without_hashes_is_refused(tmp_path, image_dir, tiny_overrides):
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir)))
+    step2, step4 = (p for _, p in list_checkpoints(run))
+    (step4 / "meta.json").write_text(json.dumps({"step": 4}))
+    with pytest.raises(CheckpointError) as e:
+        train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest", "train.max_steps": 6})))
+    assert str(e.value) == (f"checkpoint {step4} failed verification: {step4 / 'meta.json'} records no SHA-256 "
+                            f"hashes, so its files cannot be checked; the newest checkpoint of this run that verifies "
+                            f"is {step2} (use that path instead, e.g. with --resume)")

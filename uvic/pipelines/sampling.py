@@ -27,6 +27,7 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 from tqdm.auto import tqdm
 
+from uvic.io import atomic_write, to_uint8
 from uvic.pipelines.export import pipeline_class_name
 from uvic.pipelines.pipeline_uvic import UViCPipeline
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
@@ -69,7 +70,7 @@ def load_pretrained(
 
     Args:
         path: a `save_pretrained` directory.
-        sampler: switch the scheduler to this sampler on the same forward process (`uvic.schedulers.sampler_names()`);
+        sampler: switch the scheduler to this sampler on the same forward process (`uvic.schedulers.SAMPLERS`);
             None keeps the saved one.
         text_encoder: for a text-to-image pipeline without one (training exports hold none): a
             `CLIPTextEncoder` directory, or an open_clip tag such as "openai" / a checkpoint file. Needed for
@@ -106,11 +107,6 @@ def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> Di
               else CLIPTextEncoder.from_open_clip(text_encoder))
         pipe.register_modules(text_encoder=te.eval())
     return pipe
-
-
-def to_uint8(images: np.ndarray) -> np.ndarray:
-    """(N, H, W, C) float images in [0, 1] -> uint8 with torchvision's `save_image` rounding (255 x + 0.5)."""
-    return (images * 255 + 0.5).clip(0, 255).astype(np.uint8)
 
 
 def balanced_class_labels(pipe: DiffusionPipeline, indices: Sequence[int]) -> list[int] | None:
@@ -242,18 +238,9 @@ def sample_to_folder(
                 negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale, progress=bar,
             )  # fmt: skip
             for i, img in zip(chunk, images):
-                final = out_dir / f"{i:06d}.png"
-                tmp = out_dir / f".{final.name}.tmp{os.getpid()}"
-                try:
-                    with open(tmp, "wb") as f:  # on disk before the rename, so a power cut never leaves a short file
-                        Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, final)
-                except OSError:  # e.g. disk full: no partial file stays behind, the finished ones are complete
-                    _unlink_quietly(tmp)
-                    raise
-            _fsync_dir(out_dir)  # the renames themselves
+                # On disk before the rename, so a power cut or a full disk never leaves a short file.
+                with atomic_write(out_dir / f"{i:06d}.png") as f:
+                    Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(f, format="PNG")
     logger.info("process %d wrote %d images to %s", process_index, len(todo), out_dir)
     return len(todo)
 
@@ -284,21 +271,6 @@ def _remove_stale_temporaries(out_dir: Path, indices: set[int]) -> None:
     for tmp in out_dir.glob(".??????.png.tmp*"):
         if tmp.name[1:7].isdigit() and int(tmp.name[1:7]) in indices:
             tmp.unlink(missing_ok=True)
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:  # e.g. the file system went read-only: the next run's sweep removes it
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_output(grid: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
@@ -399,13 +371,8 @@ def save_grid(images: np.ndarray, path: str | Path, nrow: int | None = None, pad
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written under a temporary name and renamed: a failed write (disk full) leaves no partial grid behind.
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        Image.fromarray(grid[..., 0] if c == 1 else grid).save(tmp, format=_image_format(path))
-        os.replace(tmp, path)
-    except OSError:
-        _unlink_quietly(tmp)
-        raise
+    with atomic_write(path) as f:
+        Image.fromarray(grid[..., 0] if c == 1 else grid).save(f, format=_image_format(path))
     return path
 
 

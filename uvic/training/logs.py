@@ -1,27 +1,67 @@
-"""Run metrics on disk (`metrics.jsonl`) and the loss-curve plot drawn from them."""
+"""Run metrics on disk (`metrics.jsonl`) and the loss-curve plot drawn from them.
+
+A kill or a full disk during an append can leave a partial last line. Readers skip it (with a warning), and the
+next append first cuts it off, so a resumed run never glues its records onto it.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from uvic.io import atomic_write
+
+
+logger = logging.getLogger(__name__)
+
 
 def append_metrics(path: str | Path, record: dict[str, Any]) -> None:
-    """Append one JSON line (main process only)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """Append one JSON line (main process only), fsync'd; a partial last line left by a kill is cut off first."""
+    with open(path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end > 0:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":
+                f.seek(0)
+                keep = f.read().rfind(b"\n") + 1  # 0 when the partial line is the only one
+                logger.warning("%s ended in a partial line (an interrupted write): removed it", path)
+                f.truncate(keep)
+        f.write((json.dumps(record) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of every complete line of `path`; a partial last line is skipped with a warning.
+
+    Raises:
+        ValueError: a line other than the last is not a JSON record with a step (the file is damaged).
+    """
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            int(record["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            if n == len(lines):  # no newline after it: a write that was cut short
+                logger.warning("%s: skipping the partial last line %d (an interrupted write)", path, n)
+                continue
+            raise ValueError(f"{path} line {n} is not a metrics record ({type(e).__name__}: {e})") from e
+        out.append((line, record))
+    return out
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Records by step; a step logged twice (a run resumed from an earlier checkpoint) keeps the latest record."""
-    by_step: dict[int, dict[str, Any]] = {}
     path = Path(path)
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                by_step[int(rec["step"])] = rec
+    by_step = {int(rec["step"]): rec for _, rec in _records(path)} if path.is_file() else {}
     return [by_step[k] for k in sorted(by_step)]
 
 
@@ -32,15 +72,13 @@ def move_metrics_after(path: str | Path, step: int, dest: str | Path) -> int:
     if not path.is_file():
         return 0
     keep, moved = [], []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            (moved if int(json.loads(line)["step"]) > step else keep).append(line + "\n")
+    for line, record in _records(path):
+        (moved if int(record["step"]) > step else keep).append(line + "\n")
     if moved:
         with open(dest, "a") as f:
             f.writelines(moved)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(keep))
-        tmp.replace(path)
+        with atomic_write(path, "w") as f:
+            f.write("".join(keep))
     return len(moved)
 
 
@@ -65,6 +103,7 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = 
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     Path(out_png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png)
+    with atomic_write(out_png) as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
     return Path(out_png)
