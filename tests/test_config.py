@@ -73,6 +73,17 @@ def test_bad_keys_and_types_are_errors(override, match):
         load_config(None, [override])
 
 
+def test_an_empty_run_dir_and_an_unread_val_path_are_refused():
+    # An empty run dir would train into (and export over) the current directory.
+    for task in ("diffusion", "t2i", "lm"):
+        for empty in ("''", "' '"):
+            with pytest.raises(ConfigError, match=r"^config key train.run_dir: must not be empty"):
+                load_config(None, [f"task={task}", f"train.run_dir={empty}"])
+    # No LM task reads held-out data, so the key does not exist.
+    with pytest.raises(ConfigError, match=r"^unknown config key\(s\) \['data.val_path'\]"):
+        load_config(None, ["task=lm", "data.val_path=val.bin"])
+
+
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

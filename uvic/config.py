@@ -227,7 +227,6 @@ class LMDataConfig:
     tokenizer: str = "byte"  # for text: "byte", a tokenizer.json, a sentencepiece .model, or a tokenizer dir
     token_dtype: str = "uint16"  # element type of a .bin file
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
-    val_path: str | None = None  # optional held-out data in the same format
     num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
 
 
@@ -501,6 +500,10 @@ def validate_ranges(cfg: Any) -> Any:
         ConfigError: the first field out of range, e.g. "config key train.max_steps: must be >= 1, got 0".
     """
     _check_choices(cfg)
+    t = getattr(cfg, "train", None)
+    if t is not None and not t.run_dir.strip():
+        raise ConfigError("config key train.run_dir: must not be empty (the run would write into the current "
+                          "directory)")
     for key, value in numeric_fields(cfg).items():
         if value is None:
             continue

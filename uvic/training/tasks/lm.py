@@ -33,14 +33,11 @@ def build_model(cfg: LMModelConfig) -> CogformerForCausalLM:
     return CogformerForCausalLM(CogformerConfig(**dataclasses.asdict(cfg)))
 
 
-def build_dataset(cfg: LMDataConfig, split: str = "train") -> TokenDataset:
-    """Windows of `cfg.block_size` tokens from `cfg.path` (split="train") or `cfg.val_path` (split="val")."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    path = cfg.path if split == "train" else cfg.val_path
-    if not path:
-        raise ValueError(f"no data path configured for split {split!r} (set data.{'path' if split == 'train' else 'val_path'})")
-    tokens = load_tokens(path, cfg.format, cfg.tokenizer, cfg.token_dtype)
+def build_dataset(cfg: LMDataConfig) -> TokenDataset:
+    """Windows of `cfg.block_size` tokens from `cfg.path`."""
+    if not cfg.path:
+        raise ValueError("no training data configured: set data.path")
+    tokens = load_tokens(cfg.path, cfg.format, cfg.tokenizer, cfg.token_dtype)
     return TokenDataset(tokens, cfg.block_size)
 
 
