@@ -29,6 +29,8 @@ from uvic.io import atomic_write
 
 logger = logging.getLogger(__name__)
 
+# The element types of a `.bin` of token ids (the choices of `data.token_dtype` and `prepare --dtype`).
+TOKEN_DTYPES = ("uint16", "uint32")
 BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-text id
 BYTE_EOS_ID = 256
 _TEXT_CHUNK_CHARS = 1 << 20  # tokenize large text files in ~1M-character pieces, split at line ends
@@ -125,16 +127,11 @@ def load_tokenizer(spec: str) -> Any:
 
 
 def token_dtype(name: str) -> np.dtype:
-    """The numpy dtype named `name` (a `token_dtype` setting), which must be an unsigned integer type."""
-    try:
-        dt = np.dtype(name)
-    except TypeError:
-        raise ValueError(f"unknown token_dtype {name!r}: token ids are stored as an unsigned integer type, "
-                         "'uint16' (vocabularies up to 65536) or 'uint32'") from None
-    if dt.kind != "u":
-        raise ValueError(f"token_dtype {name!r} is not an unsigned integer type: token ids are stored as 'uint16' "
-                         "(vocabularies up to 65536) or 'uint32'")
-    return dt
+    """The numpy dtype of a `.bin` of token ids; `name` must be one of `TOKEN_DTYPES`."""
+    if name not in TOKEN_DTYPES:
+        raise ValueError(f"token_dtype {name!r} is not one of {list(TOKEN_DTYPES)}: token ids are stored as "
+                         "unsigned integers, uint16 for vocabularies up to 65536")
+    return np.dtype(name)
 
 
 def _vocab_dtype(vocab_size: int) -> np.dtype:

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from uvic.errors import StorageError, check_writable, cli_errors, storage_errors
-from uvic.lm.data import load_tokenizer, read_text_tokens, write_token_bin
+from uvic.lm.data import TOKEN_DTYPES, load_tokenizer, read_text_tokens, write_token_bin
 
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--tokenizer", default="byte", help="'byte', tokenizer.json, sentencepiece .model or a directory")
     p.add_argument("--out", required=True, help="output .bin file")
-    p.add_argument("--dtype", default="uint16", choices=["uint16", "uint32"])
+    p.add_argument("--dtype", default="uint16", choices=TOKEN_DTYPES)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with cli_errors():
