@@ -395,3 +395,27 @@ def test_a_checkpoint_without_hashes_is_refused(tmp_path, image_dir, tiny_overri
     assert str(e.value) == (f"checkpoint {step4} failed verification: {step4 / 'meta.json'} records no SHA-256 "
                             f"hashes, so its files cannot be checked; the newest checkpoint of this run that verifies "
                             f"is {step2} (use that path instead, e.g. with --resume)")
+
+
+def test_sampling_a_run_retries_when_the_live_run_rotates_the_chosen_checkpoint(tmp_path, image_dir, tiny_overrides,
+                                                                              monkeypatch):
+    from uvic.training import runs
+    from uvic.training.checkpoint import remove_dir
+
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, image_dir)))
+    step2, step4 = (p for _, p in list_checkpoints(run))
+    real_load, calls = runs.load_model_weights, []
+
+    def rotated_while_loading(model, ckpt, name):
+        calls.append(ckpt)
+        if len(calls) == 1:
+            remove_dir(ckpt)  # what the live run's rotation does between the choice and the read
+        return real_load(model, ckpt, name)
+
+    monkeypatch.setattr(runs, "load_model_weights", rotated_while_loading)
+    pipe = runs.load_pipeline(run)
+    assert calls == [step4, step2]
+    ema = load_file(str(step2 / "ema.safetensors"))
+    for k, v in pipe.transformer.state_dict().items():
+        torch.testing.assert_close(v, ema[k], rtol=0, atol=0)

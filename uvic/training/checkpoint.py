@@ -46,7 +46,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -57,9 +57,11 @@ from torch import nn
 
 from uvic.errors import CheckpointError, StorageError, describe_os_error
 from uvic.io import fsync_dir, fsync_tree, load_torch_data, sha256_file
+from uvic.training.evaluation import best_checkpoint
 
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _NAME = re.compile(r"^step_(\d+)$")
 META = "meta.json"
@@ -115,6 +117,37 @@ def resolve_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     if verify:
         verify_checkpoint(path)
     return path
+
+
+def read_checkpoint(path: str | Path, read: Callable[[Path], T], attempts: int = 10) -> T:
+    """`read(ckpt)` on the verified checkpoint `path` names: a checkpoint dir, or a run dir's newest checkpoint.
+
+    A live run may rotate a run dir's checkpoint away between choosing it and reading it. When a read fails and
+    the checkpoint dir is gone (or was replaced by a re-save), the choice is made again from what the run holds
+    now, up to `attempts` times; a checkpoint that is still there and fails is reported as it is.
+
+    Raises:
+        FileNotFoundError: no checkpoint there. CheckpointError: the chosen checkpoint fails verification.
+        Whatever `read` raises for a checkpoint that stays in place.
+    """
+    path = Path(path)
+    if (path / META).is_file() or not path.is_dir():
+        return read(resolve_checkpoint(path))
+    for attempt in range(attempts):
+        ckpt, identity = resolve_checkpoint(path, verify=False), None
+        try:
+            identity = ckpt.stat().st_ino
+            verify_checkpoint(ckpt)
+            return read(ckpt)
+        except (OSError, ValueError):
+            try:
+                raced = ckpt.stat().st_ino != identity
+            except OSError:
+                raced = True
+            if not raced or attempt == attempts - 1:
+                raise
+            logger.info("%s was removed while it was read (a live run rotated it): choosing again", ckpt)
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -258,9 +291,13 @@ def save_checkpoint(
         last = latest_checkpoint(run_dir) if root.is_dir() else None
         raise StorageError(f"could not save checkpoint {final}: {failure}. The partial checkpoint was removed; "
                            f"the last complete checkpoint is {last or 'none'}")
-    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal.
+    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal. The
+    # checkpoint with the best FID so far (best.json, `uvic.training.evaluation`) is kept whatever its age.
     if main:
+        best = best_checkpoint(run_dir)
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            if best is not None and old.name == best.name:
+                continue
             try:
                 remove_dir(old)
             except OSError as e:

@@ -22,8 +22,8 @@ from uvic.config import Config, config_from_dict
 from uvic.pipelines.sampling import attach_text_encoder, is_pipeline_dir, load_pretrained
 from uvic.training.checkpoint import (
     load_model_weights,
+    read_checkpoint,
     read_checkpoint_config,
-    resolve_checkpoint,
     write_dir_atomically,
 )
 from uvic.training.tasks import build_task
@@ -35,11 +35,13 @@ __all__ = ["export", "load_pipeline", "task_from_checkpoint"]
 def task_from_checkpoint(path: str | os.PathLike, weights: str = "ema") -> tuple[Any, nn.Module, Config]:
     """(task, model with the checkpoint's `weights` in eval mode, config) from a checkpoint dir or a run dir (its
     latest checkpoint). `weights` is "ema" or "model"."""
-    ckpt = resolve_checkpoint(path)
-    cfg = config_from_dict(read_checkpoint_config(ckpt))
-    task = build_task(cfg)
-    model = load_model_weights(task.build_model(), ckpt, weights)
-    return task, model.eval(), cfg
+
+    def read(ckpt: Path) -> tuple[Any, nn.Module, Config]:
+        cfg = config_from_dict(read_checkpoint_config(ckpt))
+        task = build_task(cfg)
+        return task, load_model_weights(task.build_model(), ckpt, weights).eval(), cfg
+
+    return read_checkpoint(path, read)  # retries when a live run rotates the chosen checkpoint away
 
 
 def load_pipeline(
