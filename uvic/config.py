@@ -31,6 +31,7 @@ import yaml
 
 from uvic.attention import ATTENTIONS, BACKENDS
 from uvic.errors import ConfigError
+from uvic.lm.data import TOKEN_DTYPES
 from uvic.models.cogformer import CogformerConfig, cogformer_preset
 from uvic.models.uvit import UViTModel, uvit_preset
 from uvic.schedulers import sampler_names
@@ -479,6 +480,7 @@ def _numeric_hint(hint: Any) -> bool:
 CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
+    "data.token_dtype": lambda: TOKEN_DTYPES,
     "sample.sampler": sampler_names,
 }
 

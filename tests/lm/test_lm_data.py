@@ -1,5 +1,7 @@
 """Token data: the byte tokenizer, .bin files, text files with a user tokenizer, and the window dataset."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -132,3 +134,14 @@ def test_data_path_that_is_a_directory(tmp_path):
     for fmt in ("bin", "text", "auto"):
         with pytest.raises(DataError, match="is a directory"):
             load_tokens(tmp_path, fmt=fmt)
+
+
+def test_config_refuses_a_token_dtype_that_is_not_one():
+    from uvic.config import load_config
+    from uvic.errors import ConfigError
+
+    config = Path(__file__).parents[2] / "configs" / "lm_tiny.yaml"
+    for dtype in ("foo", "float32"):
+        with pytest.raises(ConfigError, match=f"data.token_dtype: '{dtype}' is not one of"):
+            load_config(config, [f"data.token_dtype={dtype}"])
+    assert load_config(config, ["data.token_dtype=uint32"]).data.token_dtype == "uint32"
