@@ -125,7 +125,7 @@ def test_attention_choices_are_exactly_the_attention_kinds_of_the_op():
         load_config(None, ["task=lm", "model.attention=linear"])
 
 
-# Issue 15, items 5 and 6: YAML syntax errors and values out of range are one clear ConfigError.
+# YAML syntax errors and values out of range are one clear ConfigError.
 
 
 def test_yaml_syntax_errors_name_the_file_or_override_and_the_position(tmp_path):

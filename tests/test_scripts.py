@@ -191,7 +191,8 @@ def test_two_processes_match_one_process(tmp_path, image_dir, tiny):
     ("train:\n  lr: [1e-4\n", [], "config file {config} is not valid YAML: "),
 ])  # fmt: skip
 def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, overrides, message):
-    # Issue 15, items 5-6: before, a raw yaml.parser.ParserError, or an untrained model exported with exit 0.
+    # A YAML syntax error or a value out of range: one line and exit status 2, never a parser traceback or an
+    # untrained model exported with exit 0.
     config = "configs/demo_digits.yaml"
     if config_text is not None:
         config = tmp_path / "broken.yaml"

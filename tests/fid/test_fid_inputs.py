@@ -161,7 +161,7 @@ def test_generator_source_counts_and_errors():
         open_source("no/such/thing")
 
 
-# Issue 15, item 10: unreadable images are named before anything is computed.
+# Unreadable images are named before anything is computed.
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])

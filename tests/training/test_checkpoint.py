@@ -193,7 +193,7 @@ def test_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, image_
     # step 2 was renamed before its deletion began: no step_* dir is half-deleted, step 4 is complete.
     assert _steps(run) == [4] and verify_checkpoint(run / "checkpoints" / "step_000000004") == 4
     (leftover,) = (run / "checkpoints").glob(".deleting-step_000000002-*")
-    # Leftovers of interrupted runs: a step dir half-deleted by an older uvic (no meta.json), and a re-save of
+    # Leftovers of interrupted runs: a step dir half-deleted in place (no meta.json), and a re-save of
     # step 4 killed between its two renames (the complete old copy is aside as .old-step_*, a partial new one).
     ckpts = run / "checkpoints"
     shutil.copytree(ckpts / "step_000000004", ckpts / "step_000000001")
