@@ -50,3 +50,21 @@ def test_vpsde_takes_floats_arrays_and_tensors_alike():
     assert sde.alpha_bar(0.5) == pytest.approx(math.exp(-(0.05 + 9.95 * 0.25)), rel=1e-14)
     np.testing.assert_allclose(sde.lambda_(np.array([0.5])), sde.lambda_(torch.tensor([0.5], dtype=torch.float64)).numpy(),
                                rtol=1e-15)
+
+
+def test_vpsde_closed_forms():
+    sde = VPSDE()
+    t = np.array([0.0, 0.25, 0.5, 1.0])
+    # U-ViT sde.py: cum_alpha(t) = exp(-(0.1 t + 9.95 t^2)), beta(t) = 0.1 + 19.9 t
+    np.testing.assert_allclose(sde.alpha_bar(t), np.exp(-(0.1 * t + 9.95 * t**2)), rtol=1e-12)
+    np.testing.assert_allclose(sde.beta(t), 0.1 + 19.9 * t, rtol=1e-12)
+    np.testing.assert_allclose(sde.sigma(t) ** 2 + sde.alpha_bar(t), 1.0, rtol=1e-12)
+    assert sde.alpha_bar(1.0) == pytest.approx(4.3186e-5, rel=1e-4)  # docs/conventions.md, "Schedules": 4.32e-5
+    # lambda = log(alpha / sigma) and the inverses
+    lam = sde.lambda_(t[1:])
+    np.testing.assert_allclose(lam, 0.5 * np.log(sde.alpha_bar(t[1:]) / (1 - sde.alpha_bar(t[1:]))), rtol=1e-12)
+    np.testing.assert_allclose(sde.t_from_lambda(lam), t[1:], rtol=1e-10)
+    np.testing.assert_allclose(sde.t_from_log_alpha_bar(sde.log_alpha_bar(t)), t, atol=1e-12)
+    # docs/conventions.md, "Timesteps": t = (-0.1 + sqrt(0.01 - 39.8 ln ab)) / 19.9
+    ab = 0.3
+    assert sde.t_from_log_alpha_bar(math.log(ab)) == pytest.approx((-0.1 + math.sqrt(0.01 - 39.8 * math.log(ab))) / 19.9)

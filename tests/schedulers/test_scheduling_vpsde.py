@@ -1,3 +1,6 @@
+"""The VP-SDE schedulers (Euler-Maruyama, DPM-Solver++(2M)) against their formulas and exact denoisers, and
+the sampler table's build / convert on both schedules."""
+
 import math
 
 import numpy as np
@@ -12,28 +15,7 @@ from uvic.schedulers import (
     VPSDEEulerMaruyamaScheduler,
     build_scheduler,
     convert_scheduler,
-    network_timestep,
-    network_timestep_for,
-    schedule_of,
 )
-
-
-def test_vpsde_closed_forms():
-    sde = VPSDE()
-    t = np.array([0.0, 0.25, 0.5, 1.0])
-    # U-ViT sde.py: cum_alpha(t) = exp(-(0.1 t + 9.95 t^2)), beta(t) = 0.1 + 19.9 t
-    np.testing.assert_allclose(sde.alpha_bar(t), np.exp(-(0.1 * t + 9.95 * t**2)), rtol=1e-12)
-    np.testing.assert_allclose(sde.beta(t), 0.1 + 19.9 * t, rtol=1e-12)
-    np.testing.assert_allclose(sde.sigma(t) ** 2 + sde.alpha_bar(t), 1.0, rtol=1e-12)
-    assert sde.alpha_bar(1.0) == pytest.approx(4.3186e-5, rel=1e-4)  # docs/conventions.md, "Schedules": 4.32e-5
-    # lambda = log(alpha / sigma) and the inverses
-    lam = sde.lambda_(t[1:])
-    np.testing.assert_allclose(lam, 0.5 * np.log(sde.alpha_bar(t[1:]) / (1 - sde.alpha_bar(t[1:]))), rtol=1e-12)
-    np.testing.assert_allclose(sde.t_from_lambda(lam), t[1:], rtol=1e-10)
-    np.testing.assert_allclose(sde.t_from_log_alpha_bar(sde.log_alpha_bar(t)), t, atol=1e-12)
-    # docs/conventions.md, "Timesteps": t = (-0.1 + sqrt(0.01 - 39.8 ln ab)) / 19.9
-    ab = 0.3
-    assert sde.t_from_log_alpha_bar(math.log(ab)) == pytest.approx((-0.1 + math.sqrt(0.01 - 39.8 * math.log(ab))) / 19.9)
 
 
 def test_euler_maruyama_time_grid_is_the_official_one():
@@ -159,21 +141,3 @@ def test_samplers_with_the_exact_denoiser_reproduce_the_data(sampler, steps):
     nearest = torch.cdist(x, data).min(dim=1).values
     spacing = torch.cdist(data, data).add(torch.eye(20) * 1e9).min().item()
     assert nearest.max().item() < 0.05 * spacing
-
-
-def test_network_timestep_is_999t_for_vpsde_and_t_plus_1_for_discrete():
-    # docs/conventions.md, "Timesteps": U-ViT's `ScoreModel.predict` feeds nnet(x, t * 999); n = diffusers t + 1.
-    t = torch.tensor([1.0, 0.5, 1e-3])
-    torch.testing.assert_close(network_timestep(t, "vpsde"), torch.tensor([999.0, 499.5, 0.999]))
-    assert torch.equal(network_timestep(t, "vpsde"), t * 999)  # in t's dtype, as the official float32 product
-    assert network_timestep(torch.tensor(0.5), "vpsde", time_scale=1000.0) == 500.0
-    n = network_timestep(torch.tensor([0, 499, 999]), "discrete")
-    assert n.dtype == torch.int64 and n.tolist() == [1, 500, 1000]
-    assert network_timestep(torch.tensor(979.02), "discrete") == torch.tensor(980.02)  # fractional DPM-Solver stages
-    with pytest.raises(ValueError, match="unknown diffusion schedule"):
-        network_timestep(t, "edm")
-    # Which conversion a scheduler gets, and its own time scale.
-    em = VPSDEEulerMaruyamaScheduler(time_scale=1000.0)
-    assert schedule_of(em) == "vpsde" and schedule_of(DDIMScheduler()) == "discrete"
-    assert network_timestep_for(em, torch.tensor(0.25)) == 250.0
-    assert network_timestep_for(DPMSolverMultistepScheduler(), torch.tensor(0)) == 1
