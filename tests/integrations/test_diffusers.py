@@ -4,6 +4,8 @@ Each switched layer is checked against the paper's formula written out here, sig
 the layer's own projections; each kept layer against diffusers' stock processor.
 """
 
+import copy
+import pickle
 import warnings
 
 import pytest
@@ -502,3 +504,18 @@ def test_a_model_with_too_few_blocks_says_that_nothing_was_switched():
                                                         "decoder.mid_block.attentions.0"]  # fmt: skip
     assert all(type(m.processor).__name__ == "CogAttnProcessor" and not m.processor.runs_softmax
                for m in attention_layers(vae).values())  # fmt: skip
+
+
+def test_a_switched_model_pickles_and_copies_with_its_check():
+    model, inputs, sample = tiny_dit()
+    apply_cog_attention(model, keep_softmax=1)
+    pickled, copied = pickle.loads(pickle.dumps(model)), copy.deepcopy(model)
+    attention_layers(copied)["transformer_blocks.2.attn1"].set_processor(AttnProcessor2_0())
+    with torch.no_grad():
+        want = sample(model(**inputs))
+        torch.testing.assert_close(sample(pickled(**inputs)), want, rtol=0, atol=0)
+        with pytest.warns(UserWarning, match=r"transformer_blocks.2.attn1 \(AttnProcessor2_0\)"):
+            copied(**inputs)  # the copy checks its own processors
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(**inputs)

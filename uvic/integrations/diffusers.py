@@ -85,14 +85,21 @@ def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
     return [row[2:] for row in found]
 
 
-def _check_processors(placed: dict[str, type]):
-    """A forward pre-hook that warns when an attention module no longer runs the processor class placed on it
-    (placed: module name -> processor class)."""
+class _ProcessorCheck:
+    """A forward pre-hook that warns when an attention module no longer runs the processor class placed on it.
+    A class rather than a closure, so a switched model still pickles and deep-copies.
 
-    def check(model: torch.nn.Module, args) -> None:
+    Args:
+        placed: module name -> the processor class `apply_cog_attention` placed on it.
+    """
+
+    def __init__(self, placed: dict[str, type]):
+        self.placed = placed
+
+    def __call__(self, model: torch.nn.Module, args) -> None:
         modules = dict(model.named_modules())
-        replaced = [f"{name} ({type(getattr(modules.get(name), 'processor', None)).__name__})"
-                    for name, cls in placed.items() if type(getattr(modules.get(name), "processor", None)) is not cls]
+        running = {name: type(getattr(modules.get(name), "processor", None)) for name in self.placed}
+        replaced = [f"{name} ({running[name].__name__})" for name, cls in self.placed.items() if running[name] is not cls]
         if replaced:
             warnings.warn(f"{type(model).__name__}: {len(replaced)} attention module(s) no longer run the processor "
                           f"apply_cog_attention placed on them, so they do not follow the Cog placement: "
@@ -100,8 +107,6 @@ def _check_processors(placed: dict[str, type]):
                           "them after apply_cog_attention (load_ip_adapter's cross-attention processors, "
                           "custom-diffusion load_attn_procs, set_attn_processor); call apply_cog_attention again "
                           "if their processors have Cog counterparts", stacklevel=2)  # fmt: skip
-
-    return check
 
 
 def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: Backend = "auto") -> list[str]:
@@ -165,7 +170,7 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
     previous = getattr(model, "_cog_attention_check", None)
     if previous is not None:
         previous.remove()
-    model._cog_attention_check = model.register_forward_pre_hook(_check_processors(placed))
+    model._cog_attention_check = model.register_forward_pre_hook(_ProcessorCheck(placed))
     return switched
 
 
