@@ -59,6 +59,7 @@ def test_to_yaml_round_trips():
         ("train.batch_size=abc", "train.batch_size: expected int"),
         ("model.qkv_bias=1", "model.qkv_bias: expected bool"),
         ("model.attention=linear", "model.attention.*not one of"),
+        ("data.name=imagenet", r"^config key data.name: 'imagenet' is not one of \['cifar10', 'image_folder', 'digits'"),
         ("train.betas=[0.9]", "train.betas: expected a list of 2"),
         ("train.lr=fast", "train.lr"),
         ("train=3", "train must be a mapping"),

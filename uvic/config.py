@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from uvic.attention import ATTENTIONS, BACKENDS
+from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
 from uvic.lm.data import TOKEN_DTYPES
 from uvic.models.cogformer import CogformerConfig, cogformer_preset
@@ -480,6 +481,7 @@ def _numeric_hint(hint: Any) -> bool:
 CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
+    "data.name": lambda: tuple(DATASETS),
     "data.token_dtype": lambda: TOKEN_DTYPES,
     "sample.sampler": sampler_names,
 }
