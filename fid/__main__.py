@@ -37,17 +37,25 @@ def _check_n(n: int | None, expected: int) -> None:
         raise ValueError(f"expected {expected} sample images, got {n}")
 
 
+def default_num_workers() -> int:
+    """Image-decoding workers: one per CPU core this process may use, less one for the main process, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(8, cores - 1))
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--mode", choices=MODES, default="pytorch-fid",
                         help="pytorch-fid: U-ViT-comparable (default); tf: torch-fidelity / TTUR pipeline")
-    common.add_argument("--dims", type=int, choices=DIMS, default=2048, help="Inception feature layer")
+    common.add_argument("--dims", type=int, choices=DIMS, default=None,
+                        help="Inception feature layer (default: the reference statistics' layer, else 2048)")
     common.add_argument("--weights", help=f"path to {WEIGHTS_NAME} (default: ${WEIGHTS_ENV}, then the torch.hub cache)")
     common.add_argument("--weights-sha256", default=WEIGHTS_SHA256_PREFIX,
                         help="expected SHA-256 (prefix) of the weights; 'none' skips the check")
     common.add_argument("--download", action="store_true", help="allow downloading the weights if not found")
     common.add_argument("--batch-size", type=int_at_least(1), default=50)
-    common.add_argument("--num-workers", type=int_at_least(0), default=4, help="image decoding workers")
+    common.add_argument("--num-workers", type=int_at_least(0), default=None,
+                        help="image decoding workers (default: one per usable CPU core but one, at most 8)")
     common.add_argument("--num-samples", type=int_at_least(1), help="use only the first N images")
     common.add_argument("--value-range", type=_value_range, default=(0.0, 1.0),
                         help="range of float .npz images, e.g. -1,1 (default 0,1)")
@@ -77,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> str:
     sha = None if args.weights_sha256.lower() == "none" else args.weights_sha256
+    if args.num_workers is None:
+        args.num_workers = default_num_workers()
     weights = {"weights": args.weights, "sha256": sha, "allow_download": args.download, "device": args.device}
     opts = {"batch_size": args.batch_size, "num_workers": args.num_workers, "value_range": args.value_range,
             "progress": not args.no_progress}  # fmt: skip
@@ -91,7 +101,7 @@ def _run(args: argparse.Namespace) -> str:
             check_writable(Path(out).parent, str(out))
     if args.command == "stats":
         src = source(args.source)  # checks every image before the network is loaded
-        ext = load_extractor(mode=args.mode, dims=args.dims, **weights)
+        ext = load_extractor(mode=args.mode, dims=args.dims or 2048, **weights)
         stats = compute_stats(src, extractor=ext, num_samples=args.num_samples, **opts)
         save_stats(stats, args.out)
         return f"wrote {args.out}: n={stats.n} dims={stats.dims} mode={stats.mode} source={stats.name}"
@@ -112,7 +122,10 @@ def _run(args: argparse.Namespace) -> str:
         samples = source(args.samples)
         if args.expect_n is not None and hasattr(samples, "__len__"):
             _check_n(min(len(samples), args.num_samples or len(samples)), args.expect_n)
-        dims = ref.dims if hasattr(ref, "dims") else args.dims
+        dims = getattr(ref, "dims", None) or args.dims or 2048
+        if args.dims is not None and dims != args.dims:  # before loading the network
+            raise ValueError(f"reference {ref.name!r} holds {dims}-dim statistics, so --dims {args.dims} cannot be "
+                             f"compared with it; drop --dims, or compute the reference with --dims {args.dims}")
         ext = load_extractor(mode=args.mode, dims=dims, with_logits=args.isc, **weights)
         result = compute_fid(samples, ref, num_samples=args.num_samples, extractor=ext, mode=args.mode,
                              isc=args.isc, kid=args.kid, prc=args.prc, isc_splits=args.isc_splits,

@@ -111,7 +111,14 @@ def resolve_weights(
             path.parent.mkdir(parents=True, exist_ok=True)
             logger.info("downloading %s to %s", WEIGHTS_URL, path)
             # torch.hub removes the partial file and raises if the hash prefix does not match.
-            torch.hub.download_url_to_file(WEIGHTS_URL, str(path), hash_prefix=WEIGHTS_SHA256_PREFIX)
+            try:
+                torch.hub.download_url_to_file(WEIGHTS_URL, str(path), hash_prefix=WEIGHTS_SHA256_PREFIX)
+            except (OSError, RuntimeError) as e:  # offline: URLError (an OSError); a bad download: RuntimeError
+                raise FileNotFoundError(
+                    f"FID Inception weights {WEIGHTS_NAME} could not be downloaded ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:200]}). On a machine that is online, download {WEIGHTS_URL}; then "
+                    f"pass its path with --weights or the {WEIGHTS_ENV} environment variable, or put it at {path}"
+                ) from e
     digest = sha256_file(path)
     if sha256 is not None and not digest.startswith(sha256.lower()):
         raise ValueError(

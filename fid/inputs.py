@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from uvic.data.images import check_image, read_cifar10_batches
 from uvic.errors import DataError
+from uvic.io import read_npz
 from uvic.io import to_uint8 as _quantize
 
 
@@ -136,15 +137,18 @@ class ImageArray(Dataset):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"image archive {str(path)!r} does not exist")
-        with np.load(path, allow_pickle=False) as f:
-            keys = list(f.keys())
-            if key is None:
-                if "mu" in keys and "sigma" in keys:
-                    raise ValueError(f"{str(path)!r} holds FID statistics (mu, sigma), not images")
-                key = "arr_0" if "arr_0" in keys else (keys[0] if len(keys) == 1 else None)
-            if key not in keys:
-                raise ValueError(f"{str(path)!r}: no image array {key!r}; arrays are {keys}, pass key=")
-            images = f[key]
+        keys = read_npz(path, (), what="image archive")["__keys__"]
+        if key is None:
+            if "mu" in keys and "sigma" in keys:
+                raise ValueError(f"{str(path)!r} holds FID statistics (mu, sigma), not images")
+            if "mu" in keys or "sigma" in keys:
+                missing = "sigma" if "mu" in keys else "mu"
+                raise ValueError(f"{str(path)!r} looks like FID statistics but has no {missing!r} array (it has "
+                                 f"{keys}); a statistics file needs both 'mu' and 'sigma'")
+            key = "arr_0" if "arr_0" in keys else (keys[0] if len(keys) == 1 else None)
+        if key not in keys:
+            raise ValueError(f"{str(path)!r}: no image array {key!r}; arrays are {keys}, pass key=")
+        images = read_npz(path, (key,), what="image archive")[key]
         return cls(images, value_range=value_range, name=str(path))
 
     def __len__(self) -> int:
@@ -152,7 +156,10 @@ class ImageArray(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """(3, H, W) uint8."""
-        return to_uint8(self.images[i : i + 1], self.value_range)[0]
+        try:
+            return to_uint8(self.images[i : i + 1], self.value_range)[0]
+        except ValueError as e:  # NaN / Inf
+            raise DataError(f"{self.name}: image {i}: {e}") from e
 
 
 def cifar10(root: str | os.PathLike, split: str = "train", *, md5_check: bool = False) -> ImageArray:

@@ -244,7 +244,7 @@ def compute_fid(
                                         meta=ref_feats.meta)  # fmt: skip
     result = fid_from_stats(samples, ref_stats)
     result.extras.update(_extras(feats, ref_feats, isc, kid, prc, isc_splits, kid_subsets, kid_subset_size, seed))
-    logger.info("%s", result)
+    logger.debug("%s", result)  # the caller reports it (the CLI prints it once)
     return result
 
 

@@ -10,6 +10,7 @@ pytorch-fid), so neither the batch size nor the number of processes changes the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -17,14 +18,15 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
-from uvic.io import atomic_write
+from uvic.errors import DataError
+from uvic.io import atomic_write, read_npz
 
 from .inception import WEIGHTS_SHA256_PREFIX, InceptionExtractor, Mode, check_mode
 from .inputs import GeneratorSource, Source, ValueRange, open_source
@@ -117,8 +119,7 @@ def is_stats_file(path: str | os.PathLike) -> bool:
     """True if `path` is an existing ``.npz`` holding ``mu`` and ``sigma``."""
     if not str(path).endswith(".npz") or not os.path.isfile(path):
         return False
-    with np.load(path, allow_pickle=False) as f:
-        return "mu" in f.files and "sigma" in f.files
+    return {"mu", "sigma"} <= set(read_npz(path, (), what="FID file")["__keys__"])
 
 
 def load_stats(path: str | os.PathLike) -> FIDStats:
@@ -126,15 +127,15 @@ def load_stats(path: str | os.PathLike) -> FIDStats:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"FID statistics file {str(path)!r} does not exist")
-    with np.load(path, allow_pickle=False) as f:
-        keys = set(f.keys())
-        if not {"mu", "sigma"} <= keys:
-            raise ValueError(f"{str(path)!r} is not a FID statistics file: needs arrays 'mu' and 'sigma', "
-                             f"has {sorted(keys)}")  # fmt: skip
-        mu, sigma = f["mu"].astype(np.float64), f["sigma"].astype(np.float64)
-        n = int(f["n"]) if "n" in keys else None
-        mode = str(f["mode"]) if "mode" in keys else None
-        meta = json.loads(str(f["meta"])) if "meta" in keys else {}
+    f = read_npz(path, ("mu", "sigma", "n", "mode", "meta"), what="FID statistics file")
+    keys = set(f["__keys__"])
+    if not {"mu", "sigma"} <= keys:
+        raise ValueError(f"{str(path)!r} is not a FID statistics file: needs arrays 'mu' and 'sigma', "
+                         f"has {sorted(keys)}")  # fmt: skip
+    mu, sigma = f["mu"].astype(np.float64), f["sigma"].astype(np.float64)
+    n = int(f["n"]) if "n" in keys else None
+    mode = str(f["mode"]) if "mode" in keys else None
+    meta = json.loads(str(f["meta"])) if "meta" in keys else {}
     validate_stats(mu, sigma, str(path))
     if mode is None:
         warnings.warn(f"{str(path)!r} has no 'mode' metadata (legacy pytorch-fid / U-ViT file); it cannot be "
@@ -235,7 +236,7 @@ def extract_features(
 
     feats, logits = [], []
     with tqdm(total=local_n, unit="img", desc=f"Inception features ({extractor.mode})",
-              disable=not (progress and state.is_local_main_process)) as bar:  # fmt: skip
+              disable=not (progress and state.is_local_main_process)) as bar, _worker_errors():  # fmt: skip
         for batch in batches:
             out = extractor(batch)
             feats.append(out["features"].cpu())
@@ -254,6 +255,21 @@ def extract_features(
         f_all = f_all[:total]
         l_all = None if l_all is None else l_all[:total]
     return Features(f_all, l_all, extractor.mode, name, _provenance(extractor, world))
+
+
+@contextlib.contextmanager
+def _worker_errors() -> Iterator[None]:
+    """A bad-input error raised in a DataLoader worker comes back with the worker's traceback in its message
+    ("Caught DataError in DataLoader worker process 0. Original Traceback ..."); keep only the original message."""
+    try:
+        yield
+    except (DataError, ValueError, FileNotFoundError) as e:
+        text = str(e)
+        if not (text.startswith("Caught ") and "Original Traceback" in text):
+            raise
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        name, _, original = last.partition(": ")  # "uvic.errors.DataError: <message>"
+        raise DataError(original if name.rpartition(".")[2] == type(e).__name__ else last) from e
 
 
 def compute_stats(

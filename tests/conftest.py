@@ -1,5 +1,7 @@
 """Fixtures shared by the training and script tests: a tiny image folder and the overrides of a seconds-long run."""
 
+import socket
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -15,6 +17,23 @@ def image_dir(tmp_path):
     for i in range(10):
         Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(d / f"{i}.png")
     return d
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """An offline machine: every connection attempt raises OSError (what urllib and huggingface_hub see offline)
+    and huggingface_hub is in offline mode. Tests never download anything (the FID tests use this for all)."""
+
+    def refuse(*args, **kwargs):
+        raise OSError(f"network access attempted in a test: connect{args[1:]!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture

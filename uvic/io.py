@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import pickle
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "fsync_tree",
     "load_data_pickle",
     "load_torch_data",
+    "read_npz",
     "sha256_file",
     "to_uint8",
     "weights_only_error",
@@ -243,6 +245,34 @@ def load_data_pickle(path: str | os.PathLike, *, dtypes: tuple[str, ...] = ("u1"
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, MemoryError) as e:
         raise DataError(f"{what} {path} is not a readable pickle ({type(e).__name__}: {e})") from e
     return _unwrap(obj)
+
+
+def read_npz(path: str | os.PathLike, keys: tuple[str, ...] | None = None, what: str = ".npz file") -> dict[str, Any]:
+    """The arrays `keys` of an `.npz` (all when None; missing keys are left out), read with
+    `np.load(allow_pickle=False)`. `read_npz(path, ())` lists nothing but checks that the archive opens.
+
+    Returns:
+        {name: array}, plus "__keys__": the sorted names of every array in the file.
+    Raises:
+        FileNotFoundError: no such file. DataError: empty, truncated or not an `.npz` (or an array needs pickle).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if not isinstance(f, np.lib.npyio.NpzFile):
+                raise ValueError("a single .npy array, not an .npz archive")
+            names = sorted(f.files)
+            out: dict[str, Any] = {k: f[k] for k in (names if keys is None else keys) if k in names}
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        reason = "it is empty" if path.stat().st_size == 0 else f"{type(e).__name__}: {' '.join(str(e).split())}"
+        raise DataError(f"{what} {path} is not a readable .npz archive ({reason}); it may be truncated by an "
+                        f"interrupted copy") from e
+    out["__keys__"] = names
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """Fixtures for the FID tests: a random-init FID-Inception weights file per session and a network guard."""
 
 import math
-import socket
 
 import pytest
 import torch
@@ -9,14 +8,8 @@ import torchvision
 
 
 @pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Fail any attempt to open a network connection (weights or datasets must never be downloaded in tests)."""
-
-    def refuse(self, address, *args, **kwargs):
-        raise RuntimeError(f"network access attempted in a test: connect({address!r})")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+def _offline(no_network):
+    """Every FID test runs offline (tests/conftest.py's `no_network`): weights or datasets are never downloaded."""
 
 
 @pytest.fixture(scope="session")

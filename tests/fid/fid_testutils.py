@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch
+from PIL import Image
 
 
 def smooth_images(n, size=16, seed=0):
@@ -12,3 +13,11 @@ def smooth_images(n, size=16, seed=0):
                                          align_corners=False)
     noise = torch.from_numpy(rng.normal(0, 8, size=up.shape).astype(np.float32))
     return (up + noise).clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def write_pngs(folder, images, digits=0):
+    """Save (n, H, W, 3) uint8 images as `{i}.png` in `folder` (zero-padded to `digits`); returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, im in enumerate(images):
+        Image.fromarray(im).save(folder / f"{i:0{digits}d}.png")
+    return folder

@@ -3,18 +3,11 @@ or the network is loaded (the weights path below does not exist, so reaching it 
 
 import errno
 
+import numpy as np
 import pytest
-from fid_testutils import smooth_images
-from PIL import Image
+from fid_testutils import smooth_images, write_pngs
 
 from uvic.fid.__main__ import main
-
-
-def write_pngs(folder, images):
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, im in enumerate(images):
-        Image.fromarray(im).save(folder / f"{i}.png")
-    return folder
 
 
 def _cli(capsys, *args):
@@ -65,3 +58,73 @@ def test_a_failed_write_after_computing_is_one_line(tmp_path, capsys, monkeypatc
     folder = write_pngs(tmp_path / "s", smooth_images(2, size=8))
     code, err = _cli(capsys, "stats", folder, "--out", tmp_path / "o.npz")
     assert code == 2 and err == f"error: stopped: disk full (No space left on device: '{tmp_path / 'o.npz'}')\n"
+
+
+# Reference files that cannot be used, and what the CLI picks by itself.
+
+
+def _stats_npz(path, dims):
+    from uvic.fid.stats import FIDStats, save_stats
+
+    save_stats(FIDStats(mu=np.zeros(dims), sigma=np.eye(dims), n=dims + 1, mode="pytorch-fid"), path)
+    return path
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_an_empty_or_truncated_reference_is_one_line(tmp_path, capsys, damage):
+    folder = write_pngs(tmp_path / "s", smooth_images(2, size=8))
+    ref = _stats_npz(tmp_path / "ref.npz", 64)
+    data = ref.read_bytes()
+    ref.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    code, err = _cli(capsys, "score", folder, ref, "--weights", tmp_path / "no_weights.pth")
+    reason = "it is empty" if damage == "empty" else "BadZipFile: File is not a zip file"
+    assert code == 2 and err == (f"error: FID file {ref} is not a readable .npz archive ({reason}); it may be "
+                                 f"truncated by an interrupted copy\n")
+
+
+def test_statistics_without_mu_are_named_as_such(tmp_path, capsys):
+    folder = write_pngs(tmp_path / "s", smooth_images(2, size=8))
+    np.savez(tmp_path / "ref.npz", sigma=np.eye(4))
+    code, err = _cli(capsys, "score", folder, tmp_path / "ref.npz", "--weights", tmp_path / "no_weights.pth")
+    assert code == 2 and err == (f"error: '{tmp_path / 'ref.npz'}' looks like FID statistics but has no 'mu' array "
+                                 f"(it has ['sigma']); a statistics file needs both 'mu' and 'sigma'\n")
+
+
+def test_dims_that_disagree_with_the_reference_are_refused(tmp_path, capsys):
+    folder = write_pngs(tmp_path / "s", smooth_images(2, size=8))
+    ref = _stats_npz(tmp_path / "ref.npz", 192)
+    code, err = _cli(capsys, "score", folder, ref, "--dims", "64", "--weights", tmp_path / "no_weights.pth")
+    assert code == 2 and err == (f"error: reference '{ref}' holds 192-dim statistics, so --dims 64 cannot be compared "
+                                 f"with it; drop --dims, or compute the reference with --dims 64\n")
+
+
+def test_nan_images_in_a_worker_are_one_line(tmp_path, capsys, weights_file):
+    images = np.random.default_rng(0).uniform(size=(4, 8, 8, 3)).astype(np.float32)
+    images[2, 0, 0, 0] = np.nan
+    np.savez(tmp_path / "imgs.npz", images)
+    code, err = _cli(capsys, "stats", tmp_path / "imgs.npz", "--out", tmp_path / "o.npz", "--weights", weights_file,
+                     "--weights-sha256", "none", "--device", "cpu", "--num-workers", "1", "--no-progress")
+    assert code == 2 and err == f"error: {tmp_path / 'imgs.npz'}: image 2: images contain NaN or Inf\n"
+
+
+def test_workers_follow_the_usable_cores(monkeypatch):
+    import os
+
+    from uvic.fid.__main__ import default_num_workers
+
+    for cores, workers in [(1, 0), (2, 1), (5, 4), (64, 8)]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert default_num_workers() == workers
+
+
+def test_the_result_is_printed_once(tmp_path, capsys, caplog, weights_file):
+    import logging
+
+    a = write_pngs(tmp_path / "a", smooth_images(4, size=8, seed=1))
+    b = write_pngs(tmp_path / "b", smooth_images(4, size=8, seed=2))
+    with caplog.at_level(logging.INFO):
+        main(["score", str(a), str(b), "--weights", str(weights_file), "--weights-sha256", "none", "--device", "cpu",
+              "--num-workers", "0", "--no-progress", "--dims", "64"])
+    out = capsys.readouterr().out
+    assert out.count("fid4=") == 1 and out.startswith("fid4=")
+    assert not [r for r in caplog.records if "fid4=" in r.getMessage()]

@@ -6,18 +6,11 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from fid_testutils import smooth_images
+from fid_testutils import smooth_images, write_pngs
 from PIL import Image
 
 from uvic.fid import CocoVal2014, GeneratorSource, ImageArray, ImageFolder, cifar10, open_source, to_uint8
 from uvic.fid.inputs import center_crop_lanczos
-
-
-def write_pngs(folder, images):
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, im in enumerate(images):
-        Image.fromarray(im).save(folder / f"{i}.png")
-    return folder
 
 
 def test_folder_reads_in_natural_order(tmp_path):

@@ -10,21 +10,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fid_testutils import smooth_images
-from PIL import Image
+from fid_testutils import smooth_images, write_pngs
 
 from uvic.fid import compute_fid, compute_stats, extract_features, inception_score, load_stats
 from uvic.fid.__main__ import main
 
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:.*N=\d+ <= feature dim")
-
-
-def write_pngs(folder, images):
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, im in enumerate(images):
-        Image.fromarray(im).save(folder / f"{i:03d}.png")  # zero-padded: same order for every library
-    return folder
 
 
 def reference_net_features(net, images):
@@ -53,8 +45,8 @@ def test_pytorch_fid_mode_matches_reference_and_differs_from_tf(extractors):
 def test_tf_mode_matches_torch_fidelity_and_pytorch_fid_mode_differs(extractors, weights_file, tmp_path):
     import torch_fidelity
 
-    a = write_pngs(tmp_path / "a", smooth_images(10, size=16, seed=2))
-    b = write_pngs(tmp_path / "b", smooth_images(10, size=16, seed=3))
+    a = write_pngs(tmp_path / "a", smooth_images(10, size=16, seed=2), digits=3)
+    b = write_pngs(tmp_path / "b", smooth_images(10, size=16, seed=3), digits=3)
     ref = torch_fidelity.calculate_metrics(
         input1=str(a), input2=str(b), fid=True, kid=True, kid_subsets=5, kid_subset_size=6, feature_layer_fid="64",
         feature_layer_kid="64", feature_extractor_weights_path=str(weights_file), cuda=False, batch_size=16,
@@ -73,7 +65,7 @@ def test_tf_mode_matches_torch_fidelity_and_pytorch_fid_mode_differs(extractors,
 def test_inception_score_matches_torch_fidelity(extractors, weights_file, tmp_path):
     import torch_fidelity
 
-    folder = write_pngs(tmp_path / "a", smooth_images(3, size=16, seed=4))
+    folder = write_pngs(tmp_path / "a", smooth_images(3, size=16, seed=4), digits=3)
     ref = torch_fidelity.calculate_metrics(
         input1=str(folder), isc=True, isc_splits=1, feature_extractor_weights_path=str(weights_file), cuda=False,
         cache=False, datasets_download=False, verbose=False, save_cpu_ram=True)
@@ -86,7 +78,7 @@ def test_inception_score_matches_torch_fidelity(extractors, weights_file, tmp_pa
 def test_folder_npz_generator_agree_and_batch_size_does_not_matter(extractors, tmp_path):
     images = smooth_images(8, size=16, seed=5)
     ext = extractors("pytorch-fid", 64)
-    folder = write_pngs(tmp_path / "png", images)
+    folder = write_pngs(tmp_path / "png", images, digits=3)
     np.savez(tmp_path / "u8.npz", images)
     signed = images.astype(np.float32) / 255 * 2 - 1
     np.savez(tmp_path / "f.npz", signed)
@@ -107,7 +99,7 @@ def test_folder_npz_generator_agree_and_batch_size_does_not_matter(extractors, t
 
 
 def test_cli_and_library_agree(extractors, weights_file, tmp_path, capsys):
-    ref_dir = write_pngs(tmp_path / "ref", smooth_images(6, size=16, seed=6))
+    ref_dir = write_pngs(tmp_path / "ref", smooth_images(6, size=16, seed=6), digits=3)
     samples = smooth_images(5, size=16, seed=7)
     np.savez(tmp_path / "samples.npz", samples)
     common = ["--weights", str(weights_file), "--weights-sha256", "none", "--dims", "64", "--num-workers", "0",

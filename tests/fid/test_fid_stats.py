@@ -125,5 +125,18 @@ def test_download_only_when_allowed(tmp_path, monkeypatch):
 def test_network_guard_is_active():
     import socket
 
-    with pytest.raises(RuntimeError, match="network access attempted"):
+    with pytest.raises(OSError, match="network access attempted"):
         socket.create_connection(("192.0.2.1", 80), timeout=1)  # TEST-NET-1 literal, no DNS
+
+
+def test_a_failed_download_says_how_to_provide_the_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    monkeypatch.delenv("UVIC_FID_WEIGHTS", raising=False)
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_weights(allow_download=True)  # offline: the guard refuses the connection
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"FID Inception weights {WEIGHTS_NAME} could not be downloaded")
+    assert message.endswith(f"On a machine that is online, download {WEIGHTS_URL}; then pass its path with --weights "
+                            f"or the UVIC_FID_WEIGHTS environment variable, or put it at "
+                            f"{tmp_path / 'hub' / 'checkpoints' / WEIGHTS_NAME}")
+    assert not (tmp_path / "hub" / "checkpoints" / WEIGHTS_NAME).exists()

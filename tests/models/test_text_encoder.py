@@ -1,7 +1,6 @@
 """CLIP text features: official padding, equivalence with transformers' CLIPTextModel, loading, offline errors."""
 
 import json
-import socket
 import warnings
 
 import pytest
@@ -168,19 +167,6 @@ def test_from_open_clip_tag_path(tmp_path, monkeypatch):
     with torch.no_grad():
         pooled = enc(ids)[torch.arange(2), ids.argmax(dim=-1)] @ clip.text_projection
         torch.testing.assert_close(pooled, clip.encode_text(ids), atol=1e-5, rtol=1e-4)
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise OSError("network access is disabled in tests")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 def test_offline_without_weights_is_a_clear_error(tmp_path, no_network):

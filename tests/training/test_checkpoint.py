@@ -15,13 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import uvic.training.checkpoint as ckpt_mod
 from uvic.config import load_config
 from uvic.errors import CheckpointError, RunLockedError, StorageError
 from uvic.training import train
-from uvic.training.checkpoint import list_checkpoints, sweep_leftovers, verify_checkpoint
+from uvic.training.checkpoint import list_checkpoints, save_checkpoint, sweep_leftovers, verify_checkpoint
 from uvic.training.lock import RunDirLock
 
 
@@ -174,22 +175,28 @@ def test_export_refuses_a_corrupted_checkpoint(tmp_path, image_dir, tiny_overrid
 # 3. A kill while a checkpoint is being deleted.
 
 
-def test_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch,
-                                                                reference_run):
-    run = tmp_path / "run"
+def _kill_rmtree_midway(monkeypatch, first):
+    """Make `shutil.rmtree` of a checkpoint dir die (KeyboardInterrupt, as a kill) after deleting its file `first`;
+    returns the function that puts the real rmtree back."""
     real_rmtree = shutil.rmtree
 
     def killed_midway(path, *args, **kwargs):
-        # Dies after deleting part of the rotated-out checkpoint (its weights first: meta.json survives).
         if (Path(path) / "meta.json").is_file():
-            (Path(path) / "model.safetensors").unlink()
+            (Path(path) / first).unlink()
             raise KeyboardInterrupt("simulated kill")
         return real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    return lambda: monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+
+
+def test_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch,
+                                                                reference_run):
+    run = tmp_path / "run"
+    restore = _kill_rmtree_midway(monkeypatch, "model.safetensors")  # weights first: meta.json survives
     with pytest.raises(KeyboardInterrupt):
         train(load_config(None, tiny_overrides(run, image_dir, **{"train.keep_checkpoints": 1})))
-    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    restore()
     # step 2 was renamed before its deletion began: no step_* dir is half-deleted, step 4 is complete.
     assert _steps(run) == [4] and verify_checkpoint(run / "checkpoints" / "step_000000004") == 4
     (leftover,) = (run / "checkpoints").glob(".deleting-step_000000002-*")
@@ -204,6 +211,29 @@ def test_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, image_
     assert not leftover.exists()
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000004"]
     _assert_same_weights(ckpts / "step_000000004", reference_run / "checkpoints" / "step_000000004")
+
+
+def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
+    """A kill while replacing step N (e.g. the final save after a periodic one) leaves a complete step N."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    save_checkpoint(accelerator, tmp_path, 5, {"save": 1})
+    restore = _kill_rmtree_midway(monkeypatch, "meta.json")
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(accelerator, tmp_path, 5, {"save": 2})
+    restore()
+    # The new copy was in place before the old one was deleted.
+    assert _steps(tmp_path) == [5]
+    assert yaml.safe_load((tmp_path / "checkpoints" / "step_000000005" / "config.yaml").read_text()) == {"save": 2}
+    # The half-deleted old copy was renamed before the deletion began, so only a `.deleting-` name is left, which
+    # the sweep at the start of the next run removes.
+    leftover = f".deleting-.old-step_000000005-{os.getpid()}"
+    assert [p.name for p in (tmp_path / "checkpoints").glob(".deleting-*")] == [leftover]
+    assert sweep_leftovers(tmp_path) == [leftover]
+    save_checkpoint(accelerator, tmp_path, 5, {"save": 3})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000005"]
 
 
 def test_sweep_restores_the_old_copy_of_an_interrupted_resave(tmp_path):
