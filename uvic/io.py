@@ -260,9 +260,10 @@ def read_npz(path: str | os.PathLike, keys: tuple[str, ...] | None = None, what:
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as f:
-            if not isinstance(f, np.lib.npyio.NpzFile):
-                raise ValueError("a single .npy array, not an .npz archive")
+        f = np.load(path, allow_pickle=False)
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise ValueError("a single .npy array, not an .npz archive")
+        with f:
             names = sorted(f.files)
             out: dict[str, Any] = {k: f[k] for k in (names if keys is None else keys) if k in names}
     except (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError) as e:
