@@ -7,8 +7,11 @@
         --prompt "A red bus on a city street."                       # text-to-image: prompts
     accelerate launch sample.py runs/mscoco_uvic_s2/pipeline --out-dir samples/mscoco --num-images 30000 \\
         --features data/coco256_features --sampler uvit_dpm_solver    # text-to-image FID: random val captions
+    accelerate launch sample.py pipelines/imagenet256_uvit_huge --out-dir samples/in256 --num-images 50000 \\
+        --class-labels random --batch-size 50                        # class-conditional FID: U-ViT's labels
 
-Image i is generated from seed `--seed + i` (and, for a class-conditional model, class i % num_classes), so the
+Image i is generated from seed `--seed + i` (and, for a class-conditional model, class i % num_classes, or the
+i-th of --class-labels, or label i of one draw from --seed with `--class-labels random`), so the
 images do not depend on --batch-size or the number of processes; in --out-dir mode it is saved as {i:06d}.png,
 the work is split across processes, and files that already exist are skipped (re-run to finish an interrupted job).
 A progress bar on stderr shows images done / total, images/s and the time left (--quiet hides it).
@@ -24,13 +27,14 @@ from accelerate import Accelerator
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from uvic.errors import StorageError, cli_errors, describe_os_error, finite_float, int_at_least, storage_errors
-from uvic.pipelines import UViCText2ImagePipeline
+from uvic.pipelines import UViCPipeline, UViCText2ImagePipeline
 from uvic.pipelines.sampling import (
     balanced_class_labels,
     check_grid_size,
     check_output,
     generate,
     mscoco_prompt_embeds,
+    random_class_labels,
     sample_to_folder,
     save_grid,
 )
@@ -48,6 +52,32 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"cannot read --prompts-file {args.prompts_file}: {reason}") from e
         prompts += [line.strip() for line in text.splitlines() if line.strip()]
     return prompts
+
+
+def class_labels_for(args: argparse.Namespace, pipe) -> list[int] | None:
+    """The label of each image 0..num_images-1 (None for pipelines without classes); checks guidance too."""
+    if not isinstance(pipe, UViCPipeline):
+        if args.class_labels:
+            raise ValueError(f"{args.source} is not class-conditional; --class-labels does not apply")
+        return None
+    if args.guidance_scale is not None and args.guidance_scale > 1 and not pipe.config.null_class:
+        raise ValueError(f"--guidance-scale {args.guidance_scale} needs a class-conditional model with a null class; "
+                         f"{args.source} has none (use --guidance-scale 1)")
+    if not args.class_labels:
+        return balanced_class_labels(pipe, range(args.num_images))
+    if pipe.num_labels <= 0:
+        raise ValueError(f"{args.source} is not class-conditional; --class-labels does not apply")
+    if args.class_labels == ["random"]:
+        return random_class_labels(pipe, args.num_images, args.seed)
+    try:
+        ids = [int(x) for x in args.class_labels]
+    except ValueError:
+        raise ValueError(f"--class-labels takes class ids or `random`, got {' '.join(args.class_labels)}") from None
+    bad = [i for i in ids if not 0 <= i < pipe.num_labels]
+    if bad:
+        null = " (the last id is the null class)" if pipe.config.null_class else ""
+        raise ValueError(f"--class-labels {bad[0]} is outside [0, {pipe.num_labels}){null}")
+    return [ids[i % len(ids)] for i in range(args.num_images)]
 
 
 def main() -> None:
@@ -68,8 +98,13 @@ def main() -> None:
     t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); grid mode")
     t2i.add_argument("--prompts-file", help="one prompt per line; grid mode")
     t2i.add_argument("--features", help="MS-COCO features root (python -m uvic.data.mscoco); --out-dir mode")
-    t2i.add_argument("--guidance-scale", type=finite_float, default=2.0, help="diffusers convention: 1 + official scale")
+    t2i.add_argument("--guidance-scale", type=finite_float, default=None,
+                     help="diffusers convention: 1 + official scale (text-to-image and class-conditional pipelines); "
+                          "default: the pipeline's (2.0 for text-to-image, the official one for ImageNet)")
     t2i.add_argument("--clip", default="openai", help="CLIP text encoder for prompts: open_clip tag, dir or file")
+    cc = p.add_argument_group("class-conditional pipelines")
+    cc.add_argument("--class-labels", nargs="+", metavar="ID", help="class ids (image i gets the i-th, cycling), or "
+                    "`random`: U-ViT's FID labels (uniform for latent models, training-class frequencies for pixels)")
     args = p.parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
@@ -92,6 +127,10 @@ def main() -> None:
         p.error("a text-to-image pipeline needs --features (extracted MS-COCO captions) for --out-dir")
     if not text and (prompts or args.features):
         p.error(f"{args.source} is not a text-to-image pipeline; --prompt/--prompts-file/--features do not apply")
+    try:
+        labels = class_labels_for(args, pipe)
+    except ValueError as e:
+        p.error(str(e))
     if args.grid:
         try:
             check_grid_size(pipe, args.num_images, args.grid_scale)
@@ -114,12 +153,14 @@ def main() -> None:
                 seeds = list(range(args.seed, args.seed + args.num_images))
                 if text:
                     images = generate(pipe, seeds, prompts=(prompts * args.num_images)[: args.num_images], **common)
-                else:  # class i % num_classes, as in --out-dir mode
-                    images = generate(pipe, seeds, class_labels=balanced_class_labels(pipe, range(len(seeds))),
-                                      **common)
+                else:  # class i % num_classes (or --class-labels), as in --out-dir mode
+                    images = generate(pipe, seeds, class_labels=labels, **common)
                 print(save_grid(images, args.grid, scale=args.grid_scale))
         else:
-            conditions = {}
+            conditions = {"class_labels": labels} if labels is not None else {}
+            if labels is not None and state.is_main_process:  # which class each file used
+                Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+                (Path(args.out_dir) / "class_labels.json").write_text(json.dumps(labels))
             if text:
                 embeds, empty, captions = mscoco_prompt_embeds(args.features, args.num_images, args.seed)
                 conditions = {"prompt_embeds": embeds, "negative_prompt_embeds": empty}

@@ -8,6 +8,7 @@ Every config dataclass of the project lives here. A run config's class depends o
     task          class                  sections
     "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
     "t2i"         `Text2ImageRunConfig`  the same, with data = Text2ImageDataConfig (stored MS-COCO features)
+    "class_cond"  `ClassCondRunConfig`   the same, with data = ImageNetDataConfig (ImageNet pixels or features)
     "lm"          `LMRunConfig`          model (LMModelConfig), data (LMDataConfig), train (LMTrainConfig)
 
 The diffusion defaults are the official CIFAR-10 U-ViT-S/2 recipe (U-ViT `configs/cifar10_uvit_small.py`; see
@@ -166,7 +167,8 @@ class SampleConfig:
     # A name of `uvic.schedulers.SAMPLER_TABLE` (checked by `CHOICES`).
     sampler: str = "uvit_dpm_solver"
     num_inference_steps: int = 50
-    # Text-to-image only; diffusers' convention (1 + the official scale: official 1.0 is 2.0).
+    # Text-to-image and class-conditional runs with a null class; diffusers' convention (1 + the official scale:
+    # MS-COCO's 1.0 is 2.0, ImageNet 256's 0.4 is 1.4).
     guidance_scale: float = 2.0
     num_images: int = 64
     seed: int = 0
@@ -204,6 +206,36 @@ class Text2ImageRunConfig(Config):
 
     task: str = "t2i"
     data: Text2ImageDataConfig = field(default_factory=Text2ImageDataConfig)
+
+
+@dataclass(frozen=True)
+class ImageNetDataConfig:
+    """ImageNet for class-conditional training (task "class_cond"; `uvic.data.imagenet`)."""
+
+    # "pixels": the folder holding train/<wnid>/, cropped and resized to image_size (ImageNet 64);
+    # "features": the output of `python -m uvic.data.imagenet` (ImageNet 256 / 512 latents).
+    source: Literal["pixels", "features"] = "pixels"
+    root: str = "data/imagenet"
+    image_size: int = 64
+    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class).
+    num_classes: int = 1000
+    # Pixels only (the features hold each image as is and flipped).
+    random_flip: bool = True
+    # Label dropout to the null class (U-ViT's p_uncond: 0.15 for L, 0.1 for H; 0 for ImageNet 64).
+    p_uncond: float = 0.0
+    # The VAE latent scale of U-ViT's ImageNet autoencoder (0.18215); it becomes `vae.config.scaling_factor`.
+    latent_scale: float = 0.18215
+    # Features only: the autoencoder for sample grids and the exported pipeline (U-ViT's autoencoder_kl.pth or a dir).
+    vae: str = ""
+    num_workers: int = 8
+
+
+@dataclass(frozen=True)
+class ClassCondRunConfig(Config):
+    """A class-conditional ImageNet run (`task: class_cond`): `Config` with the ImageNet data section."""
+
+    task: str = "class_cond"
+    data: ImageNetDataConfig = field(default_factory=ImageNetDataConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,8 +295,9 @@ class LMRunConfig(_RunConfig):
 
 
 # The config class of each task (any other task name uses `Config`).
-CONFIG_CLASSES: dict[str, type] = {"diffusion": Config, "t2i": Text2ImageRunConfig, "lm": LMRunConfig}
-RunConfig = Config | Text2ImageRunConfig | LMRunConfig
+CONFIG_CLASSES: dict[str, type] = {"diffusion": Config, "t2i": Text2ImageRunConfig, "lm": LMRunConfig,
+                                   "class_cond": ClassCondRunConfig}
+RunConfig = Config | Text2ImageRunConfig | LMRunConfig | ClassCondRunConfig
 
 
 def _plain(obj: Any) -> Any:
@@ -440,7 +473,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "diffusion.beta_end": _OPEN_FRACTION,
     # data (images, MS-COCO features, LM tokens)
     "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
-    "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1,
+    "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1, "data.num_classes": _AT_LEAST_1,
     # train
     "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
     "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,

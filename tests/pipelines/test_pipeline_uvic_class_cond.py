@@ -185,20 +185,25 @@ def test_from_official_latent_and_pixel(pipe, tmp_path):
     """Official-format files (bare nnet state dict, LDM autoencoder) load into pipelines with the official settings."""
     from uvic.models.autoencoder import sd_v1_vae_config
 
-    torch.save(pipe.transformer.state_dict(), tmp_path / "imagenet256_uvit_large.pth")
+    torch.save(pipe.transformer.state_dict(), tmp_path / "nnet.pth")
     torch.save(vae_state_to_ldm(pipe.vae.state_dict(), n_levels=2), tmp_path / "autoencoder_kl.pth")
     nnet = {"name": "uvit", **{k: v for k, v in TINY.items() if not k.startswith("attention")}}
-    off = UViCPipeline.from_official("imagenet256_uvit_large", tmp_path / "imagenet256_uvit_large.pth",
-                                     tmp_path / "autoencoder_kl.pth", nnet_config=nnet,
-                                     vae_config={**sd_v1_vae_config(), **VAE_TINY}, attention_backend="torch")
+    kw = {"nnet_config": nnet, "vae_config": {**sd_v1_vae_config(), **VAE_TINY}, "attention_backend": "torch"}
+    off = UViCPipeline.from_official("imagenet256_uvit_huge", tmp_path / "nnet.pth", tmp_path / "autoencoder_kl.pth",
+                                     **kw)
     off.set_progress_bar_config(disable=True)
     assert off.config.default_guidance_scale == pytest.approx(1.4) and off.config.null_class
-    assert off.config.label_dropout == 0.15 and schedule_of(off.scheduler) == "discrete"
+    assert off.config.label_dropout == 0.1 and schedule_of(off.scheduler) == "discrete"
     assert off.vae.config.scaling_factor == pytest.approx(0.18215)
     z = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(4))
     ref = pipe(class_labels=[1, 2], guidance_scale=1.4, latents=z, num_inference_steps=5, output_type="np").images
     got = off(class_labels=[1, 2], latents=z, num_inference_steps=5, output_type="np").images  # default: 1.4
     np.testing.assert_allclose(got, ref, atol=1e-5)
+    # The L latent models were trained and evaluated on the continuous VP-SDE (train_ldm.py / eval_ldm.py).
+    large = UViCPipeline.from_official("imagenet512_uvit_large", tmp_path / "nnet.pth", tmp_path / "autoencoder_kl.pth",
+                                       **kw)
+    assert schedule_of(large.scheduler) == "vpsde" and large.vae is not None and large.config.label_dropout == 0.15
+    assert large.config.default_guidance_scale == pytest.approx(1.7) and large.num_labels == K
 
     # ImageNet 64: pixels, 1000 classes without a null class, the VP-SDE DPM-Solver-fast, no guidance.
     torch.manual_seed(0)

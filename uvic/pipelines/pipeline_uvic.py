@@ -1,7 +1,8 @@
 """`UViCPipeline`: unconditional or class-conditional generation with a U-ViT / U-ViC transformer, in pixels or in
 the latent space of a VAE.
 
-Class-conditional guidance follows U-ViT's `eval_ldm_discrete.py` (ImageNet 256 / 512): the unconditional branch is
+Class-conditional guidance follows U-ViT's `eval_ldm.py` / `eval_ldm_discrete.py` (ImageNet 256 / 512): the
+unconditional branch is
 the null class, the model's last class id (`transformer.config.num_classes - 1`, 1000 of 1001), and guidance acts on
 epsilon before the solver. `guidance_scale` is diffusers' g in eps_u + g (eps_c - eps_u); U-ViT's
 `eps_c + s (eps_c - eps_u)` is g = 1 + s, so its 0.4 (256) is 1.4 and its 0.7 (512) is 1.7; g <= 1 is one model
@@ -41,7 +42,9 @@ def postprocess_images(images: torch.Tensor, output_type: str) -> torch.Tensor |
 
 
 # The released class-conditional U-ViT models (baofff/U-ViT configs/imagenet*_uvit_*.py): the `nnet` section, the
-# forward process, the label dropout (`dataset.p_uncond`) and the guidance (`sample.scale`) of each config.
+# forward process, the label dropout (`dataset.p_uncond`) and the guidance (`sample.scale`) of each config. The
+# README trains and evaluates the L latent models with train_ldm.py / eval_ldm.py (the continuous VP-SDE, as
+# ImageNet 64) and the H ones with train_ldm_discrete.py / eval_ldm_discrete.py (the discrete SD schedule).
 _L = {"embed_dim": 1024, "depth": 20, "num_heads": 16}
 _H = {"embed_dim": 1152, "depth": 28, "num_heads": 16, "conv": False}
 _COMMON = {"name": "uvit", "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False}
@@ -54,13 +57,13 @@ OFFICIAL_IMAGENET: dict[str, dict[str, Any]] = {
                               "schedule": "vpsde", "p_uncond": 0.0, "scale": 0.0},
     "imagenet256_uvit_large": {"nnet": {**_COMMON, "img_size": 32, "patch_size": 2, "in_chans": 4, **_L,
                                         "num_classes": 1001},
-                               "schedule": "discrete", "p_uncond": 0.15, "scale": 0.4},
+                               "schedule": "vpsde", "p_uncond": 0.15, "scale": 0.4},
     "imagenet256_uvit_huge": {"nnet": {**_COMMON, "img_size": 32, "patch_size": 2, "in_chans": 4, **_H,
                                        "num_classes": 1001},
                               "schedule": "discrete", "p_uncond": 0.1, "scale": 0.4},
     "imagenet512_uvit_large": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 4, **_L,
                                         "num_classes": 1001},
-                               "schedule": "discrete", "p_uncond": 0.15, "scale": 0.7},
+                               "schedule": "vpsde", "p_uncond": 0.15, "scale": 0.7},
     "imagenet512_uvit_huge": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 4, **_H,
                                        "num_classes": 1001},
                               "schedule": "discrete", "p_uncond": 0.1, "scale": 0.7},
@@ -146,10 +149,11 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
     ) -> UViCPipeline:
         """A released U-ViT ImageNet model with the official sampler and guidance.
 
-        Sampling settings, as U-ViT's `eval.py` / `eval_ldm_discrete.py` with each config: ImageNet 64 on the
-        continuous VP-SDE with its DPM-Solver-fast (sampler "uvit_dpm_solver", 50 steps, no guidance);
-        ImageNet 256 / 512 on the discrete SD schedule with its DPM-Solver++ ("uvit_dpm_solver", 50 steps), guidance 1 + 0.4 (256) or 1 + 0.7 (512) with the null class 1000, decoded with the VAE at
-        scale 0.18215.
+        Sampling settings, as the U-ViT README evaluates each config (sampler "uvit_dpm_solver", 50 steps):
+        ImageNet 64 (`eval.py`) and the L latent models (`eval_ldm.py`) on the continuous VP-SDE with
+        DPM-Solver-fast, the H latent models (`eval_ldm_discrete.py`) on the discrete SD schedule with
+        DPM-Solver++; the latent models with guidance 1 + 0.4 (256) or 1 + 0.7 (512) and the null class 1000,
+        decoded with the VAE at scale 0.18215; ImageNet 64 without guidance.
 
         Args:
             name: the official config, one of `OFFICIAL_IMAGENET` (e.g. "imagenet256_uvit_huge").
@@ -171,7 +175,7 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
         if name not in OFFICIAL_IMAGENET:
             raise ValueError(f"unknown official ImageNet config {name!r}; expected one of {sorted(OFFICIAL_IMAGENET)}")
         spec = OFFICIAL_IMAGENET[name]
-        latent = spec["schedule"] == "discrete"
+        latent = spec["nnet"]["in_chans"] == 4  # SD-VAE latents (256 / 512), else pixels (64)
         if latent and autoencoder_path is None:
             raise ValueError(f"{name} is a latent model: pass autoencoder_path (U-ViT's autoencoder_kl.pth)")
         if not latent and autoencoder_path is not None:
@@ -181,7 +185,7 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
         vae = load_ldm_autoencoder(autoencoder_path, scaling_factor=LATENT_SCALE, config=vae_config) if latent else None
         # U-ViT's samplers: the SD scaled_linear betas (discrete), or the VP-SDE beta 0.1 -> 20 with time 999 t.
         process = (DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
-                                   beta_end=0.012) if latent else DiffusionConfig(schedule="vpsde"))
+                                   beta_end=0.012) if spec["schedule"] == "discrete" else DiffusionConfig(schedule="vpsde"))
         scheduler = build_scheduler("uvit_dpm_solver", process)
         return cls(transformer=transformer, scheduler=scheduler, vae=vae, null_class=latent,
                    label_dropout=spec["p_uncond"], class_counts=class_counts,

@@ -3,7 +3,8 @@
 Image i is generated from `torch.Generator("cpu").manual_seed(seed + i)` (EDM2's one-generator-per-seed rule),
 so an image does not depend on batch size or process count. The same code serves the three kinds of condition:
 - unconditional `UViCPipeline`s: nothing;
-- class-conditional `UViCPipeline`s: `class_labels` (the folder writer defaults to the balanced i % num_classes);
+- class-conditional `UViCPipeline`s: `class_labels` (the folder writer defaults to the balanced i % num_labels;
+  `random_class_labels` draws U-ViT's FID labels), and `guidance_scale` with a null class;
 - `UViCText2ImagePipeline`s: `prompts` or `prompt_embeds` (+ `negative_prompt_embeds`, `guidance_scale`).
 
 Pixels are quantised as `torchvision.utils.save_image` does (U-ViT's `sample2dir`): uint8(255 x + 0.5), clipped.
@@ -39,6 +40,7 @@ __all__ = [
     "PIPELINE_CLASSES",
     "attach_text_encoder",
     "balanced_class_labels",
+    "random_class_labels",
     "check_grid_size",
     "check_output",
     "generate",
@@ -110,9 +112,33 @@ def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> Di
 
 
 def balanced_class_labels(pipe: DiffusionPipeline, indices: Sequence[int]) -> list[int] | None:
-    """Class i % num_classes for image i (a balanced set) for a class-conditional transformer, else None."""
-    k = getattr(pipe.transformer.config, "num_classes", None)
-    return [i % k for i in indices] if k is not None and k > 0 else None
+    """Class i % K for image i (a balanced set; K = `pipe.num_labels`, no null class) for a class-conditional
+    `UViCPipeline`, else None."""
+    k = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
+    return [i % k for i in indices] if k > 0 else None
+
+
+def random_class_labels(pipe: UViCPipeline, num_images: int, seed: int = 0) -> list[int]:
+    """U-ViT's FID labels (`dataset.sample_label`) for images 0..num_images-1, drawn at once from `seed`, so image
+    i gets the same label whatever the process count: uniform over the classes for a latent model (ImageNet 256 /
+    512), in training-class proportions (`pipe.config.class_counts`) for a pixel model (ImageNet 64).
+
+    Raises:
+        ValueError: the pipeline is not class-conditional, or a pixel model has no `class_counts`.
+    """
+    k = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
+    if k <= 0:
+        raise ValueError("random class labels need a class-conditional pipeline")
+    gen = torch.Generator().manual_seed(seed)
+    counts = pipe.config.class_counts
+    if counts is not None:
+        return torch.multinomial(torch.tensor(counts, dtype=torch.float64), num_images, replacement=True,
+                                 generator=gen).tolist()
+    if pipe.vae is None:
+        raise ValueError("random labels of a pixel model follow the training-class frequencies (U-ViT ImageNet 64), "
+                         "and this pipeline has no class_counts; pass explicit labels or build the pipeline with "
+                         "class_counts=ImageNet(root).class_counts()")
+    return torch.randint(0, k, (num_images,), generator=gen).tolist()
 
 
 def generate(
@@ -125,7 +151,7 @@ def generate(
     prompts: Sequence[str] | None = None,
     prompt_embeds: torch.Tensor | None = None,
     negative_prompt_embeds: torch.Tensor | None = None,
-    guidance_scale: float = 2.0,
+    guidance_scale: float | None = None,
     progress: bool | tqdm = False,
 ) -> np.ndarray:
     """Images for `seeds`, one generator per image, in batches of `batch_size`.
@@ -139,7 +165,8 @@ def generate(
         prompts: N captions, text-to-image only (needs the pipeline's text encoder).
         prompt_embeds: (N, L, D) caption features instead of `prompts`.
         negative_prompt_embeds: (L, D) or (1, L, D) unconditional features (default: the empty caption encoded).
-        guidance_scale: text-to-image guidance in diffusers' convention (1 + the official scale).
+        guidance_scale: guidance in diffusers' convention (1 + the official scale), for text-to-image and
+            class-conditional pipelines; None: the pipeline's default.
         progress: True shows a bar on stderr (images done / total, images/s, ETA); a `tqdm` bar is advanced
             instead (the folder writer's, which counts the whole job).
     Returns:
@@ -169,9 +196,11 @@ def generate(
             chunk = list(seeds[k : k + batch_size])
             kwargs: dict[str, Any] = {name: v[k : k + batch_size] for name, v in per_image.items() if v is not None}
             if text:
-                kwargs.update(negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale)
+                kwargs.update(negative_prompt_embeds=negative_prompt_embeds)
             else:
                 kwargs.update(batch_size=len(chunk))
+            if guidance_scale is not None:
+                kwargs.update(guidance_scale=guidance_scale)
             gens = [torch.Generator("cpu").manual_seed(int(s)) for s in chunk]
             images = pipe(**kwargs, num_inference_steps=num_inference_steps, generator=gens, output_type="np").images
             out.append(to_uint8(images))
@@ -197,7 +226,7 @@ def sample_to_folder(
     prompts: Sequence[str] | None = None,
     prompt_embeds: Any = None,
     negative_prompt_embeds: torch.Tensor | None = None,
-    guidance_scale: float = 2.0,
+    guidance_scale: float | None = None,
     process_index: int = 0,
     num_processes: int = 1,
     progress: bool = False,

@@ -7,6 +7,7 @@ a model into the pipeline that samples it, and writes task-specific artefacts (s
     diffusion   `DiffusionTask`   images with a `UViTModel` (unconditional / class-conditional)
     t2i         `Text2ImageTask`  MS-COCO text-to-image on extracted VAE / CLIP features
     lm          `LMTask`          Cogformer language modelling
+    class_cond  `ClassConditionalTask`  ImageNet class-conditional, pixels (64) or VAE features (256 / 512)
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from uvic.training.rng import ShardedRNG
+from uvic.training.tasks.class_cond import ClassConditionalTask
 from uvic.training.tasks.diffusion import DiffusionTask
 from uvic.training.tasks.lm import LMTask
 from uvic.training.tasks.text2image import Text2ImageTask
 
 
-__all__ = ["TASKS", "DiffusionTask", "LMTask", "Task", "Text2ImageTask", "build_task", "register_task"]
+__all__ = ["TASKS", "ClassConditionalTask", "DiffusionTask", "LMTask", "Task", "Text2ImageTask", "build_task", "register_task"]
 
 
 class Task(Protocol):
@@ -61,6 +63,7 @@ TASKS: dict[str, Callable[[Any], Task]] = {
     "diffusion": DiffusionTask,
     "t2i": Text2ImageTask,
     "lm": LMTask,
+    "class_cond": ClassConditionalTask,
 }
 
 
