@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from uvic.data.images import check_image, read_cifar10_batches
+from uvic.data.images import check_image, find_images, read_cifar10_batches, read_rgb
 from uvic.errors import DataError
 from uvic.io import read_npz
 from uvic.io import to_uint8 as _quantize
@@ -31,7 +31,6 @@ from uvic.io import to_uint8 as _quantize
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
 LOSSY_EXTENSIONS = (".jpg", ".jpeg", ".webp")
 ValueRange = tuple[float, float]
 Batch = Union[torch.Tensor, np.ndarray]
@@ -57,13 +56,9 @@ def to_uint8(images: Batch, value_range: ValueRange = (0.0, 1.0)) -> torch.Tenso
     return _quantize(x, value_range).contiguous()
 
 
-def _natural_key(path: Path) -> tuple:
-    # U-ViT writes {idx}.png: order 2.png before 10.png so a folder matches the generation order.
-    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", path.name) if t)
-
-
 class ImageFolder(Dataset):
-    """Images in a folder (U-ViT's ``{idx}.png`` sample dirs), in natural sort order.
+    """Images in a folder (U-ViT's ``{idx}.png`` sample dirs), in natural sort order (`uvic.data.images.find_images`,
+    the reader training uses too).
 
     All images must have one size and exactly 3 channels (RGB); the first offending file is named.
 
@@ -74,13 +69,7 @@ class ImageFolder(Dataset):
 
     def __init__(self, root: str | os.PathLike, *, recursive: bool = False) -> None:
         self.root = Path(root)
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"image folder {str(self.root)!r} does not exist")
-        pattern = "**/*" if recursive else "*"
-        files = [p for p in self.root.glob(pattern) if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
-        if not files:
-            raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {str(self.root)!r}")
-        self.files = sorted(files, key=lambda p: (p.parent.as_posix(), _natural_key(p)))
+        self.files = find_images(self.root, recursive=recursive)
         self.name = str(self.root)
         self._check()
 
@@ -92,7 +81,7 @@ class ImageFolder(Dataset):
         first = None
         for p in self.files:  # The header, and for PNG the chunks to the end: a truncated file fails here.
             if (why := check_image(p)) is not None:
-                raise DataError(f"image {str(p)!r} is not a readable image ({why}); nothing was computed")
+                raise DataError(f"{p} is not a readable image ({why}); nothing was computed")
             with Image.open(p) as im:
                 size, mode = im.size, im.mode
             if mode != "RGB":
@@ -109,11 +98,7 @@ class ImageFolder(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """(3, H, W) uint8."""
-        try:
-            with Image.open(self.files[i]) as im:
-                return torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
-        except (OSError, SyntaxError, ValueError) as e:  # damaged since the check
-            raise DataError(f"image {str(self.files[i])!r} is not a readable image ({type(e).__name__}: {e})") from e
+        return torch.from_numpy(np.array(read_rgb(self.files[i]))).permute(2, 0, 1)
 
 
 class ImageArray(Dataset):

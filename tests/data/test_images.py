@@ -1,4 +1,4 @@
-"""Image folders with files that are not readable images."""
+"""Image folders: files that are not readable images, and one reader shared with the FID harness."""
 
 import io
 
@@ -67,3 +67,17 @@ def test_a_file_damaged_after_the_check_is_named_when_read(folder):
     (folder / "3.png").write_bytes(b"\x89PNG\r\n")
     with pytest.raises(DataError, match=rf"^{folder / '3.png'} is not a readable image"):
         ds[3]
+
+
+def test_training_and_fid_read_a_folder_alike(tmp_path):
+    from uvic.fid import ImageFolder as FIDImageFolder
+
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(12):  # 2.png before 10.png: U-ViT's sample order
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    train_ds, fid_ds = ImageFolder(folder, 8), FIDImageFolder(folder)
+    assert [p.name for p in train_ds.paths] == [p.name for p in fid_ds.files] == [f"{i}.png" for i in range(12)]
+    for i in range(12):  # the same pixels: uint8 for FID, ToTensor + Normalize(0.5, 0.5) for training
+        torch.testing.assert_close(train_ds[i]["x"], fid_ds[i].float() / 127.5 - 1)

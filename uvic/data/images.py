@@ -8,6 +8,7 @@ so that they resume exactly and do not depend on data-loader workers.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _CIFAR_DIR = "cifar-10-batches-py"
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
+IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
 
 
 def _to_model_range(images_uint8: np.ndarray) -> torch.Tensor:
@@ -119,15 +120,52 @@ def _download_cifar10(root: Path) -> None:
         ) from e
 
 
+def _natural_key(path: Path) -> tuple:
+    # U-ViT writes {idx}.png: order 2.png before 10.png so a folder matches the generation order.
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", path.name) if t)
+
+
+def find_images(root: str | Path, *, recursive: bool = True) -> list[Path]:
+    """The image files (`IMAGE_EXTENSIONS`, any case) in `root`, and in its sub-folders when `recursive`, sorted by
+    folder and then in natural name order (`2.png` before `10.png`, the order of U-ViT's `{idx}.png` samples).
+
+    Raises:
+        FileNotFoundError: `root` is not a folder, or holds no image files.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder not found: {root}")
+    files = [p for p in (root.rglob("*") if recursive else root.iterdir())
+             if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]  # fmt: skip
+    if not files:
+        raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) {'under' if recursive else 'in'} {root}")
+    return sorted(files, key=lambda p: (p.parent.as_posix(), _natural_key(p)))
+
+
+def read_rgb(path: str | Path) -> Any:
+    """The image file at `path` decoded as an RGB `PIL.Image` (loaded into memory).
+
+    Raises:
+        DataError: the file cannot be decoded (damaged since `check_image` passed, or damage only a decode finds).
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"{path} is not a readable image ({type(e).__name__}: {' '.join(str(e).split())})") from e
+
+
 class ImageFolder(Dataset):
-    """Every image under `root` (recursively, sorted by path), center-cropped to a square and resized.
+    """Every image under `root` (`find_images`: recursive, natural order), center-cropped to a square and resized.
 
     Every file is checked when the dataset is built (`check_image`: the header, and for PNG the chunk checksums
     through to the end of the file), so a non-image or a truncated file is reported by name before training starts
     rather than when it comes up mid-run.
 
     Args:
-        root: folder of .png / .jpg / .jpeg / .bmp / .webp files.
+        root: folder of image files (`IMAGE_EXTENSIONS`).
         image_size: output side H = W.
         skip_bad: leave unreadable files out (each is logged) instead of raising.
     Raises:
@@ -139,11 +177,7 @@ class ImageFolder(Dataset):
         from torchvision import transforms
 
         root = Path(root)
-        if not root.is_dir():
-            raise FileNotFoundError(f"image folder not found: {root}")
-        paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file())
-        if not paths:
-            raise FileNotFoundError(f"no images ({sorted(_IMAGE_SUFFIXES)}) under {root}")
+        paths = find_images(root, recursive=True)
         bad = [(p, why) for p in paths if (why := check_image(p)) is not None]
         if bad and not skip_bad:
             (first, why), more = bad[0], len(bad) - 1
@@ -167,14 +201,7 @@ class ImageFolder(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        from PIL import Image
-
-        try:
-            with Image.open(self.paths[i]) as img:
-                x = self.transform(img.convert("RGB"))
-        except (OSError, SyntaxError, ValueError) as e:  # changed since the check, or damage only a decode finds
-            raise DataError(f"{self.paths[i]} is not a readable image ({type(e).__name__}: {e})") from e
-        return {"x": x, "label": torch.tensor(-1)}
+        return {"x": self.transform(read_rgb(self.paths[i])), "label": torch.tensor(-1)}
 
 
 def check_image(path: str | Path) -> str | None:
