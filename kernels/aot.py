@@ -6,7 +6,8 @@ triton is then run with `-v` on that PTX, with the flags triton itself uses, to 
 shared memory is triton's `metadata.shared`.
 
 Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`) is compiled with the mask
-variant that has the most code (causal + key padding mask), in Cog mode and in softmax mode.
+variants that have the most code: causal + key padding mask, and sliding window + softcap + key padding mask, in
+Cog mode and in softmax mode.
 
 `--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
 candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
@@ -68,6 +69,8 @@ class Spec:
     has_kpm: bool = True
     dot_prec: str | None = None  # None: what the launcher uses for this dtype on a GPU
     sign_ptx: bool | None = None  # forward only; None: what the launcher uses (`configs.forward_sign_ptx`)
+    window: bool = False  # the sliding-window variant (WINDOW; the launcher then passes CAUSAL=False)
+    softcap: bool = False  # the softcapped variant (SOFTCAP)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ def all_specs(
                             continue
                         for cog in modes:
                             specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog))
+                            specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=False, window=True,
+                                              softcap=True))  # fmt: skip
     return specs
 
 
@@ -114,7 +119,8 @@ def _signature(spec: Spec, arg_names: list[str]) -> tuple[dict, dict, dict]:
     consts = {"HEAD_DIM": spec.head_dim, "BLOCK_M": spec.config.block_m, "BLOCK_N": spec.config.block_n}
     if spec.kernel != "bwd_pre":
         consts.update(CAUSAL=spec.causal, HAS_KPM=spec.has_kpm, COG=spec.cog,
-                      DOT_PREC=spec.dot_prec or gpu_dot_precision(spec.dtype))  # fmt: skip
+                      DOT_PREC=spec.dot_prec or gpu_dot_precision(spec.dtype), WINDOW=spec.window,
+                      SOFTCAP=spec.softcap)  # fmt: skip
     if spec.kernel == "fwd":
         consts["SIGN_PTX"] = forward_sign_ptx(spec.arch, spec.dtype) if spec.sign_ptx is None else spec.sign_ptx
     sig, attrs = {}, {}
@@ -130,13 +136,13 @@ def _signature(spec: Spec, arg_names: list[str]) -> tuple[dict, dict, dict]:
             sig[name], attrs[(i,)] = "*i8", [["tt.divisibility", 16]]
         elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):  # tensors in the input dtype
             sig[name], attrs[(i,)] = ptr, [["tt.divisibility", 16]]
-        elif name == "sm_scale":
+        elif name in ("sm_scale", "softcap"):
             sig[name] = "fp32"
         elif name.startswith("stride_") and name != "stride_kpmb":  # (b, h, m) strides of (B, nh, L, hd), hd >= 16
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
         elif name == "L_BUCKET":
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
-        else:  # NH, LQ, LK, stride_kpmb: any value
+        else:  # NH, LQ, LK, stride_kpmb, WIN_LO, WIN_HI: any value
             sig[name] = "i32"
     return sig, consts, attrs
 
@@ -317,7 +323,8 @@ def sass_mix(spec: Spec) -> SassMix:
 
 
 def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=(64, 128), kernels=tuple(SASS_RATIO_TARGET),
-               causal: bool = False, has_kpm: bool = False, sign_ptx: bool | None = None) -> list[Spec]:  # fmt: skip
+               causal: bool = False, has_kpm: bool = False, sign_ptx: bool | None = None, window: bool = False,
+               softcap: bool = False) -> list[Spec]:  # fmt: skip
     """(Cog, softmax) spec pairs, flattened, for the config each kernel's candidate list ranks first. `sign_ptx`
     (forward only): False compiles the clamp form of the sign step where the launcher would use the PTX form."""
     specs = []
@@ -327,8 +334,9 @@ def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=(64, 128), kernel
                 for kernel in kernels:
                     c = candidate_configs(kernel, arch, dtype, hd)[0]
                     for cog in (True, False):
-                        specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=causal, has_kpm=has_kpm,
-                                          sign_ptx=sign_ptx if kernel == "fwd" else None))  # fmt: skip
+                        specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=causal and not window,
+                                          has_kpm=has_kpm, sign_ptx=sign_ptx if kernel == "fwd" else None,
+                                          window=window, softcap=softcap))  # fmt: skip
     return specs
 
 
@@ -342,7 +350,7 @@ def sass_mix_all(specs: list[Spec], workers: int = 1) -> list[SassMix]:
 def sass_pairs(mixes: list[SassMix]) -> list[tuple[SassMix, SassMix]]:
     """Pair each Cog-mode kernel with the softmax-mode kernel of the same spec otherwise."""
     by_key = {(m.spec.kernel, m.spec.arch, m.spec.dtype, m.spec.head_dim, m.spec.config, m.spec.causal,
-               m.spec.has_kpm, m.spec.cog): m for m in mixes}  # fmt: skip
+               m.spec.has_kpm, m.spec.window, m.spec.softcap, m.spec.cog): m for m in mixes}  # fmt: skip
     return [(m, by_key[k[:-1] + (False,)]) for k, m in by_key.items() if k[-1] and k[:-1] + (False,) in by_key]
 
 
@@ -376,14 +384,14 @@ def format_sass_mix(pairs: list[tuple[SassMix, SassMix]]) -> str:
 
 def format_report(results: list[Result]) -> str:
     """A fixed-width table: one line per compiled kernel, flagged when it spills or exceeds shared memory."""
-    lines = [f"{'arch':<6}{'dtype':<6}{'hd':>4} {'kernel':<9}{'mode':<8}{'config':<20}{'regs':>5}"
+    lines = [f"{'arch':<6}{'dtype':<6}{'hd':>4} {'kernel':<9}{'mode':<17}{'config':<20}{'regs':>5}"
              f"{'spill st/ld':>13}{'smem KB':>9}{'limit':>7}  flag"]  # fmt: skip
     for r in results:
         s = r.spec
-        mode = "-" if s.kernel == "bwd_pre" else ("cog" if s.cog else "softmax")
+        mode = "-" if s.kernel == "bwd_pre" else ("cog" if s.cog else "softmax") + ("+win+cap" if s.window else "")
         flag = ("SPILL " if r.spills else "") + ("SMEM" if not r.smem_ok else "")
         lines.append(
-            f"sm_{s.arch:<3}{s.dtype:<6}{s.head_dim:>4} {s.kernel:<9}{mode:<8}{str(s.config):<20}{r.registers:>5}"
+            f"sm_{s.arch:<3}{s.dtype:<6}{s.head_dim:>4} {s.kernel:<9}{mode:<17}{str(s.config):<20}{r.registers:>5}"
             f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared / 1024:>9.1f}{SMEM_LIMIT[s.arch] // 1024:>7}  {flag}"
         )
     return "\n".join(lines)
@@ -404,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                              "is missed")  # fmt: skip
     parser.add_argument("--causal", action="store_true", help="--sass-mix: compile the causal variant")
     parser.add_argument("--key-padding-mask", action="store_true", help="--sass-mix: compile with a key padding mask")
+    parser.add_argument("--window", action="store_true", help="--sass-mix: compile the sliding-window variant")
+    parser.add_argument("--softcap", action="store_true", help="--sass-mix: compile the softcapped variant")
     parser.add_argument("--sign-clamp", action="store_true",
                         help="--sass-mix: compile the forward's sign step as the clamp (what the sm_80 table runs) "
                              "instead of min.xorsign.abs")  # fmt: skip
@@ -435,11 +445,13 @@ def _main_sass_mix(args: argparse.Namespace) -> int:
     kernels = [k for k in (args.kernel or SASS_RATIO_TARGET) if k != "bwd_pre"]
     specs = sass_specs(archs=args.arch or (90,), dtypes=args.dtype or ("bf16", "fp16"),
                        head_dims=args.head_dim or (64, 128), kernels=kernels, causal=args.causal,
-                       has_kpm=args.key_padding_mask, sign_ptx=False if args.sign_clamp else None)  # fmt: skip
+                       has_kpm=args.key_padding_mask, sign_ptx=False if args.sign_clamp else None,
+                       window=args.window, softcap=args.softcap)  # fmt: skip
     mixes = sass_mix_all(specs, workers=args.workers)
     pairs = sass_pairs(mixes)
-    logger.info("SASS instruction counts, cog/softmax (causal=%s, key_padding_mask=%s, forward sign step: %s):\n%s",
-                args.causal, args.key_padding_mask, "clamp" if args.sign_clamp else "as launched",
+    logger.info("SASS instruction counts, cog/softmax (causal=%s, key_padding_mask=%s, window=%s, softcap=%s, "
+                "forward sign step: %s):\n%s", args.causal, args.key_padding_mask, args.window, args.softcap,
+                "clamp" if args.sign_clamp else "as launched",
                 format_sass_mix(pairs))  # fmt: skip
     bad = sass_target_failures(pairs)
     logger.info("targets: total cog/softmax <= %s, %s counts equal; %d misses%s", SASS_RATIO_TARGET,

@@ -23,11 +23,17 @@ Supported envelope (enforced by `uvic.attention.unsupported_reason`):
       causal is bottom-right aligned (key j is masked for query i when j > i + Lk - Lq, as FlashAttention-2);
       key_padding_mask (B, Lk) bool, True = keep. The k and v rows of removed keys are never read (a NaN or Inf
       stored there reaches no output or gradient; their dK/dV are 0), unlike SDPA's additive-mask behaviour.
+    - sliding windows (left, right) with the same alignment (FlashAttention's window_size, -1 = unbounded side):
+      the WINDOW specialization; tiles outside the band are skipped by the loop bounds of all three kernels.
+    - logit softcaps p' = c tanh(p / c) (Gemma 2), applied before Cog's sign and magnitude, with the gradient
+      factor 1 - tanh^2: the SOFTCAP specialization. Calls without a window or softcap compile the kernels of
+      before (docs/kernel_math.md, "Sliding windows and softcaps").
     - any finite scale (a negative scale flips the signs of p, as in the reference; for Cog the launcher passes
       -q and |scale|, or q = 0 for scale 0, since the kernels take sign(p) from the bits of q.k).
 Known differences from `uvic.attention.attention_ref`:
     - rounding: P and dS are cast to the input dtype before their matmuls (as every flash kernel); fp32 math
-      elsewhere; the exp2 argument |q.k| * scale * log2(e) - m is one fused multiply-add. Errors are within 2x those
+      elsewhere; the exp2 argument |q.k| * scale * log2(e) - m is one fused multiply-add. A softcap's tanh is
+      1 - 2 / (exp2(2x log2 e) + 1) in fp32 (a few ulp of 1). Errors are within 2x those
       of computing the reference in the input dtype, plus one rounding of the largest value for 16-bit inputs
       (tests/kernels/interpret_numerics.py).
     - a row with no kept key gives O = 0, LSE = -inf and zero gradients, like the reference (which zeroes such
@@ -140,10 +146,27 @@ def _load_kv(
 
 
 @triton.jit
-def _scores(qk, scale2, COG: tl.constexpr):
+def _tanh_nonneg(x):
+    """tanh(x) for x >= 0 in fp32, as 1 - 2 / (exp2(2 x log2(e)) + 1): one MUFU.EX2 and one reciprocal; exp2
+    overflowing to +inf gives exactly 1. Absolute error a few ulp of 1 (the softcap's score c * tanh is then off
+    by a few ulp of c, as c * tanh(p / c) computed in fp32 is)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _scores(qk, scale2, cap_in, cap_out, COG: tl.constexpr, SOFTCAP: tl.constexpr):
     """The score the softmax sees, before scaling for Cog: |q.k| (the kernels apply scale2 > 0 inside the exp2
-    argument's FMA, so the rounded product p = scale2 * q.k is never formed), scale2 * q.k for softmax."""
-    if COG:
+    argument's FMA, so the rounded product p = scale2 * q.k is never formed), scale2 * q.k for softmax.
+
+    SOFTCAP: the capped score in base 2, c log2(e) tanh(p / c) = cap_out * tanh(q.k * cap_in), of |q.k| for Cog
+    (|p'| = c tanh(|p| / c)), signed for softmax; the exp2 argument is then s - m for both modes."""
+    if SOFTCAP:
+        t = _tanh_nonneg(tl.abs(qk) * cap_in)
+        if COG:
+            s = t * cap_out
+        else:
+            s = tl.where(qk < 0.0, -t, t) * cap_out
+    elif COG:
         s = tl.abs(qk)
     else:
         s = qk * scale2
@@ -151,12 +174,25 @@ def _scores(qk, scale2, COG: tl.constexpr):
 
 
 @triton.jit
-def _exp2_arg(s, scale2, m, COG: tl.constexpr):
-    """The exponent s - m of a weight in base 2: one FMA for Cog (|q.k| * scale2 - m), one add for softmax."""
-    if COG:
+def _exp2_arg(s, scale2, m, COG: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The exponent s - m of a weight in base 2: one FMA for Cog (|q.k| * scale2 - m), one add for softmax and
+    for softcapped scores (already in base 2)."""
+    if COG and not SOFTCAP:
         return s * scale2 - m
     else:
         return s - m
+
+
+@triton.jit
+def _softcap_grad(ds, s, cap_out, SOFTCAP: tl.constexpr):
+    """dL/dp from dL/dp' through p' = c tanh(p / c): times 1 - tanh^2 = 1 - (s / cap_out)^2, s the base-2 capped
+    score of `_scores` (for Cog its magnitude, which has the same square). Identity without SOFTCAP."""
+    if SOFTCAP:
+        # clamped to [-1, 1] (exact for tanh): masked entries have s = -inf and ds = 0, and must give 0, not NaN
+        t = tl.minimum(tl.maximum(s / cap_out, -1.0), 1.0)
+        return ds * (1.0 - t * t)
+    else:
+        return ds
 
 
 @triton.jit
@@ -236,11 +272,27 @@ def _dscore(a, w, g, dlt, COG: tl.constexpr):
 
 
 @triton.jit
+def _softcap_factors(sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """(cap_in, cap_out) = (scale / c, c log2(e)) of a softcap c: the capped base-2 score is
+    cap_out * tanh(q.k * cap_in) (`_scores`). (0, 0) without SOFTCAP (unused)."""
+    if SOFTCAP:
+        return sm_scale / softcap, softcap * LOG2E
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
+def _band_keep(rows, cols, lo_off, hi_off):
+    """(rows, cols) bool of a sliding window: key j kept for query i when i + lo_off <= j <= i + hi_off."""
+    return (cols[None, :] >= rows[:, None] + lo_off) & (cols[None, :] <= rows[:, None] + hi_off)
+
+
+@triton.jit
 def _score_tile(
     q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, cols, offs_d, LK, diag, scale2,
+    offs_m, cols, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
-    ZERO_MASKS: tl.constexpr,
+    ZERO_MASKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One (query block x key block) tile of the query-major kernels (forward and dQ): the k and v rows, q.k
     (BLOCK_M, BLOCK_N) and the masked score (`_scores`, -inf where the entry is masked).
@@ -251,16 +303,20 @@ def _score_tile(
     k, v, kpm_keep = _load_kv(k_base, v_base, kpm_base, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
                               LK, MASK, HAS_KPM)  # fmt: skip
     qk = _dot(q, tl.trans(k), DOT_PREC)
-    s = _scores(qk, scale2, COG)
+    s = _scores(qk, scale2, cap_in, cap_out, COG, SOFTCAP)
     # Masked keys become -inf AFTER the abs (an additive -1e6 before it would become the largest |p|).
     if ZERO_MASKS:  # keys past LK or removed by the key padding mask have zero k rows: q.k = 0, weight 0
         if MASK and CAUSAL:
             s = tl.where(cols[None, :] <= offs_m[:, None] + diag, s, float("-inf"))
+        if MASK and WINDOW:
+            s = tl.where(_band_keep(offs_m, cols, lo_off, hi_off), s, float("-inf"))
     else:
         if MASK:
             keep = cols[None, :] < LK
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            if WINDOW:
+                keep = keep & _band_keep(offs_m, cols, lo_off, hi_off)
             s = tl.where(keep, s, float("-inf"))
         if HAS_KPM:
             s = tl.where(kpm_keep[None, :], s, float("-inf"))
@@ -283,17 +339,37 @@ def _key_range(start_m, LK, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _window_key_range(start_m, LK, lo_off, hi_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys query block `start_m` visits under a sliding window (rows i keep i + lo_off <= j <= i + hi_off):
+    [lo, a) and [b, hi) with the mask, [a, b) without; key blocks outside [lo, hi) are skipped (no row sees them).
+    lo, a and b are multiples of BLOCK_N (or equal to hi)."""
+    row0 = start_m * BLOCK_M
+    full_lk = (LK // BLOCK_N) * BLOCK_N
+    lo = tl.minimum((tl.maximum(row0 + lo_off, 0) // BLOCK_N) * BLOCK_N, LK)
+    hi = tl.maximum(tl.minimum(tl.maximum(row0 + BLOCK_M + hi_off, 0), LK), lo)
+    # A key block needs no mask when every row of the block keeps every key of it (and it ends before LK).
+    full_lo = tl.cdiv(tl.maximum(row0 + BLOCK_M - 1 + lo_off, 0), BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum((tl.maximum(row0 + hi_off + 1, 0) // BLOCK_N) * BLOCK_N, full_lk)
+    a = tl.minimum(tl.maximum(full_lo, lo), hi)
+    b = tl.maximum(a, tl.minimum(full_hi, hi))
+    return lo, a, b, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2,
+    offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr,
+    COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                  offs_m, start_n + offs_n, offs_d, LK, diag, scale2,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False)  # fmt: skip
-        if COG:
+                                  offs_m, start_n + offs_n, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False, WINDOW, SOFTCAP)  # fmt: skip
+        if COG and SOFTCAP:  # s is the capped |p| in base 2 already (`_scores`), >= 0
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        elif COG:
             # The max of |p| = scale2 * max |q.k| (scale2 > 0; rounding is monotone, so this is the max of the
             # rounded products). It starts at 0 or _M_FLOOR and |p| >= 0: always finite, no -inf - -inf.
             m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
@@ -302,7 +378,7 @@ def _fwd_inner(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
-        w = tl.math.exp2(_exp2_arg(s, scale2, m_use[:, None], COG))
+        w = tl.math.exp2(_exp2_arg(s, scale2, m_use[:, None], COG, SOFTCAP))
         l_i = l_i * alpha + tl.sum(w, 1)  # the denominator sums the UNSIGNED weights
         acc = acc * alpha[:, None] + _dot(_signed_operand(w, qk, v.dtype, COG, DOT_PREC, SIGN_PTX), v, DOT_PREC)
         m_i = m_new
@@ -315,12 +391,15 @@ def _attn_fwd(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_kpmb, NH, LQ, LK, L_BUCKET,
+    stride_kpmb, NH, LQ, LK, L_BUCKET, WIN_LO, WIN_HI, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. O, LSE are contiguous.
-    SIGN_PTX: apply Cog's sign with `min.xorsign.abs` (`_signed_operand`)."""
+    SIGN_PTX: apply Cog's sign with `min.xorsign.abs` (`_signed_operand`). WINDOW (then CAUSAL is False): keys
+    i + WIN_LO <= j <= i + WIN_HI only, and key blocks outside that band are skipped. SOFTCAP: scores capped to
+    softcap * tanh(p / softcap). WIN_LO, WIN_HI and softcap are unused without them."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     off_b = (bh // NH).to(tl.int64)
@@ -337,6 +416,7 @@ def _attn_fwd(
 
     scale2 = sm_scale * LOG2E
     diag = LK - LQ  # causal: key j is kept for query i when j <= i + diag
+    cap_in, cap_out = _softcap_factors(sm_scale, softcap, SOFTCAP)
     if COG:
         # max of |p| >= 0; l_i must then start at 0 (not 1). bf16 and fp32 start at _M_FLOOR (`_signed_operand`)
         if V.dtype.element_ty == tl.float16:
@@ -348,16 +428,30 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    if WINDOW:  # [lo, a) masked (left edge of the band), [a, b) unmasked, [b, hi) masked (right edge, ragged end)
+        lo, a, b, hi = _window_key_range(start_m, LK, WIN_LO, WIN_HI, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, lo, a, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+            BLOCK_N, True, False, HAS_KPM, COG, DOT_PREC, SIGN_PTX, True, SOFTCAP,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, a, b, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+            BLOCK_N, False, False, HAS_KPM, COG, DOT_PREC, SIGN_PTX, True, SOFTCAP,
+        )  # fmt: skip
+        full_hi = b
+    else:
+        full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+            BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX, False, SOFTCAP,
+        )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
-        BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2,
-        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX,
+        offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX, WINDOW, SOFTCAP,
     )  # fmt: skip
 
     # Rows with no kept key: l_i == 0, acc == 0 -> O = 0 and LSE = -inf (backward turns it into weight 0).
@@ -395,9 +489,9 @@ def _attn_bwd_pre(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
-    offs_m, offs_n, offs_d, lo, hi, LQ, diag, scale2,
+    offs_m, offs_n, offs_d, lo, hi, LQ, diag, scale2, lo_off, hi_off, cap_in, cap_out,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Transposed tiles (keys x queries) as in the tutorial: dV += A^T dO, dK += dS^T q (scaled by the caller)."""
     for start_m in tl.range(lo, hi, BLOCK_M):
@@ -417,23 +511,28 @@ def _bwd_dkdv_inner(
             dlt = tl.load(delta_base + rows)
         m = tl.where(m == float("-inf"), 0.0, m)  # empty rows: every score is -inf, so every weight is 0
         qkT = _dot(k, tl.trans(q), DOT_PREC)  # (BLOCK_N, BLOCK_M)
-        sT = _scores(qkT, scale2, COG)
+        sT = _scores(qkT, scale2, cap_in, cap_out, COG, SOFTCAP)
         if COG:  # as `_score_tile` with ZERO_MASKS: rows past LQ and removed keys have q.k = 0, so weight 0
             if MASK and CAUSAL:
                 sT = tl.where(offs_n[:, None] <= rows[None, :] + diag, sT, float("-inf"))
+            if MASK and WINDOW:
+                in_band = (offs_n[:, None] >= rows[None, :] + lo_off) & (offs_n[:, None] <= rows[None, :] + hi_off)
+                sT = tl.where(in_band, sT, float("-inf"))
         else:
             if MASK:
                 keep = rows[None, :] < LQ
                 if CAUSAL:
                     keep = keep & (offs_n[:, None] <= rows[None, :] + diag)
+                if WINDOW:
+                    keep = keep & (offs_n[:, None] >= rows[None, :] + lo_off) & (offs_n[:, None] <= rows[None, :] + hi_off)
                 sT = tl.where(keep, sT, float("-inf"))
             if HAS_KPM:
                 sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
-        wT = tl.math.exp2(_exp2_arg(sT, scale2, m[None, :], COG))
+        wT = tl.math.exp2(_exp2_arg(sT, scale2, m[None, :], COG, SOFTCAP))
         aT = _signed(wT, qkT, COG)
         dv += _dot(aT.to(do.dtype), do, DOT_PREC)
         gT = _dot(v, tl.trans(do), DOT_PREC)  # g_ij = dO_i . v_j
-        dsT = _dscore(aT, wT, gT, dlt[None, :], COG)
+        dsT = _softcap_grad(_dscore(aT, wT, gT, dlt[None, :], COG), sT, cap_out, SOFTCAP)
         dk += _dot(dsT.to(q.dtype), q, DOT_PREC)
     return dk, dv
 
@@ -444,11 +543,13 @@ def _attn_bwd_dkdv(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_kpmb, NH, LQ, LK, L_BUCKET,
+    stride_kpmb, NH, LQ, LK, L_BUCKET, WIN_LO, WIN_HI, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
-    """One program: BLOCK_N keys of one (batch, head); loops over query blocks. DO, DK, DV, LSE, DELTA contiguous."""
+    """One program: BLOCK_N keys of one (batch, head); loops over query blocks. DO, DK, DV, LSE, DELTA contiguous.
+    WINDOW, SOFTCAP, WIN_LO, WIN_HI, softcap: as `_attn_fwd` (query blocks outside the band are skipped)."""
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     off_b = (bh // NH).to(tl.int64)
@@ -468,6 +569,7 @@ def _attn_bwd_dkdv(
     delta_base = DELTA + bh64 * LQ
     scale2 = sm_scale * LOG2E
     diag = LK - LQ
+    cap_in, cap_out = _softcap_factors(sm_scale, softcap, SOFTCAP)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -476,30 +578,39 @@ def _attn_bwd_dkdv(
     # the latter get exact zeros (their weights are masked to 0 below, and q.k = 0, g = 0 with zero k and v rows).
     end = tl.cdiv(LQ, BLOCK_M) * BLOCK_M
     full_lq = (LQ // BLOCK_M) * BLOCK_M
-    if CAUSAL:
+    if WINDOW:  # rows i see this key block when i + WIN_LO <= j <= i + WIN_HI for some of its keys j
         col0 = start_n * BLOCK_N
-        lo = (tl.maximum(col0 - diag, 0) // BLOCK_M) * BLOCK_M
-        unmasked_from = tl.cdiv(tl.maximum(col0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-        lo = tl.minimum(lo, end)
+        lo = tl.minimum((tl.maximum(col0 - WIN_HI, 0) // BLOCK_M) * BLOCK_M, end)
+        unmasked_from = tl.cdiv(tl.maximum(col0 + BLOCK_N - 1 - WIN_HI, 0), BLOCK_M) * BLOCK_M
+        unmasked_to = (tl.maximum(col0 - WIN_LO + 1, 0) // BLOCK_M) * BLOCK_M
+        end = tl.minimum(end, tl.cdiv(tl.maximum(col0 + BLOCK_N - WIN_LO, 0), BLOCK_M) * BLOCK_M)
         s1 = tl.maximum(lo, tl.minimum(unmasked_from, end))
+        s2 = tl.maximum(s1, tl.minimum(tl.minimum(unmasked_to, full_lq), end))
     else:
-        lo = 0
-        s1 = 0
-    s2 = tl.maximum(s1, full_lq)
+        if CAUSAL:
+            col0 = start_n * BLOCK_N
+            lo = (tl.maximum(col0 - diag, 0) // BLOCK_M) * BLOCK_M
+            unmasked_from = tl.cdiv(tl.maximum(col0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+            lo = tl.minimum(lo, end)
+            s1 = tl.maximum(lo, tl.minimum(unmasked_from, end))
+        else:
+            lo = 0
+            s1 = 0
+        s2 = tl.maximum(s1, full_lq)
     dk, dv = _bwd_dkdv_inner(
         dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
-        offs_m, offs_n, offs_d, lo, s1, LQ, diag, scale2,
-        HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+        offs_m, offs_n, offs_d, lo, s1, LQ, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+        HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_KPM, COG, DOT_PREC, WINDOW, SOFTCAP,
     )  # fmt: skip
     dk, dv = _bwd_dkdv_inner(
         dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
-        offs_m, offs_n, offs_d, s1, s2, LQ, diag, scale2,
-        HEAD_DIM, BLOCK_M, False, CAUSAL, HAS_KPM, COG, DOT_PREC,
+        offs_m, offs_n, offs_d, s1, s2, LQ, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+        HEAD_DIM, BLOCK_M, False, CAUSAL, HAS_KPM, COG, DOT_PREC, WINDOW, SOFTCAP,
     )  # fmt: skip
     dk, dv = _bwd_dkdv_inner(
         dk, dv, k, v, kpm_keep, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
-        offs_m, offs_n, offs_d, s2, end, LQ, diag, scale2,
-        HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+        offs_m, offs_n, offs_d, s2, end, LQ, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+        HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_KPM, COG, DOT_PREC, WINDOW, SOFTCAP,
     )  # fmt: skip
     dk = dk * sm_scale  # p = scale * q k^T
     out_off = bh64 * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
@@ -510,18 +621,18 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2,
+    offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    COG: tl.constexpr, DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                  offs_m, start_n + offs_n, offs_d, LK, diag, scale2,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG)  # fmt: skip
-        w = tl.math.exp2(_exp2_arg(s, scale2, m[:, None], COG))
+                                  offs_m, start_n + offs_n, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG, WINDOW, SOFTCAP)  # fmt: skip
+        w = tl.math.exp2(_exp2_arg(s, scale2, m[:, None], COG, SOFTCAP))
         a = _signed(w, qk, COG)
         g = _dot(do, tl.trans(v), DOT_PREC)  # g_ij = dO_i . v_j
-        ds = _dscore(a, w, g, dlt[:, None], COG)
+        ds = _softcap_grad(_dscore(a, w, g, dlt[:, None], COG), s, cap_out, SOFTCAP)
         dq += _dot(ds.to(k.dtype), k, DOT_PREC)
     return dq
 
@@ -532,11 +643,13 @@ def _attn_bwd_dq(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_kpmb, NH, LQ, LK, L_BUCKET,
+    stride_kpmb, NH, LQ, LK, L_BUCKET, WIN_LO, WIN_HI, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
-    """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. DO, DQ, LSE, DELTA contiguous."""
+    """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. DO, DQ, LSE, DELTA contiguous.
+    WINDOW, SOFTCAP, WIN_LO, WIN_HI, softcap: as `_attn_fwd`."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     off_b = (bh // NH).to(tl.int64)
@@ -558,18 +671,33 @@ def _attn_bwd_dq(
     kpm_base = KPM + off_b * stride_kpmb
     scale2 = sm_scale * LOG2E
     diag = LK - LQ
+    cap_in, cap_out = _softcap_factors(sm_scale, softcap, SOFTCAP)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    if WINDOW:  # as the forward: [lo, a) masked, [a, b) unmasked, [b, hi) masked; other key blocks skipped
+        lo, a, b, hi = _window_key_range(start_m, LK, WIN_LO, WIN_HI, BLOCK_M, BLOCK_N)
+        dq = _bwd_dq_inner(
+            dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, lo, a, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+            BLOCK_N, True, False, HAS_KPM, COG, DOT_PREC, True, SOFTCAP,
+        )  # fmt: skip
+        dq = _bwd_dq_inner(
+            dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, a, b, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+            BLOCK_N, False, False, HAS_KPM, COG, DOT_PREC, True, SOFTCAP,
+        )  # fmt: skip
+        full_hi = b
+    else:
+        full_hi, hi = _key_range(start_m, LK, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = _bwd_dq_inner(
+            dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+            BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, False, SOFTCAP,
+        )  # fmt: skip
     dq = _bwd_dq_inner(
         dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2,
-        BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC,
-    )  # fmt: skip
-    dq = _bwd_dq_inner(
-        dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2,
-        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC,
+        offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
+        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, WINDOW, SOFTCAP,
     )  # fmt: skip
     dq = dq * sm_scale
     tl.store(DQ + io_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -636,7 +764,8 @@ def _autotuned(kernel: str, arch: int):
             triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
             for c in all_configs(arch)[kernel]
         ]
-        tune_key = ["HEAD_DIM", "L_BUCKET"] if kernel == "bwd_pre" else ["HEAD_DIM", "CAUSAL", "HAS_KPM", "COG", "L_BUCKET"]
+        tune_key = (["HEAD_DIM", "L_BUCKET"] if kernel == "bwd_pre"
+                    else ["HEAD_DIM", "CAUSAL", "HAS_KPM", "COG", "WINDOW", "SOFTCAP", "L_BUCKET"])  # fmt: skip
         _AUTOTUNED[key] = triton.autotune(configs, key=tune_key, prune_configs_by={"early_config_prune": _prune(kernel)})(
             KERNEL_FNS[kernel]
         )
@@ -709,6 +838,20 @@ def _cog_scale(q: torch.Tensor, scale: float, cog: bool) -> tuple[torch.Tensor, 
     return torch.zeros_like(q), 1.0, 0.0
 
 
+def band_args(Lq: int, Lk: int, causal: bool, window_left: int, window_right: int) -> tuple[bool, bool, int, int]:
+    """(CAUSAL, WINDOW, WIN_LO, WIN_HI) for the kernels: without a window (both sides -1) the causal flag as given;
+    with one, CAUSAL off and the band i + WIN_LO <= j <= i + WIN_HI, causal folded in as right = 0 and an unbounded
+    side as an offset no row reaches (|offset| > Lq + Lk)."""
+    if window_left < 0 and window_right < 0:
+        return causal, False, 0, 0
+    diag = Lk - Lq
+    far = Lq + Lk + 1
+    right = 0 if causal else window_right
+    lo = diag - window_left if window_left >= 0 else -far
+    hi = diag + right if right >= 0 else far
+    return False, True, lo, hi
+
+
 def row_stats_shape(q: torch.Tensor) -> tuple[int, ...]:
     """Shape of the row statistics `attention_forward` returns for q (B, nh, Lq, hd): (B, nh, 2, Lq) for float32
     inputs (row maximum and sum), (B, nh, Lq) otherwise (log-sum-exp)."""
@@ -724,8 +867,12 @@ def attention_forward(
     causal: bool,
     scale: float,
     cog: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel. q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), any strides (see `_int32_addressable`).
+    """Run the forward kernel. window_left / window_right: the sliding window (-1 = unbounded side); softcap: the
+    logit cap c (0 = none); as `uvic.attention.cog_attention`. q (B, nh, Lq, hd), k and v (B, nh, Lk, hd), any strides (see `_int32_addressable`).
 
     Returns:
         out: (B, nh, Lq, hd) contiguous, q's dtype.
@@ -742,10 +889,11 @@ def attention_forward(
     out = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
     lse = torch.empty(row_stats_shape(q), dtype=torch.float32, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
+    causal, window, win_lo, win_hi = band_args(Lq, Lk, causal, window_left, window_right)
     args = (q, k, v, out, lse, kpm, float(scale), *q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk,
-            length_bucket(max(Lq, Lk)))  # fmt: skip
+            length_bucket(max(Lq, Lk)), win_lo, win_hi, float(softcap))  # fmt: skip
     consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog,
-              "DOT_PREC": _dot_prec(q.dtype), "SIGN_PTX": _sign_ptx(q)}  # fmt: skip
+              "DOT_PREC": _dot_prec(q.dtype), "SIGN_PTX": _sign_ptx(q), "WINDOW": window, "SOFTCAP": softcap > 0}  # fmt: skip
     with _on_device(q):
         _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts)
     return out, lse
@@ -762,9 +910,12 @@ def attention_backward(
     causal: bool,
     scale: float,
     cog: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the three backward kernels (D preprocess, dK/dV, dQ). Shapes as `attention_forward`; returns dq, dk, dv
-    (contiguous, in the dtype of q, k, v)."""
+    """Run the three backward kernels (D preprocess, dK/dV, dQ). Shapes and arguments as `attention_forward`;
+    returns dq, dk, dv (contiguous, in the dtype of q, k, v)."""
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
     q, scale, q_sign = _cog_scale(q, scale, cog)
@@ -786,8 +937,10 @@ def attention_backward(
     dk = torch.empty((B, nh, Lk, hd), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, nh, Lk, hd), dtype=v.dtype, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
-    strides = (*q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk, bucket)
-    consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog, "DOT_PREC": _dot_prec(q.dtype)}
+    causal, window, win_lo, win_hi = band_args(Lq, Lk, causal, window_left, window_right)
+    strides = (*q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk, bucket, win_lo, win_hi, float(softcap))
+    consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog,
+              "DOT_PREC": _dot_prec(q.dtype), "WINDOW": window, "SOFTCAP": softcap > 0}  # fmt: skip
     with _on_device(q):
         _launch("bwd_pre", q.device, Lq, "BLOCK_M", B * nh, (out, do, delta, Lq, length_bucket(Lq)), {"HEAD_DIM": hd})
         _launch("bwd_dkdv", q.device, Lk, "BLOCK_N", B * nh,

@@ -27,12 +27,16 @@ def _fwd_op(
     causal: bool,
     scale: float,
     cog: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels.attention_forward(q, k, v, key_padding_mask, causal, scale, cog)
+    return _kernels.attention_forward(q, k, v, key_padding_mask, causal, scale, cog, window_left, window_right,
+                                      softcap)  # fmt: skip
 
 
 @_fwd_op.register_fake
-def _(q, k, v, key_padding_mask, causal, scale, cog):
+def _(q, k, v, key_padding_mask, causal, scale, cog, window_left=-1, window_right=-1, softcap=0.0):
     return q.new_empty(q.shape), q.new_empty(_kernels.row_stats_shape(q), dtype=torch.float32)
 
 
@@ -48,27 +52,33 @@ def _bwd_op(
     causal: bool,
     scale: float,
     cog: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels.attention_backward(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog)
+    return _kernels.attention_backward(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog, window_left,
+                                       window_right, softcap)  # fmt: skip
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog):
+def _(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog, window_left=-1, window_right=-1, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_padding_mask, causal, scale, cog = inputs
+    q, k, v, key_padding_mask, causal, scale, cog, window_left, window_right, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
     ctx.causal, ctx.scale, ctx.cog = causal, scale, cog
+    ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale, ctx.cog)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale, ctx.cog, *ctx.window,
+                         ctx.softcap)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -82,6 +92,8 @@ def fused_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     attention: str = "cog",
 ) -> torch.Tensor:
     """The fused kernel as a differentiable op (`uvic::fused_attention_fwd`), unchecked.
@@ -91,7 +103,8 @@ def fused_attention(
 
     Args:
         q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd); any strides, float16/bfloat16/float32.
-        causal, key_padding_mask, scale: as `uvic.attention.cog_attention`.
+        causal, key_padding_mask, scale, window, softcap: as `uvic.attention.cog_attention` (window (left, right),
+            -1 = unbounded side; softcap c > 0 or None).
         attention: "cog" (`sign(p) * softmax(|p|)`) or "softmax" (`softmax(p)`), from the same kernel.
     Returns:
         (B, nh, Lq, hd) in the input dtype.
@@ -99,5 +112,7 @@ def fused_attention(
     if attention not in ("cog", "softmax"):
         raise ValueError(f"unknown attention {attention!r}; expected 'cog' or 'softmax'")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = _fwd_op(q, k, v, key_padding_mask, bool(causal), scale, attention == "cog")
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    cap = 0.0 if softcap is None else float(softcap)
+    out, _ = _fwd_op(q, k, v, key_padding_mask, bool(causal), scale, attention == "cog", left, right, cap)
     return out

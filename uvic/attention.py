@@ -148,8 +148,6 @@ def unsupported_reason(
         return f"L * hd = {max(Lq, Lk) * hd} elements per (batch, head); the kernel allows fewer than 2**31"
     if B * nh > MAX_BATCH_HEADS:
         return f"B * nh = {B * nh} is larger than the kernel grid allows ({MAX_BATCH_HEADS})"
-    if _normal_window(window) is not None or softcap is not None:
-        return "sliding windows and softcaps are not in the kernel yet (the torch backend has them)"
     if q.is_cuda:
         return config_arch(*cuda_device_info(q.device.index))[1]
     return None

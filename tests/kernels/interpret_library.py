@@ -22,15 +22,15 @@ def _qkv(B=1, nh=2, Lq=19, Lk=23, hd=16, seed=0):
     return [torch.randn(B, nh, L, hd, generator=g) for L in (Lq, Lk, Lk)]
 
 
-@pytest.mark.parametrize("causal,use_mask", [(False, False), (True, True)])
-def test_opcheck(causal, use_mask):
+@pytest.mark.parametrize("causal,use_mask,band", [(False, False, ()), (True, True, ()), (True, True, (4, -1, 2.0))])
+def test_opcheck(causal, use_mask, band):
     q, k, v = (t.requires_grad_() for t in _qkv())
     kpm = torch.tensor([[True] * 20 + [False] * 3]) if use_mask else None
-    torch.library.opcheck(_fwd_op, (q, k, v, kpm, causal, 0.25, True))
+    torch.library.opcheck(_fwd_op, (q, k, v, kpm, causal, 0.25, True, *band))
     with torch.no_grad():
-        out, lse = _fwd_op(q, k, v, kpm, causal, 0.25, True)
+        out, lse = _fwd_op(q, k, v, kpm, causal, 0.25, True, *band)
     do = torch.randn_like(out)
-    torch.library.opcheck(_bwd_op, (do, q.detach(), k.detach(), v.detach(), out, lse, kpm, causal, 0.25, True))
+    torch.library.opcheck(_bwd_op, (do, q.detach(), k.detach(), v.detach(), out, lse, kpm, causal, 0.25, True, *band))
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -82,8 +82,8 @@ def _run(fn, q, k, v, do, dtype, layout="contiguous", **kw):
     return [out.detach().double()] + [t.grad.double() for t in ts]
 
 
-def _check(q, k, v, do, dtype, *, causal, kpm, cog, scale=None, layout="contiguous"):
-    kw = {"causal": causal, "key_padding_mask": kpm, "scale": scale}
+def _check(q, k, v, do, dtype, *, causal, kpm, cog, scale=None, layout="contiguous", window=None, softcap=None):
+    kw = {"causal": causal, "key_padding_mask": kpm, "scale": scale, "window": window, "softcap": softcap}
     kw["attention"] = "cog" if cog else "softmax"
     exact = _run(lambda *a, **k_: attention_ref(*a, **k_), q, k, v, do, torch.float64, **kw)
     plain = _run(lambda *a, **k_: attention_ref(*a, upcast=False, **k_), q, k, v, do, dtype, **kw)
@@ -394,3 +394,60 @@ def test_float32_backward_at_large_scores(cog, causal):
     for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
         err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
         assert err <= 2 * err_plain, f"{name}: fused err {err:.3g} vs plain float32 err {err_plain:.3g}"
+
+
+# Sliding windows and softcaps: (B, nh, Lq, Lk, hd, dtype, causal, window, softcap, mask, cog). Window 1 (each row
+# sees its diagonal key only), a window at least L, windows with key padding, softcaps with masked keys (padding,
+# causal, window edges), Lq != Lk both ways (rows whose band holds no key), one-sided and two-sided windows.
+WINDOW_CASES = [
+    (1, 2, 70, 70, 16, torch.float32, True, (0, -1), None, None, True),
+    (2, 1, 65, 65, 32, torch.bfloat16, True, (100, -1), None, "partial", True),
+    (1, 2, 70, 70, 32, torch.float16, False, (5, 9), None, "partial", True),
+    (2, 1, 66, 66, 16, torch.bfloat16, True, None, 2.0, "empty_batch", True),
+    (1, 2, 40, 90, 16, torch.float32, True, (20, -1), 1.0, "partial", False),
+    (1, 1, 90, 40, 64, torch.float16, False, (3, 3), 5.0, None, True),
+    (1, 2, 57, 57, 16, torch.float32, False, (-1, 6), 0.5, "partial", True),
+    (1, 1, 50, 70, 128, torch.bfloat16, False, (1, 1), 3.0, "partial", False),
+]
+
+
+@pytest.mark.parametrize("B,nh,Lq,Lk,hd,dtype,causal,window,softcap,mask,cog", WINDOW_CASES)
+def test_window_and_softcap_match_reference(B, nh, Lq, Lk, hd, dtype, causal, window, softcap, mask, cog):
+    q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=Lq + Lk)
+    _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c[5] != torch.float32 and c[10]])
+def test_window_and_softcap_with_sign_ptx(monkeypatch, case):
+    B, nh, Lq, Lk, hd, dtype, causal, window, softcap, mask, cog = case
+    emu = _use_sign_ptx(monkeypatch)
+    q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=Lq + Lk)
+    _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, window=window, softcap=softcap)
+    assert emu.calls > 0
+
+
+@pytest.mark.parametrize("window", [(4, 3), (9, -1)])
+def test_window_with_other_block_sizes(monkeypatch, window):
+    """Band edges crossing tiles with BM > BN and BM < BN, masked and unmasked key blocks in one row block."""
+    monkeypatch.setitem(kattn.INTERPRET_CONFIGS, "fwd", KernelConfig(16, 32, 4, 1))
+    monkeypatch.setitem(kattn.INTERPRET_CONFIGS, "bwd_dkdv", KernelConfig(32, 16, 4, 1))
+    monkeypatch.setitem(kattn.INTERPRET_CONFIGS, "bwd_dq", KernelConfig(16, 32, 4, 1))
+    q, k, v, do = _inputs(1, 2, 100, 100, 16, torch.float32, seed=9)
+    _check(q, k, v, do, torch.float32, causal=window[1] < 0, kpm=_mask("partial", 1, 100), cog=True, window=window)
+
+
+@pytest.mark.parametrize("cog", [True, False])
+def test_key_blocks_outside_the_band_are_skipped(cog):
+    """Key blocks that no query's band reaches are not visited (loop bounds, not masks): NaN in their k and v rows
+    reaches nothing, where a visited-but-masked tile would spread it (0 * NaN in P @ V and in dS). Queries i of
+    Lq = 16 with Lk = 100, causal, window (10, 0), see keys i + 74 ... i + 84 only."""
+    q, k, v, do = _inputs(1, 1, 16, 100, 16, torch.float32, seed=10)
+    kw = {"causal": True, "window": (10, 0), "attention": "cog" if cog else "softmax"}
+    clean = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, torch.float32, **kw)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[..., :64, :] = float("nan")  # key blocks 0-3 of 16 keys; the band starts at key 74
+    v_bad[..., :64, :] = float("nan")
+    got = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k_bad, v_bad, do, torch.float32, **kw)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, clean):
+        assert torch.equal(a, b), name
+    assert (got[2][..., :74, :] == 0).all() and (got[3][..., :74, :] == 0).all()

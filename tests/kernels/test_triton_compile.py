@@ -41,10 +41,12 @@ def test_matrix_covers_every_candidate():
         for dtype in DTYPES:
             for hd in HEAD_DIMS:
                 for kernel in KERNELS:
-                    modes = {False} if kernel == "bwd_pre" else {True, False}
+                    # Cog and softmax, each as causal + key padding and as sliding window + softcap + key padding
+                    modes = ({(False, False)} if kernel == "bwd_pre"
+                             else {(True, False), (False, False), (True, True), (False, True)})  # fmt: skip
                     for c in candidate_configs(kernel, arch, dtype, hd):
-                        got = {s.cog for s in specs if (s.kernel, s.arch, s.dtype, s.head_dim, s.config)
-                               == (kernel, arch, dtype, hd, c)}  # fmt: skip
+                        got = {(s.cog, s.window and s.softcap) for s in specs
+                               if (s.kernel, s.arch, s.dtype, s.head_dim, s.config) == (kernel, arch, dtype, hd, c)}
                         assert got == modes, (kernel, arch, dtype, hd, c)
 
 
