@@ -20,6 +20,8 @@ import json
 import os
 from typing import Any
 
+from uvic.io import atomic_write
+
 
 class ExportedPipelineMixin:
     """Mix into a `DiffusionPipeline` subclass (before it) that lives in `uvic.pipelines.{_module_file}`.
@@ -33,14 +35,14 @@ class ExportedPipelineMixin:
         """diffusers' `save_pretrained`, plus the one-line `{_module_file}.py` and the `[module, class]` name."""
         super().save_pretrained(save_directory, **kwargs)
         name = type(self).__name__
-        with open(os.path.join(save_directory, f"{self._module_file}.py"), "w") as f:
+        with atomic_write(os.path.join(save_directory, f"{self._module_file}.py"), "w") as f:
             f.write(f'"""Lets DiffusionPipeline.from_pretrained find {name} (needs uvic installed)."""\n')
             f.write(f"from uvic.pipelines.{self._module_file} import {name}  # noqa: F401\n")
         index_path = os.path.join(save_directory, "model_index.json")
         with open(index_path) as f:
             index = json.load(f)
         index["_class_name"] = [self._module_file, name]
-        with open(index_path, "w") as f:
+        with atomic_write(index_path, "w") as f:  # never a half-written index, even outside an atomic export dir
             json.dump(index, f, indent=2, sort_keys=True)
             f.write("\n")
 
