@@ -449,3 +449,53 @@ def test_sampling_a_run_retries_when_the_live_run_rotates_the_chosen_checkpoint(
     ema = load_file(str(step2 / "ema.safetensors"))
     for k, v in pipe.transformer.state_dict().items():
         torch.testing.assert_close(v, ema[k], rtol=0, atol=0)
+
+
+def test_every_piece_of_training_state_round_trips_through_data_only_files(tmp_path):
+    """Model, optimizer, LR schedule, the run's generator, the loss scaler, accelerate's step counter and the global
+    Python / NumPy / torch generators come back exactly, and every state file loads with weights_only=True."""
+    import random
+
+    from accelerate import Accelerator
+
+    from uvic.training.checkpoint import TrainingState, load_checkpoint
+    from uvic.training.rng import ShardedRNG
+
+    def build():
+        torch.manual_seed(0)
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model, opt = accelerator.prepare(model, opt)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        rng = ShardedRNG(7, 0, 1, "cpu")
+        return accelerator, TrainingState(model, opt, {"lr_scheduler": sched, "rng": rng})
+
+    accelerator, state = build()
+    for _ in range(3):
+        state.model(torch.randn(4, 3)).sum().backward()
+        state.optimizer.step()
+        state.objects["lr_scheduler"].step()
+    state.objects["rng"].randn(5)
+    accelerator.scaler.scale(torch.ones(1))  # the scale exists once used
+    accelerator.scaler.update(2.0**6)
+    accelerator.step = 3
+    ckpt = save_checkpoint(accelerator, tmp_path, 3, {"c": 1}, state=state)
+    for name in ("optimizer.bin", "training_state.pt", "random_states_0.pt"):
+        torch.load(ckpt / name, weights_only=True)
+    expected = (torch.rand(3), np.random.rand(3), random.random(), state.objects["rng"].rand(4),
+                {k: v.clone() for k, v in state.model.state_dict().items()})  # fmt: skip
+
+    accelerator2, state2 = build()  # fresh objects, other global generator states
+    random.seed(99)
+    np.random.seed(99)
+    assert load_checkpoint(accelerator2, ckpt, state=state2) == 3
+    assert accelerator2.step == 3 and accelerator2.scaler.get_scale() == 2.0**6
+    assert state2.objects["lr_scheduler"].last_epoch == 3
+    assert state2.optimizer.state_dict()["state"][0]["step"] == 3
+    got = (torch.rand(3), np.random.rand(3), random.random(), state2.objects["rng"].rand(4), state2.model.state_dict())
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+    assert torch.equal(got[3], expected[3])
+    for k, v in expected[4].items():
+        assert torch.equal(got[4][k], v)
