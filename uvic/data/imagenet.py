@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from uvic.errors import DataError
+from uvic.io import atomic_write
 
 
 logger = logging.getLogger(__name__)
@@ -212,9 +213,8 @@ def _prepare_output(out_dir: Path, meta: dict, files: list[str], labels: np.ndar
     done[:] = False
     done.flush()
     # meta.json last: its presence means the folder is complete and ready to be filled.
-    tmp = meta_path.with_name(".meta.json.tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, meta_path)
+    with atomic_write(meta_path, "w") as f:
+        f.write(json.dumps(meta, indent=2))
 
 
 @torch.no_grad()
