@@ -154,7 +154,8 @@ class CLIPTextEncoder(ModelMixin, ConfigMixin):
 
         Args:
             pretrained: an open_clip tag ("openai": fetched through open_clip's cache, downloaded if online) or a
-                local checkpoint file (an open_clip state dict or OpenAI's JIT `ViT-L-14.pt`).
+                local checkpoint file (an open_clip state dict or safetensors file; OpenAI's TorchScript `ViT-L-14.pt`
+                holds code and is refused, see `load_clip_state_dict`).
             model_name: open_clip architecture name.
             cache_dir: open_clip / Hugging Face cache directory (None: the default cache).
             quick_gelu: activation of the checkpoint; None takes it from the tag's config, and assumes True (OpenAI)
