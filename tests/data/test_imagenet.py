@@ -150,3 +150,22 @@ def test_extraction_resumes_and_shards(root, vae, tmp_path):
     Image.new("RGB", (20, 20)).save(root / "train" / WNIDS[1] / f"{WNIDS[1]}_999.JPEG")
     with pytest.raises(DataError, match="different extraction"):
         extract_features(root, out, vae, resolution=RES, num_classes=3, num_workers=0, device="cpu")
+
+
+def test_cli_extracts_and_reports_bad_folders_in_one_line(vae, tmp_path, capsys):
+    from uvic.data.imagenet import main
+
+    root = make_imagenet(tmp_path / "small", counts=(1, 1, 1))
+    vae.save_pretrained(tmp_path / "vae")
+    args = ["--root", str(root), "--vae", str(tmp_path / "vae"), "--num-classes", "3", "--num-workers", "0",
+            "--batch-size", "4"]
+    with pytest.raises(SystemExit) as e:  # --resolution accepts U-ViT's 256 and 512 only
+        main([*args, "--out", str(tmp_path / "o"), "--resolution", "16"])
+    assert e.value.code == 2
+    main([*args, "--out", str(tmp_path / "o"), "--resolution", "256"])
+    assert ImageNetFeatures(tmp_path / "o").moments.shape == (3, 2, 8, 128, 128)  # the tiny VAE halves once
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args[:4], "--num-classes", "1000", "--out", str(tmp_path / "p")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and err[-1].startswith("error: ") and "expected 1000" in err[-1]
