@@ -131,9 +131,8 @@ def read_checkpoint(path: str | Path, read: Callable[[Path], T], attempts: int =
         Whatever `read` raises for a checkpoint that stays in place.
     """
     path = Path(path)
-    if (path / META).is_file() or not path.is_dir():
-        return read(resolve_checkpoint(path))
-    for attempt in range(attempts):
+    run_dir = path.is_dir() and not (path / META).is_file()
+    for _ in range(attempts - 1 if run_dir else 0):
         ckpt, identity = resolve_checkpoint(path, verify=False), None
         try:
             identity = ckpt.stat().st_ino
@@ -144,10 +143,10 @@ def read_checkpoint(path: str | Path, read: Callable[[Path], T], attempts: int =
                 raced = ckpt.stat().st_ino != identity
             except OSError:
                 raced = True
-            if not raced or attempt == attempts - 1:
+            if not raced:
                 raise
             logger.info("%s was removed while it was read (a live run rotated it): choosing again", ckpt)
-    raise AssertionError("unreachable")
+    return read(resolve_checkpoint(path))  # a checkpoint dir, or the last attempt
 
 
 # ---------------------------------------------------------------------------------------------------------
