@@ -17,6 +17,7 @@ from uvic.pipelines import UViCPipeline
 from uvic.training import train
 from uvic.training.checkpoint import list_checkpoints
 from uvic.training.rng import ShardedRNG
+from uvic.training.runs import load_pipeline
 from uvic.training.tasks import TASKS, ClassConditionalTask
 from uvic.training.tasks.class_cond import drop_labels
 
@@ -109,6 +110,8 @@ def test_imagenet_pixel_run_resumes_exactly_and_exports(tmp_path):
     assert (full / "samples" / "step_0000004.png").is_file()
     pipe = UViCPipeline.from_pretrained(full / "pipeline")
     assert pipe.vae is None and not pipe.config.null_class and pipe.config.class_counts == [3, 2, 4]
+    from_run = load_pipeline(full)  # a run dir: the latest checkpoint's EMA weights through the task's pipeline
+    assert from_run.config.class_counts == [3, 2, 4] and from_run.num_labels == 3
     with pytest.raises(ValueError, match="holds 3 classes .* expected 4"):  # a class missing from the folder
         train(load_config(None, _pixels(tmp_path / "r", root, **{"data.num_classes": 4, "model.num_classes": 4})))
 
