@@ -5,15 +5,15 @@
     python train.py configs/demo_digits.yaml                              # the CPU demo
     python train.py configs/cifar10_uvic_s2.yaml --dry-run                # print the resolved config
     python train.py configs/cifar10_uvic_s2.yaml --export [CHECKPOINT]    # EMA -> run_dir/pipeline, no training
+    python train.py configs/cifar10_uvic_s2.yaml --export best            # the lowest-FID checkpoint (best.json)
 """
 
 import argparse
 import dataclasses
-import logging
 import os
 
 from uvic.config import load_config
-from uvic.errors import cli_errors
+from uvic.errors import cli_errors, configure_logging
 
 
 def main() -> None:
@@ -24,7 +24,8 @@ def main() -> None:
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from the latest checkpoint of train.run_dir, or from the given checkpoint dir")
     p.add_argument("--export", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="export the EMA weights of a checkpoint (default: the latest) to run_dir/pipeline and exit")
+                   help="export the EMA weights of a checkpoint (default: the latest; 'best': the lowest FID of "
+                        "train.eval_every, run_dir/best.json) to run_dir/pipeline and exit")
     args = p.parse_intermixed_args()  # overrides may follow the options
     for option in ("resume", "export"):
         value = getattr(args, option)
@@ -41,12 +42,18 @@ def main() -> None:
     if args.dry_run:
         print(cfg.to_yaml(), end="")
         return
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    configure_logging()
     with cli_errors():  # bad input, a locked run dir, a failed write or a diverged run: one line, exit 1
         if args.export:
+            from uvic.training.evaluation import best_checkpoint
             from uvic.training.runs import export
 
-            source = cfg.train.run_dir if args.export == "latest" else args.export
+            source = {"latest": cfg.train.run_dir}.get(args.export, args.export)
+            if args.export == "best":
+                source = best_checkpoint(cfg.train.run_dir)
+                if source is None:
+                    raise FileNotFoundError(f"{cfg.train.run_dir} has no best.json: no FID was computed while "
+                                            f"training (train.eval_every)")
             print(export(source, f"{cfg.train.run_dir}/pipeline"))
             return
         from uvic.training import train

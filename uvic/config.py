@@ -123,6 +123,9 @@ class Text2ImageDataConfig:
     latent_scale: float = 0.2301
     # The autoencoder for sample grids and the exported pipeline: U-ViT's autoencoder_kl.pth or a diffusers dir.
     vae: str = ""
+    # The CLIP text encoder the exported pipeline carries (a CLIPTextEncoder dir, an open_clip tag or checkpoint
+    # file); "" takes the one the features' meta.json records. It must reproduce the stored features.
+    text_encoder: str = ""
 
 
 @dataclass(frozen=True)
@@ -153,9 +156,21 @@ class TrainConfig:
     sample_every: int = 5000
     save_every: int = 50_000
     keep_checkpoints: int = 3
-    log_with: Literal["tensorboard", "none"] = "tensorboard"
+    # "tensorboard", "wandb" (pip install -e ".[wandb]"), "none", or a list such as [tensorboard, wandb].
+    log_with: str | tuple[str, ...] = "tensorboard"
     # "" starts fresh (and refuses a run_dir that already has checkpoints), "latest" or a checkpoint path.
     resume: str = ""
+    # FID while training (uvic.training.evaluation): every eval_every steps (0 = off), fid{eval_num_images} of the
+    # sampling weights against eval_reference (stats .npz, image folder or dataset spec, as `python -m uvic.fid`
+    # takes), with eval_sampler / eval_steps ("" / None: the sample section's). The Inception weights: the
+    # harness's lookup and checksum unless eval_fid_weights / eval_fid_weights_sha256 ("none": no check) are set.
+    eval_every: int = 0
+    eval_num_images: int = 10_000
+    eval_reference: str = ""
+    eval_sampler: str = ""
+    eval_steps: int | None = None
+    eval_fid_weights: str = ""
+    eval_fid_weights_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -415,6 +430,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             except ValueError as e:
                 errors.append(str(e))
         raise ConfigError(f"config key {key}: {value!r} does not match {hint} ({'; '.join(errors)})")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key}: expected a list, got {value!r}")
+        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"config key {key}: expected a list of {len(args)} values, got {value!r}")
@@ -481,6 +500,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.warmup_steps": _AT_LEAST_0, "train.min_lr_ratio": _FRACTION, "train.grad_clip": _AT_LEAST_0,
     "train.ema_decay": _FRACTION, "train.cpu_threads": _AT_LEAST_0, "train.log_every": _AT_LEAST_1,
     "train.sample_every": _AT_LEAST_0, "train.save_every": _AT_LEAST_0, "train.keep_checkpoints": _AT_LEAST_0,
+    "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
+    "train.eval_steps": _AT_LEAST_1,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
@@ -517,6 +538,7 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "data.name": lambda: tuple(DATASETS),
     "data.token_dtype": lambda: TOKEN_DTYPES,
     "sample.sampler": sampler_names,
+    "train.eval_sampler": lambda: ("", *sampler_names()),
 }
 
 

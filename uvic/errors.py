@@ -5,13 +5,15 @@ and for faults of the environment (a full disk, a run dir held by another run). 
 `sample.py`, `python -m uvic.fid`) wrap their work in `cli_errors()`, which turns exactly these into one line on
 stderr and a non-zero exit; any other exception is a bug and keeps its traceback. The checks the scripts share
 live here too: argument types (`int_at_least`, `finite_float`), an output that must be writable before any work
-starts (`check_writable`), and failed writes during the work (`storage_errors`).
+starts (`check_writable`), failed writes during the work (`storage_errors`), and their log format
+(`configure_logging`).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import math
 import os
 import sys
@@ -135,3 +137,13 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
+
+
+def configure_logging() -> None:
+    """For the scripts: INFO log lines with time and source on stderr, without torch's "No CUDA runtime is found,
+    using CUDA_HOME=..." warning, which `torch.utils.cpp_extension` logs on a machine with a CUDA toolkit and no
+    GPU when it is first imported (by torch.compile): nothing of uvic depends on it, and CPU users take it for an
+    error."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))

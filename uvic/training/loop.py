@@ -23,6 +23,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 from torch import nn
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from uvic.config import RunConfig, TrainConfig, validate_ranges
 from uvic.errors import StorageError, UvicError, describe_os_error
@@ -39,10 +40,12 @@ from uvic.training.checkpoint import (
 )
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
+from uvic.training.evaluation import Evaluator, abandon_evaluations_after
 from uvic.training.lock import hold_run_dir
 from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_curve
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import Task, build_task
+from uvic.training.trackers import log_samples, start_trackers, tracker_names
 
 
 logger = get_logger(__name__)
@@ -90,16 +93,29 @@ def train(cfg: RunConfig) -> Path:
 def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     accelerator, resume = _setup(cfg, stack)
     run = _build(cfg, accelerator, resume)
+    # FID while training: its reference, weights and sizes are checked now, before any training.
+    run.evaluator = Evaluator(cfg, run.task, accelerator) if cfg.train.eval_every > 0 else None
     _resume(run)
-    pbar = tqdm(total=run.tc.max_steps, initial=run.step, disable=not accelerator.is_local_main_process,
-                desc="train")
-    batches = _batches(run)
-    while run.step < run.tc.max_steps:
-        if _train_step(run, next(batches)):  # False inside a gradient-accumulation step
-            pbar.update(1)
-            _periodic_work(run)
-    pbar.close()
-    _finish(run)
+    with logging_redirect_tqdm():  # log lines go above the progress bar, never onto it
+        if run.evaluator is not None and run.resume is not None and run.evaluator.pending(run.run_dir, run.step):
+            logger.info(f"the evaluation of step {run.step} did not finish (killed?): evaluating it again")
+            _evaluate(run)
+        pbar = tqdm(total=run.tc.max_steps, initial=run.step, disable=not accelerator.is_local_main_process,
+                    desc="train")
+        batches = _batches(run)
+        first, t0 = True, time.time()
+        while run.step < run.tc.max_steps:
+            if first:
+                logger.info("the first step includes one-time compilation (torch.compile of the attention on CPU, "
+                            "Triton kernels on a GPU) and can take a few minutes")
+            if _train_step(run, next(batches)):  # False inside a gradient-accumulation step
+                if first:
+                    logger.info(f"first step done in {time.time() - t0:.1f} s")
+                    first = False
+                pbar.update(1)
+                _periodic_work(run)
+        pbar.close()
+        _finish(run)
     return run.run_dir
 
 
@@ -146,6 +162,7 @@ class _Run:
     resume: Path | None
     step: int = 0
     last_good: Path | None = None  # the newest complete checkpoint, named when the run fails
+    evaluator: Evaluator | None = None  # FID while training (train.eval_every > 0)
 
     @property
     def tc(self) -> TrainConfig:
@@ -185,7 +202,7 @@ def _setup(cfg: RunConfig, stack: ExitStack) -> tuple[Accelerator, Path | None]:
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=tc.grad_accum_steps, sync_with_dataloader=False
         ),
-        log_with=None if tc.log_with == "none" else tc.log_with,
+        log_with=tracker_names(tc.log_with) or None,
         project_dir=str(run_dir),
     )
     stack.enter_context(hold_run_dir(run_dir, accelerator))
@@ -268,10 +285,11 @@ def _resume(run: _Run) -> None:
             abandoned = abandon_newer_checkpoints(run.run_dir, run.step)
             if abandoned is not None:
                 move_metrics_after(run.metrics_path, run.step, abandoned / "metrics.jsonl")
+                abandon_evaluations_after(run.run_dir, run.step, abandoned / "eval.jsonl")
     accelerator.wait_for_everyone()
     run.last_good = latest_checkpoint(run.run_dir)
-    if accelerator.is_main_process and run.tc.log_with != "none":
-        accelerator.init_trackers("train", config=_flat(run.cfg.to_dict()))
+    if accelerator.is_main_process:
+        start_trackers(accelerator, tracker_names(run.tc.log_with), run.run_dir, _flat(run.cfg.to_dict()))
     run.meter.reset()
 
 
@@ -319,7 +337,10 @@ def _periodic_work(run: _Run) -> None:
     last = step == tc.max_steps
     log_now = _due(step, tc.log_every, last)
     sample_now = _due(step, tc.sample_every, last)
-    save_now = _due(step, tc.save_every, last) or last  # the last step is always saved
+    eval_now = run.evaluator is not None and run.evaluator.due(step)
+    # The last step is always saved, and so is an evaluated one: best.json names a checkpoint, and a kill during
+    # the evaluation resumes from it and evaluates again.
+    save_now = _due(step, tc.save_every, last) or last or eval_now
     if not (log_now or sample_now or save_now):
         return
     _check_finite(run)
@@ -329,6 +350,8 @@ def _periodic_work(run: _Run) -> None:
         _sample(run)
     if save_now:
         _save(run)
+    if eval_now:
+        _evaluate(run)
 
 
 def _check_finite(run: _Run) -> None:
@@ -360,7 +383,16 @@ def _sample(run: _Run) -> None:
     """The task's periodic samples from the sampling weights (main process; the others wait)."""
     if run.accelerator.is_main_process:
         with _eval_mode(run.sampling_model) as model:
-            run.task.on_sample(model, run.step, run.run_dir)
+            written = run.task.on_sample(model, run.step, run.run_dir)
+        log_samples(run.accelerator, written, run.step)  # the grid or text, to the trackers as `samples`
+    run.accelerator.wait_for_everyone()
+
+
+def _evaluate(run: _Run) -> None:
+    """FID of the sampling weights (every process samples its share): eval.jsonl, best.json and `eval/fid`."""
+    with _eval_mode(run.sampling_model) as model:
+        fid = run.evaluator.evaluate(model, run.step, run.run_dir, f"checkpoints/step_{run.step:09d}")
+    run.accelerator.log({"eval/fid": fid}, step=run.step)
     run.accelerator.wait_for_everyone()
 
 
@@ -368,6 +400,7 @@ def _save(run: _Run) -> None:
     """A checkpoint of this step (every process takes part), rotated to `train.keep_checkpoints`."""
     run.last_good = save_checkpoint(run.accelerator, run.run_dir, run.step, run.cfg.to_dict(),
                                     run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state)
+    logger.info(f"saved checkpoint {run.last_good}")
 
 
 def _finish(run: _Run) -> None:
@@ -381,6 +414,7 @@ def _finish(run: _Run) -> None:
     if accelerator.is_main_process:
         try:
             write_dir_atomically(run_dir / "pipeline", lambda tmp: run.task.export(run.sampling_model, tmp))
+            logger.info(f"exported the sampling weights to {run_dir / 'pipeline'}")
             plot_loss_curve(run.metrics_path, run_dir / "loss_curve.png", title=f"{run.cfg.task}: {run_dir.name}")
         except OSError as e:
             failure = str(e) if isinstance(e, StorageError) else describe_os_error(e)

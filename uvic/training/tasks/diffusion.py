@@ -72,7 +72,7 @@ class DiffusionTask:
         scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
         return UViCPipeline(transformer=model, scheduler=scheduler)
 
-    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> None:
+    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> Path | None:
         s = self.cfg.sample
         pipe = self.pipeline(model)
         pipe.set_progress_bar_config(disable=True)
@@ -82,7 +82,7 @@ class DiffusionTask:
         path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
         save_grid(images, path, scale=max(1, 32 // self.cfg.model.img_size))  # tiny images: enlarged to >= 32 px
         logger.info("wrote %s", path)
+        return path
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         self.pipeline(copy.deepcopy(model).float().cpu()).save_pretrained(str(out_dir))
-        logger.info("exported the model as a UViCPipeline to %s", out_dir)

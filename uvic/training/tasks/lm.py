@@ -104,7 +104,7 @@ class LMTask:
                          "transformers' AutoModelForCausalLM and call generate()")
 
     @torch.no_grad()
-    def on_sample(self, model: torch.nn.Module, step: int, run_dir: Path) -> None:
+    def on_sample(self, model: torch.nn.Module, step: int, run_dir: Path) -> Path:
         tok = self.tokenizer
         device = next(model.parameters()).device
         ids = torch.tensor([tok.encode(self.sample_prompt, add_special_tokens=False)], device=device)
@@ -117,6 +117,7 @@ class LMTask:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         logger.info("sample at step %d: %r", step, text)
+        return path
 
     def export(self, model: torch.nn.Module, out_dir: Path) -> None:
         model = copy.deepcopy(model).float().cpu()
@@ -127,4 +128,3 @@ class LMTask:
         model.save_pretrained(out_dir)
         if hasattr(tok, "save_pretrained"):
             tok.save_pretrained(out_dir)
-        logger.info("exported the model (save_pretrained) to %s", out_dir)

@@ -92,7 +92,7 @@ class Text2ImageTask(DiffusionTask):
         scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
         return UViCText2ImagePipeline(transformer=model, vae=vae, scheduler=scheduler)
 
-    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> None:
+    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> Path | None:
         """A grid for the first `num_images` captions of the val split (train if there is none)."""
         vae = self.load_vae()
         if vae is None:
@@ -111,14 +111,46 @@ class Text2ImageTask(DiffusionTask):
         path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
         save_grid(images, path)
         logger.info("wrote %s", path)
+        return path
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
-        """The model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`)."""
+        """The model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`), with
+        the text encoder of the features (`text_encoder_spec`) when it loads and reproduces them, so that the
+        export samples from prompts offline."""
         model = copy.deepcopy(model).float().cpu()
         vae = self.load_vae()
         if vae is None:
             model.save_pretrained(Path(out_dir) / "transformer")
-            logger.warning("data.vae is not set: exported only %s/transformer", out_dir)
+            logger.warning("data.vae is not set: exported only the transformer (pipeline/transformer)")
             return
-        self.pipeline(model, vae=vae).save_pretrained(str(out_dir))
-        logger.info("exported the model as a UViCText2ImagePipeline to %s", out_dir)
+        pipe = self.pipeline(model, vae=vae)
+        self.attach_text_encoder(pipe)
+        pipe.save_pretrained(str(out_dir))
+
+    def text_encoder_spec(self) -> str:
+        """`data.text_encoder`, else the `clip` the features' meta.json records ("" if neither names one)."""
+        if self.cfg.data.text_encoder:
+            return self.cfg.data.text_encoder
+        meta = MSCOCOFeatures(self.cfg.data.root, "train").meta
+        return str((meta.get("models") or {}).get("clip") or "")
+
+    def attach_text_encoder(self, pipe: UViCText2ImagePipeline) -> None:
+        """Give `pipe` the features' text encoder if it loads (offline: a local dir or file, or a cached open_clip
+        tag) and encodes the empty caption as the stored features do; otherwise warn and leave it without one."""
+        from uvic.pipelines.sampling import attach_text_encoder
+
+        spec = self.text_encoder_spec()
+        why = "no data.text_encoder and none recorded in the features' meta.json"
+        if spec:
+            try:
+                attach_text_encoder(pipe, spec)
+                with torch.no_grad():
+                    empty = pipe.text_encoder.encode_text([""]).float().cpu()[0]
+                ok = empty.shape == self.empty_context.shape and torch.allclose(
+                    empty, self.empty_context.float(), rtol=1e-3, atol=1e-4)
+                why = None if ok else f"{spec} does not give the features in {self.cfg.data.root}"
+            except Exception as e:  # noqa: BLE001 - any loading failure (offline, missing file) only costs the encoder
+                why = f"{spec} did not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        if why is not None:
+            pipe.register_modules(text_encoder=None)
+            logger.warning("exported without a text encoder (%s); sample.py then needs --clip for prompts", why)
