@@ -235,3 +235,28 @@ def test_export_followed_by_an_override_is_not_taken_as_a_checkpoint(tmp_path, i
               "--export", f"train.run_dir={run}"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(run / "pipeline") and (run / "pipeline" / "model_index.json").is_file()
+
+
+@pytest.mark.parametrize("case", ["bad config", "bad input"])
+def test_under_accelerate_launch_a_bad_start_is_one_error_line(tmp_path, image_dir, tiny, case):
+    # `accelerate launch -q`: the launcher exits 1 without re-raising the script's exit as its own traceback.
+    args = (["configs/cifar10_uvic_s2.yaml", "train.learning_rate=1"] if case == "bad config" else
+            ["configs/cifar10_uvic_s2.yaml", *tiny(tmp_path / "run", image_dir, **{"model.img_size": 16})])
+    r = _run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--cpu", "--num_processes", "1",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", *args])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: unknown config key(s) ['train.learning_rate']" if case == "bad config"
+                           else "error: dataset 'image_folder' gives images of shape (3, 8, 8)")
+
+
+def test_cpu_users_do_not_see_the_cuda_home_warning(tmp_path):
+    if not (torch.cuda._is_compiled() and torch.version.cuda) or torch.cuda.is_available():
+        pytest.skip("torch logs the warning only from a CUDA build without a GPU")
+    env = {**ENV, "CUDA_HOME": str(tmp_path)}
+    show = "import logging; logging.basicConfig(); import torch.utils.cpp_extension"
+    hide = "from uvic.errors import configure_logging; configure_logging(); import torch.utils.cpp_extension"
+    shown = subprocess.run([sys.executable, "-c", show], cwd=ROOT, env=env, capture_output=True, text=True)
+    hidden = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert "No CUDA runtime is found" in shown.stderr  # the set-up does provoke it
+    assert hidden.returncode == 0 and "No CUDA runtime is found" not in hidden.stderr
