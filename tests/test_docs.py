@@ -52,3 +52,38 @@ def test_cited_sections_exist():
                       if line.startswith("## ")} for doc in docs}  # fmt: skip
     missing = {f"{doc}: {section}": files for (doc, section), files in cited.items() if section not in headings[doc]}
     assert not missing, f"cited sections that the docs do not have: {missing}"
+
+
+def _readme_snippets() -> list[tuple[int, str]]:
+    """(line number, code) of every ```python block of the README."""
+    lines, out, start = (ROOT / "README.md").read_text(encoding="utf-8").splitlines(), [], None
+    for i, line in enumerate(lines, 1):
+        if line.strip() == "```python":
+            start = i
+        elif line.strip() == "```" and start is not None:
+            out.append((start, "\n".join(lines[start:i - 1])))
+            start = None
+    return out
+
+
+# A snippet that needs what a test cannot have (downloaded weights, a trained run) says so in its first line,
+# visibly: "# Needs: ...". Every other snippet runs as written.
+NEEDS = "# Needs: "
+
+
+def test_the_readme_python_snippets_that_need_nothing_run(tmp_path, monkeypatch):
+    snippets = _readme_snippets()
+    runnable = [(n, code) for n, code in snippets if not code.startswith(NEEDS)]
+    assert len(runnable) >= 2 and len(snippets) > len(runnable)  # both kinds are found
+    monkeypatch.chdir(tmp_path)
+    for n, code in runnable:
+        try:
+            exec(compile(code, f"README.md:{n}", "exec"), {"__name__": "readme"})
+        except Exception as e:  # noqa: BLE001 - report which snippet failed
+            raise AssertionError(f"the README snippet at line {n} fails: {type(e).__name__}: {e}") from e
+
+
+def test_the_readme_snippets_that_need_more_say_what():
+    for n, code in _readme_snippets():
+        if code.startswith("# Needs"):
+            assert code.startswith(NEEDS) and len(code.splitlines()[0]) > len(NEEDS) + 5, f"README.md:{n}"
