@@ -26,7 +26,15 @@ import torch
 from accelerate import Accelerator
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from uvic.errors import StorageError, cli_errors, describe_os_error, finite_float, int_at_least, storage_errors
+from uvic.errors import (
+    StorageError,
+    cli_errors,
+    configure_logging,
+    describe_os_error,
+    finite_float,
+    int_at_least,
+    storage_errors,
+)
 from uvic.pipelines import UViCPipeline, UViCText2ImagePipeline
 from uvic.pipelines.sampling import (
     balanced_class_labels,
@@ -106,7 +114,7 @@ def main() -> None:
     cc.add_argument("--class-labels", nargs="+", metavar="ID", help="class ids (image i gets the i-th, cycling), or "
                     "`random`: U-ViT's FID labels (uniform for latent models, training-class frequencies for pixels)")
     args = p.parse_args()
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    configure_logging()
 
     state = Accelerator()  # reads `accelerate launch` settings (processes, --cpu)
     try:  # everything that can be checked is checked before any sampling starts
@@ -141,6 +149,9 @@ def main() -> None:
                         len(prompts))
     pipe.to(state.device)
     pipe.set_progress_bar_config(disable=True)
+    if state.is_local_main_process:
+        logging.info("the first batch includes one-time compilation (torch.compile of the attention on CPU, Triton "
+                     "kernels on a GPU) and can take a few minutes")
     common = {"batch_size": args.batch_size, "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale,
               "progress": not args.quiet and state.is_local_main_process}
     # A failed write (disk full) is one line; no partial file stays behind, and a re-run of --out-dir skips the finished

@@ -339,3 +339,75 @@ def test_the_grid_progress_bar_and_quiet(pipe_dir, tmp_path, monkeypatch, capsys
         assert _bar_updates(err) == [] and "/4" not in err
     else:
         _check_counts(_bar_updates(err), 4, every_batch=False)
+
+
+# The text-to-image export carries its text encoder: prompts work offline without --clip.
+
+
+@pytest.fixture(scope="module")
+def t2i_export(tmp_path_factory, make_tiny_coco):
+    """A 1-step t2i run on tiny features whose export carries the features' (tiny) text encoder."""
+    from uvic.config import (
+        DiffusionConfig,
+        SampleConfig,
+        Text2ImageDataConfig,
+        Text2ImageRunConfig,
+        TrainConfig,
+        UViTConfig,
+    )
+    from uvic.training import train
+
+    tmp = tmp_path_factory.mktemp("t2i")
+    root, vae, te = make_tiny_coco(tmp, 4, splits=("train",))
+    vae.save_pretrained(tmp / "vae")
+    te.save_pretrained(tmp / "te")
+    cfg = Text2ImageRunConfig(
+        model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=16, depth=2, num_heads=2, clip_dim=16,
+                         num_clip_token=5),
+        diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
+                                  beta_end=0.012),
+        data=Text2ImageDataConfig(root=str(root), num_workers=0, vae=str(tmp / "vae"), text_encoder=str(tmp / "te")),
+        train=TrainConfig(run_dir=str(tmp / "run"), max_steps=1, batch_size=2, warmup_steps=0, log_every=1,
+                          sample_every=0, save_every=1, log_with="none"),
+        sample=SampleConfig(sampler="uvit_dpm_solver", num_inference_steps=2, num_images=2),
+    )  # fmt: skip
+    train(cfg)
+    return tmp / "run" / "pipeline", te
+
+
+def test_the_t2i_export_samples_prompts_offline_without_clip(t2i_export, tmp_path, monkeypatch, capsys):
+    import socket
+
+    from PIL import Image
+
+    from uvic.pipelines import UViCText2ImagePipeline
+
+    pipeline, te = t2i_export
+    assert (pipeline / "text_encoder").is_dir()
+    exported = UViCText2ImagePipeline.from_pretrained(pipeline).text_encoder
+    torch.testing.assert_close(exported.encode_text(["photo 1"]), te.encode_text(["photo 1"]), rtol=0, atol=0)
+
+    def refuse(self, address, *args, **kwargs):
+        raise RuntimeError(f"network access attempted: connect({address!r})")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    # Two prompts and no --num-images: one image each.
+    monkeypatch.setattr(sys, "argv", ["sample.py", str(pipeline), "--grid", str(tmp_path / "g.png"), "--prompt",
+                                      "a cat", "--prompt", "a dog", "--steps", "1", "--quiet"])
+    runpy.run_path(str(ROOT / "sample.py"), run_name="__main__")
+    assert capsys.readouterr().out.strip() == str(tmp_path / "g.png")
+    from uvic.pipelines.sampling import grid_shape, image_shape
+
+    h, w, _ = grid_shape(2, *image_shape(UViCText2ImagePipeline.from_pretrained(pipeline)))
+    assert Image.open(tmp_path / "g.png").size == (w, h)
+
+
+def test_fewer_prompts_than_images_is_said_in_one_line(t2i_export, tmp_path):
+    pipeline, _ = t2i_export
+    r = subprocess.run([sys.executable, "sample.py", str(pipeline), "--grid", str(tmp_path / "g.png"), "--prompt",
+                        "a cat", "--prompt", "a dog", "--num-images", "3", "--steps", "1", "--quiet"], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if "prompts for" in line][0].endswith(
+        "2 prompts for 3 images: image i uses prompt i % 2")
