@@ -247,3 +247,24 @@ def test_sana_linear_attention_is_refused_with_the_reason():
                                          r"attention .*no signed-softmax counterpart"):  # fmt: skip
         apply_cog_attention(model)
     assert {name: type(m.processor) for name, m in attention_layers(model).items()} == before  # nothing changed
+
+
+def test_explicit_added_kv_processors_keep_their_scale():
+    """`set_default_attn_processor` gives a SimpleCrossAttn UNet the explicit `AttnAddedKVProcessor` (softmax by
+    hand, scale `attn.scale`): its kept-softmax twin matches it, and its Cog layers compute what the SDPA variant's
+    Cog layers compute (the same scale, hd ** -0.5, on these layers)."""
+    model, inputs = in_float64(*tiny_simple_cross_unet())
+    model.set_default_attn_processor()
+    with torch.no_grad():
+        stock = model(**inputs).sample
+        with pytest.warns(UserWarning, match="no layer runs Cog attention"):
+            apply_cog_attention(model, keep_softmax=100)
+        assert all(m.processor.layer_scale for m in attention_layers(model).values())
+        # The stock processor's softmax runs in float32 (its `upcast_softmax` casts the scores with `.float()`).
+        torch.testing.assert_close(model(**inputs).sample, stock, rtol=1e-6, atol=1e-6)
+        apply_cog_attention(model, keep_softmax=0)
+        cog = model(**inputs).sample
+        sdpa_variant, _ = in_float64(*tiny_simple_cross_unet())
+        apply_cog_attention(sdpa_variant, keep_softmax=0)
+        torch.testing.assert_close(cog, sdpa_variant(**inputs).sample, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(cog, stock, atol=1e-4)

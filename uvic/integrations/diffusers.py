@@ -24,6 +24,7 @@ import torch
 from uvic.attention import Backend
 from uvic.integrations.diffusers_processors import (
     FAMILIES,
+    LAYER_SCALED,
     REFUSED,
     CogAddedKVAttnProcessor,
     CogAttnProcessor,
@@ -154,8 +155,7 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
         cls = cog if block in cog_blocks else kept
         kwargs = {}
         if issubclass(cls, _LayerScale):  # AttnProcessor-style stock processors read attn.scale
-            kwargs["layer_scale"] = getattr(old, "layer_scale", type(old).__name__ in ("AttnProcessor",
-                                                                                     "AttnAddedKVProcessor"))
+            kwargs["layer_scale"] = getattr(old, "layer_scale", type(old) in LAYER_SCALED)
         module.set_processor(cls(backend, name, **kwargs))
         placed[name] = cls
         if cls is cog:

@@ -617,6 +617,9 @@ FAMILIES: list[tuple[tuple[type, ...], type, type]] = [
     ((WanAttnProcessor,), CogWanAttnProcessor, KeptSoftmaxWanAttnProcessor),
 ]
 
+# Stock processors that scale q k^T by the layer's `attn.scale` (their SDPA twins use hd ** -0.5): see `_LayerScale`.
+LAYER_SCALED = (AttnProcessor, AttnAddedKVProcessor)
+
 # Stock processors whose attention is not softmax attention, so Cog attention has nothing to replace.
 REFUSED = {
     SanaLinearAttnProcessor2_0: "linear attention (ReLU feature maps, no softmax over the scores), which has no "
