@@ -1,0 +1,269 @@
+"""FID while training (`train.eval_every`): eval.jsonl, best.json, rotation, --export best, a kill during an
+evaluation, 2 processes = 1 process, the tensorboard event file, and the start-up checks.
+
+The FID network is the random-init FID-Inception of tests/fid/conftest.py, the reference statistics are made by
+the harness (`uvic.fid.compute_stats`) from a small image folder, and every FID is checked against the harness
+scoring the same protocol's images written by the folder writer (`sample.py --out-dir`)."""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from uvic.config import load_config
+from uvic.training import train
+from uvic.training.checkpoint import list_checkpoints
+
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+# The session fixture `weights_file` (random-init FID-Inception weights) of the FID tests.
+_spec = importlib.util.spec_from_file_location("fid_tests_conftest", ROOT / "tests" / "fid" / "conftest.py")
+_fid_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_fid_conftest)
+weights_file = _fid_conftest.weights_file
+
+
+def _images(folder, n, size, seed=0):
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, weights_file):
+    """Training images, reference images and the harness's reference statistics of them."""
+    from uvic.fid import compute_stats, save_stats
+
+    root = tmp_path_factory.mktemp("eval_data")
+    train_images = _images(root / "train", 8, 8)
+    ref_images = _images(root / "ref", 3, 8, seed=1)
+    stats = compute_stats(ref_images, weights=weights_file, weights_sha256=None, device="cpu", progress=False)
+    save_stats(stats, root / "ref.npz")
+    return {"train": train_images, "ref_images": ref_images, "ref": root / "ref.npz", "weights": weights_file}
+
+
+@pytest.fixture(scope="module")
+def defaults(tmp_path_factory):
+    """A config file of no deltas: the CLI runs the same config as `load_config(None, ...)`."""
+    path = tmp_path_factory.mktemp("config") / "defaults.yaml"
+    path.write_text("{}\n")
+    return str(path)
+
+
+def _overrides(run_dir, data, **extra):
+    base = {
+        "model.img_size": 8, "model.patch_size": 2, "model.embed_dim": 16, "model.depth": 2, "model.num_heads": 2,
+        "data.name": "image_folder", "data.root": str(data["train"]), "data.image_size": 8, "data.num_workers": 0,
+        "train.run_dir": str(run_dir), "train.batch_size": 4, "train.max_steps": 4, "train.warmup_steps": 1,
+        "train.lr": 1e-3, "train.ema_decay": 0.9, "train.log_every": 1, "train.sample_every": 2,
+        "train.save_every": 2, "train.keep_checkpoints": 1, "train.log_with": "tensorboard", "train.cpu_threads": 1,
+        "train.eval_every": 2, "train.eval_num_images": 2, "train.eval_reference": str(data["ref"]),
+        "train.eval_fid_weights": str(data["weights"]), "train.eval_fid_weights_sha256": "none",
+        "sample.num_images": 2, "sample.num_inference_steps": 2, "sample.batch_size": 2,
+    }  # fmt: skip
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def fid_run(tmp_path_factory, data):
+    """An uninterrupted 4-step run evaluating at steps 2 and 4, keeping 1 checkpoint (plus the best)."""
+    run = tmp_path_factory.mktemp("fid_run") / "run"
+    train(load_config(None, _overrides(run, data)))
+    return run
+
+
+def _evaluations(run):
+    return [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+
+
+def _harness_fid(source, data, n=2, seed=0, steps=2, tmp=None):
+    """The harness's FID of images 0..n-1 of the sample.py protocol (the folder writer) from a checkpoint dir."""
+    from uvic.fid import compute_fid
+    from uvic.pipelines.sampling import sample_to_folder
+    from uvic.training.runs import load_pipeline
+
+    pipe = load_pipeline(source)
+    pipe.set_progress_bar_config(disable=True)
+    sample_to_folder(pipe, tmp, n, seed=seed, num_inference_steps=steps)
+    return compute_fid(tmp, data["ref"], weights=data["weights"], weights_sha256=None, device="cpu",
+                       progress=False).fid
+
+
+def test_each_evaluation_is_one_line_with_the_harness_fid(fid_run, data, tmp_path):
+    records = _evaluations(fid_run)
+    assert [r["step"] for r in records] == [2, 4]
+    sampler = load_config(fid_run / "config.yaml").sample.sampler  # eval_sampler unset: the sample section's
+    for r in records:
+        assert set(r) == {"step", "fid", "num_images", "sampler", "steps", "checkpoint"}
+        assert (r["num_images"], r["sampler"], r["steps"]) == (2, sampler, 2)
+        assert r["checkpoint"] == f"checkpoints/step_{r['step']:09d}"
+        assert np.isfinite(r["fid"]) and r["fid"] > 0
+    # The latest checkpoint always survives rotation: its FID is what the harness gives for sample.py's images.
+    expected = _harness_fid(fid_run / "checkpoints" / "step_000000004", data, tmp=tmp_path / "samples")
+    assert records[1]["fid"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_best_json_names_the_lowest_fid_and_rotation_keeps_it(fid_run):
+    records = _evaluations(fid_run)
+    best = json.loads((fid_run / "best.json").read_text())
+    low = min(records, key=lambda r: r["fid"])
+    assert best == {"step": low["step"], "fid": low["fid"], "checkpoint": low["checkpoint"]}
+    # keep_checkpoints=1: the newest, and the best even when it is older. (Step 2 was the best when step 4 was saved,
+    # so it was kept then; rotation at a later save removes it once it is neither.)
+    steps = [s for s, _ in list_checkpoints(fid_run)]
+    assert 4 in steps and low["step"] in steps and set(steps) <= {2, 4}
+    assert (fid_run / best["checkpoint"]).is_dir()
+
+
+def test_rotation_never_deletes_the_best_checkpoint(fid_run, data, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    best = json.loads((run / "best.json").read_text())["step"]
+    # Four more checkpoints with keep_checkpoints=1 and no more evaluations: the best is kept through every rotation.
+    train(load_config(None, _overrides(run, data, **{"train.max_steps": 8, "train.save_every": 1,
+                                                     "train.eval_every": 0, "train.sample_every": 0,
+                                                     "train.log_with": "none", "train.resume": "latest"})))
+    assert [s for s, _ in list_checkpoints(run)] == sorted({best, 8})
+
+
+def test_export_best_exports_the_best_checkpoint(fid_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    shutil.rmtree(run / "pipeline")
+    best = json.loads((run / "best.json").read_text())["checkpoint"]
+    r = subprocess.run([sys.executable, "train.py", str(run / "config.yaml"), f"train.run_dir={run}", "--export",
+                        "best"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(run / "pipeline")
+    (weights,) = (run / "pipeline" / "transformer").glob("*.safetensors")
+    exported, ema = load_file(weights), load_file(run / best / "ema.safetensors")
+    assert exported.keys() == ema.keys() and all(torch.equal(exported[k], ema[k]) for k in ema)
+
+
+def test_export_best_without_evaluations_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "configs/demo_digits.yaml", f"train.run_dir={tmp_path}",
+                        "--export", "best"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path} has no best.json: no FID was computed while training (train.eval_every)")
+
+
+def test_tensorboard_holds_the_sample_grids_and_eval_fid(fid_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # accelerate's tracker writes the run's events in train/ (its hparams go to a folder of their own).
+    acc = EventAccumulator(str(fid_run / "train"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    assert "samples" in acc.Tags()["images"] and "eval/fid" in acc.Tags()["scalars"]
+    images = acc.Images("samples")
+    assert [e.step for e in images] == [2, 4]
+    grid = np.asarray(Image.open(fid_run / "samples" / "step_0000004.png").convert("RGB"))
+    assert (images[-1].height, images[-1].width) == grid.shape[:2]
+    fids = {e.step: e.value for e in acc.Scalars("eval/fid")}
+    assert fids == pytest.approx({r["step"]: r["fid"] for r in _evaluations(fid_run)}, rel=1e-6)
+
+
+def test_a_kill_during_an_evaluation_is_redone_on_resume(fid_run, data, defaults, tmp_path):
+    run = tmp_path / "run"
+    # 400 images: the evaluation of step 2 is still running when the kill comes.
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen([sys.executable, "train.py", defaults,
+                              *_overrides(run, data, **{"train.eval_num_images": 400})], cwd=ROOT, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+    try:
+        deadline = time.time() + 400
+        while not (run / "checkpoints" / "step_000000002").is_dir() and time.time() < deadline:
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)  # into the evaluation
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        log.close()
+    assert not (run / "eval.jsonl").exists()
+    train(load_config(None, _overrides(run, data, **{"train.resume": "latest"})))
+    lines = (run / "eval.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # every line complete
+    assert [r["step"] for r in records] == [2, 4]  # step 2 evaluated again, once
+    # The resumed run is the uninterrupted one: the same FIDs.
+    assert [r["fid"] for r in records] == pytest.approx([r["fid"] for r in _evaluations(fid_run)], rel=1e-6)
+    assert not list(run.glob(".eval.jsonl.tmp*")) and not list(run.glob(".best.json.tmp*"))
+
+
+_EVALUATE = """
+import sys, json
+from accelerate import Accelerator
+from uvic.config import config_from_dict
+from uvic.training.evaluation import Evaluator
+from uvic.training.runs import task_from_checkpoint
+task, model, cfg = task_from_checkpoint(sys.argv[1])
+cfg = config_from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "eval_num_images": 3}})
+state = Accelerator(cpu=True)
+import pathlib; pathlib.Path(sys.argv[2]).mkdir(exist_ok=True)
+fid = Evaluator(cfg, task, state).evaluate(model, 4, sys.argv[2], "checkpoints/step_000000004")
+if state.is_main_process:
+    print(json.dumps(fid))
+"""
+
+
+def test_two_processes_give_the_fid_of_one(fid_run, tmp_path):
+    script = tmp_path / "evaluate.py"
+    script.write_text(_EVALUATE)
+    ckpt = str(fid_run / "checkpoints" / "step_000000004")
+    one = subprocess.run([sys.executable, str(script), ckpt, str(tmp_path / "one")], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # 3 images on 2 processes: 2 each, the fourth dropped after the gather.
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(port), str(script), ckpt, str(tmp_path / "two")],
+                         cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    fid1, fid2 = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(two.stdout.strip().splitlines()[-1])
+    assert fid2 == pytest.approx(fid1, rel=1e-6)
+    assert json.loads((tmp_path / "two" / "eval.jsonl").read_text())["fid"] == fid2
+
+
+@pytest.mark.parametrize("problem", ["missing reference", "resolution", "feature size", "missing weights"])
+def test_bad_evaluation_inputs_stop_the_run_before_training(data, defaults, tmp_path, problem):
+    ref, extra = data["ref"], {}
+    if problem == "missing reference":
+        ref = tmp_path / "nothing.npz"
+        expected = f"train.eval_reference '{ref}' does not exist"
+    elif problem == "resolution":
+        ref = _images(tmp_path / "big", 3, 16)
+        expected = f"train.eval_reference '{ref}' holds 16x16 images, the model makes 8x8 ones"
+    elif problem == "feature size":
+        ref = tmp_path / "small.npz"
+        np.savez(ref, mu=np.zeros(64), sigma=np.eye(64), mode=np.str_("pytorch-fid"), n=np.int64(100))
+        expected = f"train.eval_reference '{ref}' holds 64-d features, the FID network gives 2048-d"
+    else:
+        extra = {"train.eval_fid_weights": str(tmp_path / "missing.pth")}
+        expected = f"FID Inception weights not found at '{tmp_path / 'missing.pth'}'"
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "train.py", defaults,
+                        *_overrides(run, data, **{"train.eval_reference": str(ref), **extra})], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {expected}")
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
