@@ -260,3 +260,22 @@ def test_cpu_users_do_not_see_the_cuda_home_warning(tmp_path):
     hidden = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, env=env, capture_output=True, text=True)
     assert "No CUDA runtime is found" in shown.stderr  # the set-up does provoke it
     assert hidden.returncode == 0 and "No CUDA runtime is found" not in hidden.stderr
+
+
+def test_training_output_names_final_paths_once_and_stays_off_the_progress_bar(tmp_path, image_dir, tiny):
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(run, image_dir)], cwd=ROOT,
+                       env={**ENV, "TQDM_MININTERVAL": "0"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.replace("\r", "\n").splitlines()
+    logged = [line for line in lines if " INFO " in line]
+    # The first step says it compiles, and how long it took.
+    assert any("the first step includes one-time compilation" in line for line in logged)
+    assert any("first step done in " in line for line in logged)
+    # One line for the one checkpoint, the final pipeline path, and no temporary name anywhere.
+    assert [line.rsplit(": ", 1)[-1] for line in logged if "checkpoint" in line] == [
+        f"[RANK 0] saved checkpoint {run / 'checkpoints' / 'step_000000003'}"]
+    assert any(line.endswith(f"exported the sampling weights to {run / 'pipeline'}") for line in logged)
+    assert ".tmp" not in r.stderr
+    # Every log line starts a line of its own: none follows a progress-bar state on the same line.
+    assert all(line.split(" INFO ")[0].count(":") == 2 and "it/s" not in line.split(" INFO ")[0] for line in logged)
