@@ -32,6 +32,11 @@ from uvic.schedulers.timesteps import network_timestep_for
 logger = logging.getLogger(__name__)
 
 
+def guided_epsilon(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance, diffusers convention: eps_u + g (eps_c - eps_u). Shapes (B, C, H, W)."""
+    return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
+
+
 def postprocess_images(images: torch.Tensor, output_type: str) -> torch.Tensor | np.ndarray | list:
     """(B, C, H, W) images in [-1, 1] -> [0, 1] in float32 as "pt" (B, C, H, W), "np" (B, H, W, C) or "pil"."""
     images = (images.float() / 2 + 0.5).clamp(0, 1)
@@ -253,8 +258,6 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
             timestep = network_timestep_for(self.scheduler, t.to(device)).expand(model_input.shape[0])
             eps = self.transformer(model_input, timestep, class_labels=labels).sample
             if guided:
-                from uvic.pipelines.pipeline_uvic_t2i import guided_epsilon  # that module imports this one
-
                 eps_cond, eps_uncond = eps.chunk(2)
                 eps = guided_epsilon(eps_cond, eps_uncond, g)
             latents = self.scheduler.step(eps, t, latents, generator=generator).prev_sample

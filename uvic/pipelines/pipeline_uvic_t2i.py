@@ -21,7 +21,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
-from uvic.pipelines.pipeline_uvic import postprocess_images
+from uvic.pipelines.pipeline_uvic import guided_epsilon, postprocess_images
 from uvic.schedulers.timesteps import network_timestep_for
 
 
@@ -31,11 +31,6 @@ __all__ = ["UViCText2ImagePipeline", "guided_epsilon", "official_to_guidance_sca
 def official_to_guidance_scale(scale: float) -> float:
     """U-ViT `config.sample.scale` -> diffusers `guidance_scale` (1.0 -> 2.0)."""
     return 1.0 + scale
-
-
-def guided_epsilon(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-    """Classifier-free guidance, diffusers convention: eps_u + g (eps_c - eps_u). Shapes (B, C, H, W)."""
-    return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
 
 
 class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
