@@ -102,14 +102,16 @@ def all_specs(
         for dtype in dtypes:
             for hd in head_dims:
                 for kernel in kernels:
+                    banded = candidate_configs(kernel, arch, dtype, hd, banded=True)
                     for c in candidate_configs(kernel, arch, dtype, hd):
                         if kernel == "bwd_pre":  # has no mode or mask switches
                             specs.append(Spec(kernel, arch, dtype, hd, c, cog=False, causal=False, has_kpm=False))
                             continue
                         for cog in modes:
                             specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog))
-                            specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=False, window=True,
-                                              softcap=True))  # fmt: skip
+                            if c in banded:
+                                specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=False, window=True,
+                                                  softcap=True))  # fmt: skip
     return specs
 
 

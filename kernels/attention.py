@@ -721,11 +721,13 @@ def length_bucket(n: int) -> int:
     return max(16, min(triton.next_power_of_2(n), 16384))
 
 
-def pick_candidates(kernel: str, arch: int, dtype: torch.dtype, head_dim: int, bucket: int) -> list[KernelConfig]:
-    """The configs the autotuner benchmarks for one launch: the candidates of this (arch, dtype, head dim), less
-    tiles longer than the length bucket (keeping the smallest tile when none fits). Always a subset of
+def pick_candidates(
+    kernel: str, arch: int, dtype: torch.dtype, head_dim: int, bucket: int, banded: bool = False
+) -> list[KernelConfig]:  # fmt: skip
+    """The configs the autotuner benchmarks for one launch: the candidates of this (arch, dtype, head dim, banded),
+    less tiles longer than the length bucket (keeping the smallest tile when none fits). Always a subset of
     `candidate_configs`, which is what `uvic.kernels.aot` compiles and checks."""
-    allowed = candidate_configs(kernel, arch, _DTYPE_NAMES[dtype], head_dim)
+    allowed = candidate_configs(kernel, arch, _DTYPE_NAMES[dtype], head_dim, banded)
     fits = [c for c in allowed if (c.block_n if kernel == "bwd_dkdv" else c.block_m) <= bucket]
     return fits or [min(allowed, key=lambda c: c.block_m * c.block_n)]
 
@@ -743,7 +745,9 @@ def _prune(kernel: str):
 
     def prune(configs, nargs, **kwargs):
         tensor = nargs["O"] if kernel == "bwd_pre" else nargs["Q"]
-        keep = pick_candidates(kernel, _arch(tensor.device), tensor.dtype, kwargs["HEAD_DIM"], nargs["L_BUCKET"])
+        banded = bool(kwargs.get("WINDOW", False) or kwargs.get("SOFTCAP", False))
+        keep = pick_candidates(kernel, _arch(tensor.device), tensor.dtype, kwargs["HEAD_DIM"], nargs["L_BUCKET"],
+                               banded)  # fmt: skip
         return [c for c in configs if _to_plain(c) in keep]
 
     return prune

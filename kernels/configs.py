@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from uvic.kernels import BANDED_HEAD_DIMS
+
 
 KERNELS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 ARCHS = (80, 90)
@@ -110,7 +112,14 @@ def forward_sign_ptx(arch: int, dtype: str) -> bool:
     return arch >= 90 and dtype in ("fp16", "bf16")
 
 
-def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list[KernelConfig]:
+# Sliding-window / softcap kernels (WINDOW or SOFTCAP, "banded" below) keep a few more values per score. ptxas
+# (triton 3.8) spilled their 4-warp dQ tiles at head dim 128 (sm_80 (64, 32, 4, 2): 16-48 bytes; sm_90 (64, 64, 4, 2):
+# 20-24 bytes), so banded calls leave those out; at head dim 256 the one tile of each kernel spilled 12-20 bytes in
+# some banded kernel (sm_80 forward, sm_90 dQ), so banded calls at 256 are outside the envelope (BANDED_HEAD_DIMS).
+_BANDED_DROP = {(80, 128, "bwd_dq"): _C(64, 32, 4, 2), (90, 128, "bwd_dq"): _C(64, 64, 4, 2)}
+
+
+def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded: bool = False) -> list[KernelConfig]:
     """Every config the autotuner may pick for one kernel on one architecture (sm_80 or sm_90).
 
     Args:
@@ -119,6 +128,7 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list
             nearest: < 90 -> 80, >= 90 -> 90).
         dtype: "fp16", "bf16" or "fp32".
         head_dim: 16, 32, 64, 128 or 256.
+        banded: for the sliding-window / softcap kernels (none at head dims outside BANDED_HEAD_DIMS).
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -129,10 +139,13 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int) -> list
     arch = 90 if arch >= 90 else 80
     if kernel == "bwd_pre":
         return list(_PRE)
+    if banded and head_dim not in BANDED_HEAD_DIMS:
+        return []
     if dtype == "fp32":
         return [_C(16, 16, 4, 1)] if (arch, head_dim, kernel) in _FP32_4_WARPS else [_FP32]
     table = {"fwd": _FWD_16, "bwd_dkdv": _DKDV_16, "bwd_dq": _DQ_16}[kernel]
-    return list(table[(arch, head_dim)])
+    drop = _BANDED_DROP.get((arch, head_dim, kernel)) if banded else None
+    return [c for c in table[(arch, head_dim)] if c != drop]
 
 
 def config_arch(major: int, minor: int, smem_optin: int, is_hip: bool) -> tuple[int | None, str | None]:

@@ -219,10 +219,13 @@ def test_autotuner_picks_only_checked_candidates():
         for arch in (80, 90):
             for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                 for hd in HEAD_DIMS:
-                    allowed = candidate_configs(kernel, arch, name, hd)
-                    for bucket in (16, 64, 256, 16384):
-                        picked = kattn.pick_candidates(kernel, arch, dtype, hd, bucket)
-                        assert picked and all(c in allowed for c in picked)
+                    for banded in (False, True):
+                        allowed = candidate_configs(kernel, arch, name, hd, banded)
+                        if not allowed:  # banded kernels at head dim 256: refused by unsupported_reason
+                            continue
+                        for bucket in (16, 64, 256, 16384):
+                            picked = kattn.pick_candidates(kernel, arch, dtype, hd, bucket, banded)
+                            assert picked and all(c in allowed for c in picked)
 
 
 def test_backward_accepts_strided_lse():

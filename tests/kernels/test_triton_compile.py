@@ -42,9 +42,11 @@ def test_matrix_covers_every_candidate():
             for hd in HEAD_DIMS:
                 for kernel in KERNELS:
                     # Cog and softmax, each as causal + key padding and as sliding window + softcap + key padding
-                    modes = ({(False, False)} if kernel == "bwd_pre"
-                             else {(True, False), (False, False), (True, True), (False, True)})  # fmt: skip
+                    banded = candidate_configs(kernel, arch, dtype, hd, banded=True)
                     for c in candidate_configs(kernel, arch, dtype, hd):
+                        modes = ({(False, False)} if kernel == "bwd_pre"
+                                 else {(True, False), (False, False)} | ({(True, True), (False, True)} if c in banded
+                                                                          else set()))  # fmt: skip
                         got = {(s.cog, s.window and s.softcap) for s in specs
                                if (s.kernel, s.arch, s.dtype, s.head_dim, s.config) == (kernel, arch, dtype, hd, c)}
                         assert got == modes, (kernel, arch, dtype, hd, c)
