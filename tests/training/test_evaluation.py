@@ -267,3 +267,44 @@ def test_bad_evaluation_inputs_stop_the_run_before_training(data, defaults, tmp_
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {expected}")
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_text_to_image_evaluation_uses_the_validation_captions(data, make_tiny_coco, tmp_path):
+    """The t2i protocol of sample.py --out-dir --features: random captions of the stored validation features."""
+    from uvic.config import (
+        DiffusionConfig,
+        SampleConfig,
+        Text2ImageDataConfig,
+        Text2ImageRunConfig,
+        TrainConfig,
+        UViTConfig,
+    )
+    from uvic.fid import compute_fid
+    from uvic.pipelines.sampling import mscoco_prompt_embeds, sample_to_folder
+    from uvic.training.runs import load_pipeline
+
+    root, vae, _ = make_tiny_coco(tmp_path / "coco", 4, splits=("train", "val"))
+    vae.save_pretrained(tmp_path / "vae")
+    ref = _images(tmp_path / "ref", 3, 16)  # the tiny VAE decodes 8x8 latents to 16x16 images
+    cfg = Text2ImageRunConfig(
+        model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=16, depth=2, num_heads=2, clip_dim=16,
+                         num_clip_token=5),
+        diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
+                                  beta_end=0.012),
+        data=Text2ImageDataConfig(root=str(root), num_workers=0, vae=str(tmp_path / "vae")),
+        train=TrainConfig(run_dir=str(tmp_path / "run"), max_steps=1, batch_size=2, warmup_steps=0, log_every=1,
+                          sample_every=0, save_every=1, log_with="none", eval_every=1, eval_num_images=2,
+                          eval_reference=str(ref), eval_fid_weights=str(data["weights"]),
+                          eval_fid_weights_sha256="none"),
+        sample=SampleConfig(sampler="uvit_dpm_solver", num_inference_steps=2, num_images=2, batch_size=2),
+    )  # fmt: skip
+    train(cfg)
+    (record,) = _evaluations(tmp_path / "run")
+    pipe = load_pipeline(tmp_path / "run" / "checkpoints" / "step_000000001")
+    pipe.set_progress_bar_config(disable=True)
+    embeds, empty, _ = mscoco_prompt_embeds(root, 2, seed=0)
+    sample_to_folder(pipe, tmp_path / "samples", 2, seed=0, num_inference_steps=2, prompt_embeds=embeds,
+                     negative_prompt_embeds=empty, guidance_scale=cfg.sample.guidance_scale)
+    expected = compute_fid(tmp_path / "samples", ref, weights=data["weights"], weights_sha256=None, device="cpu",
+                           progress=False).fid
+    assert record["step"] == 1 and record["fid"] == pytest.approx(expected, rel=1e-6)
