@@ -323,6 +323,7 @@ def test_the_out_dir_progress_bar_is_on_stderr_and_log_lines_stay_off_it(pipe_di
     updates = _bar_updates(r.stderr)
     _check_counts(updates, 5)
     assert "/5" not in r.stdout
+    assert "the first batch includes one-time compilation" in r.stderr
     # The log line after the bar starts a line of its own.
     assert any(line.endswith(f"process 0 wrote 5 images to {out}") and " INFO " in line and "img/s" not in line
                for line in r.stderr.splitlines())
