@@ -495,9 +495,10 @@ def sweep_leftovers(run_dir: str | Path) -> list[str]:
     """Remove what interrupted saves and deletions left in `run_dir/checkpoints`; returns the names handled.
 
     Call on the main process while holding the run-dir lock (nothing else may be writing). Removed: `.tmp-*`
-    (partial saves), `.deleting-*` (interrupted deletions) and `step_*` dirs without `meta.json` (half-deleted by
-    uvic versions that deleted in place). A `.old-step_N` whose `step_N` is missing (a kill between the two renames
-    of a re-save) is the complete copy of that step: it is renamed back, otherwise removed.
+    (partial saves), `.deleting-*` (interrupted deletions) and `step_*` dirs without `meta.json` (never a complete
+    checkpoint). A `.old-step_N` whose `step_N` is missing (a kill between the two renames of a re-save) is the
+    complete copy of that step: it is renamed back, otherwise removed. Symlinks among them are unlinked, never
+    followed.
     """
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
