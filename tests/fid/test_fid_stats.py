@@ -140,3 +140,21 @@ def test_a_failed_download_says_how_to_provide_the_weights(tmp_path, monkeypatch
                             f"or the UVIC_FID_WEIGHTS environment variable, or put it at "
                             f"{tmp_path / 'hub' / 'checkpoints' / WEIGHTS_NAME}")
     assert not (tmp_path / "hub" / "checkpoints" / WEIGHTS_NAME).exists()
+
+
+def test_a_failed_stats_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "ref.npz"
+    save_stats(FIDStats(mu=np.zeros(3), sigma=np.eye(3), n=4, mode="pytorch-fid"), path)
+    real_savez = np.savez
+
+    def full_disk(f, **arrays):
+        real_savez(f, **arrays)
+        f.truncate(100)  # part of the archive reached the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_stats(FIDStats(mu=np.ones(3), sigma=2 * np.eye(3), n=4, mode="pytorch-fid"), path)
+    assert (load_stats(path).mu == 0).all() and sorted(p.name for p in tmp_path.iterdir()) == ["ref.npz"]
