@@ -538,8 +538,8 @@ def _run_tile(name: str, compiled: bool, *args) -> None:
     return fn(*args)
 
 class _AttentionTorch(torch.autograd.Function):
-    """Tiled Cog (or softmax) attention with the FlashAttention memory contract (docs/attention.md, "The torch
-    backend").
+    """Tiled Cog (or softmax) attention with the FlashAttention memory contract
+    (docs/attention.md, "The torch backend").
 
     Tiles (see `_tiles`) hold complete query rows over the keys of their band, so the transient memory is a few
     tiles of `tile_elements` scores whatever the sequence length.
