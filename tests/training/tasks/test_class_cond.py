@@ -146,3 +146,10 @@ def test_imagenet_latent_run_with_label_dropout(tmp_path):
         over3 = [o if not o.startswith("data.vae=") else f"data.vae={tmp_path / 'vae3'}" for o in over]
         train(load_config(None, [o if not o.startswith("train.run_dir=") else f"train.run_dir={tmp_path / 'r3'}"
                                  for o in over3]))
+
+
+def test_on_sample_returns_its_grid_for_the_trackers(tmp_path):
+    """The loop shows the file `on_sample` returns in the trackers: a pixel run's grid, one image per class."""
+    task = ClassConditionalTask(load_config(None, _pixels(tmp_path, tmp_path)))
+    path = task.on_sample(task.build_model().eval(), 7, tmp_path)
+    assert path == tmp_path / "samples" / "step_0000007.png" and path.is_file()

@@ -51,8 +51,9 @@ class Task(Protocol):
         for the config's `sample.sampler`; `vae`: the autoencoder of a latent model, None for the configured one.
         Raises ValueError for a task whose model has no image pipeline (the LM)."""
 
-    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> None:
-        """Periodic qualitative output from the sampling weights (main process only), e.g. a sample grid."""
+    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> Path | None:
+        """Periodic qualitative output from the sampling weights (main process only), e.g. a sample grid. Returns
+        the file written (the loop shows it in the trackers under `samples`), or None when nothing was written."""
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """Write the final artefact from the sampling weights (main process only), e.g. a pipeline directory."""

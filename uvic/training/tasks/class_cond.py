@@ -151,11 +151,11 @@ class ClassConditionalTask(DiffusionTask):
                             label_dropout=self.cfg.data.p_uncond, class_counts=self.class_counts(),
                             default_guidance_scale=guidance)
 
-    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> None:
-        """A grid of classes i % num_labels (with the configured guidance)."""
+    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> Path | None:
+        """A grid of classes i % num_labels (with the configured guidance); the file written, None without a VAE."""
         if self.latent and not self.cfg.data.vae:
             logger.warning("data.vae is not set: no sample grid at step %d", step)
-            return
+            return None
         s = self.cfg.sample
         device = next(model.parameters()).device
         pipe = self.pipeline(model)
@@ -168,6 +168,7 @@ class ClassConditionalTask(DiffusionTask):
         path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
         save_grid(images, path)
         logger.info("wrote %s", path)
+        return path
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """The model as a `UViCPipeline` (a latent model needs `data.vae`; otherwise only `out_dir/transformer`)."""
