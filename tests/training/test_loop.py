@@ -151,11 +151,13 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, image_dir, tiny_overri
     run = tmp_path / "run"
     train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 2})))
     ckpt = list_checkpoints(run)[-1][1]
-    # A checkpoint of an older uvic (no hashes) is loaded unverified...
+    # A file whose recorded hash matches (so the checkpoint verifies) but which is not a safetensors file.
+    bad = b"not a safetensors file"
+    (ckpt / "model.safetensors").write_bytes(bad)
     meta = json.loads((ckpt / "meta.json").read_text())
-    (ckpt / "meta.json").write_text(json.dumps({"step": meta["step"]}))
-    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ValueError, match="step_000000002 is unreadable"):  # ...and fails as it is read
+    meta["sha256"]["model.safetensors"] = hashlib.sha256(bad).hexdigest()
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="step_000000002 is unreadable or does not match this run"):
         train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest"})))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(load_config(None, tiny_overrides(tmp_path / "r2", image_dir, **{"train.resume": str(tmp_path)})))
@@ -176,7 +178,7 @@ def test_resume_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, im
     branch = {"train.save_every": 1, "train.max_steps": 3, "train.keep_checkpoints": 2,
               "train.resume": str(run / "checkpoints" / "step_000000002")}
     train(load_config(None, tiny_overrides(run, image_dir, **branch)))
-    # Only the new branch is rotated: before, the stale step 4 survived (and was "latest") and step 2 was deleted.
+    # Only the new branch is rotated: the stale step 4 is not "latest", and step 2 is kept.
     assert [s for s, _ in list_checkpoints(run)] == [2, 3]
     assert resume_checkpoint(run, "latest") == latest_checkpoint(run) == run / "checkpoints" / "step_000000003"
     (abandoned,) = (run / "checkpoints" / "abandoned").iterdir()

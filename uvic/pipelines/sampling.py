@@ -72,7 +72,7 @@ def load_pretrained(
 
     Args:
         path: a `save_pretrained` directory.
-        sampler: switch the scheduler to this sampler on the same forward process (`uvic.schedulers.SAMPLERS`);
+        sampler: switch the scheduler to this sampler on the same forward process (`uvic.schedulers.sampler_names()`);
             None keeps the saved one.
         text_encoder: for a text-to-image pipeline without one (training exports hold none): a
             `CLIPTextEncoder` directory, or an open_clip tag such as "openai" / a checkpoint file. Needed for
