@@ -164,6 +164,31 @@ def test_generate_gives_the_same_tokens_with_and_without_the_cache(family):
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_static_cache_gives_the_dynamic_cache_tokens_and_logits(family):
+    """A StaticCache holds max_cache_len slots, filled up to the current token: Cog attends to the filled ones."""
+    model = tiny(family, sliding_window=4)  # Mistral: a window shorter than the sequence, in a static window layer
+    apply_cog_attention(model, keep_softmax=1)
+    ids, mask = batch()
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
+          "return_dict_in_generate": True, "output_scores": True}  # fmt: skip
+    static = model.generate(ids, cache_implementation="static", **kw)
+    dynamic = model.generate(ids, **kw)
+    assert type(static.past_key_values).__name__ == "StaticCache"
+    assert torch.equal(static.sequences, dynamic.sequences)
+    for a, b in zip(static.scores, dynamic.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # a prefill into a fresh cache longer than the sequence: the full forward's logits
+    from transformers import StaticCache
+
+    with torch.no_grad():
+        cached = model(ids, attention_mask=mask, past_key_values=StaticCache(config=model.config, max_cache_len=32),
+                       use_cache=True).logits  # fmt: skip
+        full = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(cached[1, 3:], full[1, 3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached[0], full[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_from_config_with_cog_uses_the_default_placement(family):
     model = tiny(family)
@@ -226,11 +251,6 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
     four_d = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\).*a 4-D torch.bool mask \(4-D masks"):
         model(ids, attention_mask=four_d)
-    from transformers import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match="Llama attention mask: Cog attention needs causal keys that end at the current"):
-        model(ids, past_key_values=cache, use_cache=True)
     packed = torch.cat([torch.arange(4), torch.arange(5)])[None].expand(2, -1)  # two documents in each row
     with pytest.raises(ValueError, match="Llama attention mask: .*another pattern .*packed sequences"):
         model(ids, position_ids=packed, use_cache=False)

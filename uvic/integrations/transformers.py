@@ -63,26 +63,33 @@ def cog_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """The mask "cog" attention gets: the (B, kv_length) key padding mask (True = the key takes part), or None.
+    """The mask "cog" attention gets: a (B, n) key padding mask (True = the key takes part) over the first n keys,
+    or None (every key takes part).
 
     Registered with `AttentionMaskInterface`; transformers calls it with the arguments of its other mask builders.
     The causal part and a sliding window are not materialised: they are the op's bottom-right aligned `causal=True`
     and `window`, which equal transformers' patterns when the keys end at the current token (no cache, a
-    DynamicCache, or its sliding layers).
+    DynamicCache, or its sliding layers). A StaticCache holds `kv_length` slots from position 0 of which only the
+    first n = q_offset + q_length are filled, and no query sees the rest: the mask then has n < kv_length columns,
+    and `cog_attention_forward` attends to the first n keys only, which end at the current token.
 
     Raises:
         ValueError: a mask pattern other than causal, causal with the config's sliding window, or bidirectional
-            (packed sequences, block masks, bidirectional windows), or causal keys that do not end at the current
-            token (StaticCache). The mask is built once for all layers, so the message names the model (from
-            `config`), not a layer.
+            (packed sequences, block masks, bidirectional windows), or causal keys that neither end at the current
+            token nor start at position 0 and reach it (a static sliding-window cache). The mask is built once for
+            all layers, so the message names the model (from `config`), not a layer.
     """
     config = kwargs.get("config")
     where = "attention mask" if config is None else f"{type(config).__name__.removesuffix('Config')} attention mask"
     q_offset, kv_offset = int(q_offset), int(kv_offset)
+    filled = kv_length  # keys up to the current token
     if mask_function is not bidirectional_mask_function and kv_offset + kv_length != q_offset + q_length:
-        raise ValueError(f"{where}: Cog attention needs causal keys that end at the current token (no cache or a "
-                         f"DynamicCache); got {kv_length} keys at offset {kv_offset} for the {q_length} queries at "
-                         f"{q_offset} (a static cache)")  # fmt: skip
+        filled = q_offset + q_length
+        if kv_offset != 0 or not 0 < filled <= kv_length:
+            raise ValueError(f"{where}: Cog attention needs causal keys that end at the current token, or a cache "
+                             f"whose keys start at position 0 (a DynamicCache or a StaticCache); got {kv_length} keys "
+                             f"at offset {kv_offset} for the {q_length} queries at {q_offset} (a static "
+                             "sliding-window cache)")  # fmt: skip
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         # Any other pattern is accepted only if it is the causal one or the causal one cut by the sliding window.
         device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
@@ -97,6 +104,11 @@ def cog_mask(
                              "any) or bidirectional ones, with key padding; this model asks for another pattern "
                              f"({getattr(mask_function, '__name__', mask_function)}: packed sequences, a block "
                              "mask or a bidirectional window)")  # fmt: skip
+    if filled < kv_length:  # a static cache: the first `filled` positions (transformers pads a short mask with 0)
+        if attention_mask is None:
+            return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+        kpm = attention_mask[:, :filled].to(torch.bool)
+        return torch.nn.functional.pad(kpm, (0, filled - kpm.shape[-1]))
     if attention_mask is None:
         return None
     kpm = attention_mask[:, -kv_length:].to(torch.bool)
@@ -120,7 +132,8 @@ def cog_attention_forward(
         module: the model's attention module (carries `config`, and `cog_layer` = (index, stack length) set by
             `apply_cog_attention` or at build time, else `layer_idx`; `is_causal`, `num_key_value_groups`).
         query: (B, nh, Lq, hd); key, value: (B, nh_kv, Lk, hd) (grouped-query heads are repeated).
-        attention_mask: what `cog_mask` built: (B, Lk) bool key padding mask, or None.
+        attention_mask: what `cog_mask` built: (B, n) bool key padding mask over the first n <= Lk keys (n < Lk:
+            a static cache's filled slots, and only those keys are attended to), or None.
         dropout: must be 0 (attention dropout is not supported).
         scaling: multiplies q k^T.
         is_causal: overrides `module.is_causal`.
@@ -148,6 +161,8 @@ def cog_attention_forward(
         if not causal:
             raise ValueError(f"{where}: a bidirectional sliding window is not supported by Cog attention")
         window = (int(window) - 1, 0)  # transformers' window w: keys i - w < j <= i
+    if attention_mask is not None and attention_mask.shape[-1] < key.shape[-2]:  # a static cache's filled slots
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
