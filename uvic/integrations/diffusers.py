@@ -44,9 +44,9 @@ from uvic.integrations.diffusers_processors import (
     KeptSoftmaxJointAttnProcessor,
     KeptSoftmaxLTXAttnProcessor,
     KeptSoftmaxWanAttnProcessor,
-    _LayerScale,
     key_padding_mask_from,
 )
+from uvic.integrations.diffusers_processors.base import LayerScale
 
 
 __all__ = ["CONFIG_KEY", "CogAddedKVAttnProcessor", "CogAttnProcessor", "CogAuraFlowAttnProcessor",
@@ -154,7 +154,7 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
         cog, kept = _FAMILY[type(old)]
         cls = cog if block in cog_blocks else kept
         kwargs = {}
-        if issubclass(cls, _LayerScale):  # AttnProcessor-style stock processors read attn.scale
+        if issubclass(cls, LayerScale):  # AttnProcessor-style stock processors read attn.scale
             kwargs["layer_scale"] = getattr(old, "layer_scale", type(old) in LAYER_SCALED)
         module.set_processor(cls(backend, name, **kwargs))
         placed[name] = cls
