@@ -37,6 +37,38 @@ def guided_epsilon(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_sc
     return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
 
 
+def denoise(
+    pipeline: DiffusionPipeline,
+    latents: torch.Tensor,
+    num_inference_steps: int,
+    guidance_scale: float,
+    generator: torch.Generator | list[torch.Generator] | None,
+    device: torch.device,
+    **conditioning: torch.Tensor | None,
+) -> torch.Tensor:
+    """The denoising loop of both pipelines: `pipeline.scheduler` runs `num_inference_steps` steps from the scaled
+    starting noise `latents` (B, C, H, W), each on the epsilon of `pipeline.transformer` fed the network timestep.
+
+    With guidance (`guidance_scale` > 1) each step is one transformer call on the doubled batch [conditional,
+    unconditional], so every `conditioning` tensor (the transformer's keyword arguments, e.g. `class_labels` (2B,)
+    or `encoder_hidden_states` (2B, L, D)) must come batched that way; epsilon is guided (`guided_epsilon`) before
+    the solver turns it into a data prediction. Returns the final latents (B, C, H, W).
+    """
+    guided = guidance_scale > 1.0
+    scheduler = pipeline.scheduler
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    for t in pipeline.progress_bar(scheduler.timesteps):
+        model_input = scheduler.scale_model_input(latents, t)
+        model_input = torch.cat([model_input] * 2) if guided else model_input
+        timestep = network_timestep_for(scheduler, t.to(device)).expand(model_input.shape[0])
+        eps = pipeline.transformer(model_input, timestep, **conditioning).sample
+        if guided:
+            eps_cond, eps_uncond = eps.chunk(2)
+            eps = guided_epsilon(eps_cond, eps_uncond, guidance_scale)
+        latents = scheduler.step(eps, t, latents, generator=generator).prev_sample
+    return latents
+
+
 def postprocess_images(images: torch.Tensor, output_type: str) -> torch.Tensor | np.ndarray | list:
     """(B, C, H, W) images in [-1, 1] -> [0, 1] in float32 as "pt" (B, C, H, W), "np" (B, H, W, C) or "pil"."""
     images = (images.float() / 2 + 0.5).clamp(0, 1)
@@ -251,16 +283,7 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
             labels = torch.cat([labels, torch.full_like(labels, cfg.num_classes - 1)])
 
         # 3. Denoising loop; guidance on epsilon, before the solver turns it into a data prediction.
-        self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):
-            model_input = self.scheduler.scale_model_input(latents, t)
-            model_input = torch.cat([model_input] * 2) if guided else model_input
-            timestep = network_timestep_for(self.scheduler, t.to(device)).expand(model_input.shape[0])
-            eps = self.transformer(model_input, timestep, class_labels=labels).sample
-            if guided:
-                eps_cond, eps_uncond = eps.chunk(2)
-                eps = guided_epsilon(eps_cond, eps_uncond, g)
-            latents = self.scheduler.step(eps, t, latents, generator=generator).prev_sample
+        latents = denoise(self, latents, num_inference_steps, g, generator, device, class_labels=labels)
 
         # 4. Decode z / scaling_factor with the VAE (latent models); [-1, 1] -> [0, 1] in float32.
         if output_type == "latent":

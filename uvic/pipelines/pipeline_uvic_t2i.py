@@ -21,8 +21,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
-from uvic.pipelines.pipeline_uvic import guided_epsilon, postprocess_images
-from uvic.schedulers.timesteps import network_timestep_for
+from uvic.pipelines.pipeline_uvic import denoise, guided_epsilon, postprocess_images
 
 
 __all__ = ["UViCText2ImagePipeline", "guided_epsilon", "official_to_guidance_scale"]
@@ -195,16 +194,8 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
 
         # 3. Denoising loop; guidance on epsilon, before the solver turns it into a data prediction.
         context = torch.cat([cond, uncond]) if guided else cond
-        self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):
-            model_input = self.scheduler.scale_model_input(latents, t)
-            model_input = torch.cat([model_input] * 2) if guided else model_input
-            n = network_timestep_for(self.scheduler, t.to(device)).expand(model_input.shape[0])
-            eps = self.transformer(model_input, n, encoder_hidden_states=context).sample
-            if guided:
-                eps_cond, eps_uncond = eps.chunk(2)
-                eps = guided_epsilon(eps_cond, eps_uncond, guidance_scale)
-            latents = self.scheduler.step(eps, t, latents, generator=generator).prev_sample
+        latents = denoise(self, latents, num_inference_steps, guidance_scale, generator, device,
+                          encoder_hidden_states=context)  # fmt: skip
 
         # 4. Decode z / scaling_factor with the VAE; [-1, 1] -> [0, 1] in float32.
         if output_type == "latent":
