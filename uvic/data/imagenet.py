@@ -43,6 +43,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from uvic.data.features import extraction_device, fill_pending, load_vae_spec, open_or_create_npy, pending
 from uvic.errors import DataError
 from uvic.io import atomic_write
 
@@ -194,8 +195,6 @@ class _Todo(Dataset):
 def _prepare_output(out_dir: Path, meta: dict, files: list[str], labels: np.ndarray, wnids: list[str],
                     moments_shape: tuple[int, ...]) -> None:
     """Create the output files, or check that an existing output is the same extraction (main process)."""
-    from uvic.data.mscoco import open_or_create_npy
-
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "meta.json"
     if meta_path.is_file():
@@ -255,7 +254,7 @@ def extract_features(
     files, labels, wnids = list_imagenet(root, num_classes)
     train = Path(root) / "train"
     rel = [str(f.relative_to(train)) for f in files]
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = extraction_device(device)
     vae.to(device).eval()
     # The moments' shape from the model itself (one probe), so tiny test models work unchanged.
     moments_shape = tuple(encode_moments(vae, torch.zeros(1, 3, resolution, resolution, device=device)).shape[1:])
@@ -272,19 +271,18 @@ def extract_features(
 
     moments = np.load(out_dir / "moments.npy", mmap_mode="r+")
     done = np.load(out_dir / "done.npy", mmap_mode="r+")
-    todo = [i for i in np.flatnonzero(~np.asarray(done)).tolist() if i % num_processes == process_index]
+    todo = pending(done, process_index, num_processes)
     logger.info("%s: process %d extracts %d of %d images on %s", out_dir, process_index, len(todo), len(files), device)
     loader = DataLoader(_Todo(files, todo, resolution), batch_size=batch_size, num_workers=num_workers,
                         pin_memory=device.type == "cuda")
-    for idx, x in tqdm(loader, desc=f"imagenet{resolution} [{process_index}]", disable=process_index != 0):
-        idx = idx.numpy()
+
+    def write(idx: np.ndarray, x: torch.Tensor) -> None:
         x = x.to(device)
         both = encode_moments(vae, torch.cat([x, x.flip(-1)])).cpu().numpy()  # (2B, 2C, h, w)
         moments[idx] = np.stack([both[: len(idx)], both[len(idx) :]], axis=1)
-        # Data first, then the marks: an interruption never leaves an image marked but unwritten.
-        moments.flush()
-        done[idx] = True
-        done.flush()
+
+    batches = tqdm(loader, desc=f"imagenet{resolution} [{process_index}]", disable=process_index != 0)
+    fill_pending(batches, write, [moments], done)
     return out_dir
 
 
@@ -338,7 +336,6 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: extract the training set's VAE moments (run under `accelerate launch` to use several GPUs)."""
     from accelerate import Accelerator
 
-    from uvic.data.mscoco import load_vae_spec
     from uvic.errors import cli_errors
 
     p = argparse.ArgumentParser(

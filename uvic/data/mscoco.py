@@ -39,6 +39,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from uvic.data.features import extraction_device, fill_pending, load_vae_spec, open_or_create_npy, pending
+
 
 logger = logging.getLogger(__name__)
 
@@ -116,16 +118,6 @@ class _ImageFiles(Dataset):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def open_or_create_npy(path: Path, shape: tuple[int, ...], dtype: str, fresh: bool) -> np.memmap:
-    """A writable memory-mapped .npy of `shape` / `dtype`: created when `fresh` or missing, else reopened and checked."""
-    if fresh or not path.is_file():
-        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-    arr = np.load(path, mmap_mode="r+")
-    if arr.shape != shape or arr.dtype != np.dtype(dtype):
-        raise ValueError(f"{path} has shape {arr.shape} {arr.dtype}, expected {shape} {dtype}; use a new output dir")
-    return arr
-
-
 @torch.no_grad()
 def extract_features(
     images_dir: str | os.PathLike,
@@ -169,7 +161,7 @@ def extract_features(
         raise FileNotFoundError(f"image folder not found: {images_dir} (e.g. coco/train2014)")
     if context_dtype not in ("float32", "float16"):
         raise ValueError(f"context_dtype must be 'float32' or 'float16', got {context_dtype!r}")
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = extraction_device(device)
     vae.to(device).eval()
     text_encoder.to(device).eval()
 
@@ -226,7 +218,7 @@ def extract_features(
         done[:] = False
         done.flush()
         meta_path.write_text(json.dumps(meta, indent=2))
-    todo = [int(i) for i in np.flatnonzero(~np.asarray(done))]
+    todo = pending(done)
     if not todo:
         logger.info("%s: all %d images already extracted", split_dir, n_img)
         return split_dir
@@ -238,22 +230,17 @@ def extract_features(
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
     )
-    bar = tqdm(total=n_img, initial=n_img - len(todo), desc=f"mscoco {split}", unit="img")
-    for idx, x in loader:
-        idx = idx.numpy()
+
+    def write(idx: np.ndarray, x: torch.Tensor) -> None:
         moments[idx] = encode_moments(vae, x.to(device)).cpu().numpy()
         rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
         for start in range(0, len(rows), text_batch_size):
             chunk = rows[start : start + text_batch_size]
             feats = text_encoder.encode_text([flat_captions[r] for r in chunk])
             contexts[chunk] = feats.float().cpu().numpy().astype(context_dtype)
-        # Data first, then the marks: an interruption never leaves an item marked but unwritten.
-        moments.flush()
-        contexts.flush()
-        done[idx] = True
-        done.flush()
-        bar.update(len(idx))
-    bar.close()
+
+    with tqdm(total=n_img, initial=n_img - len(todo), desc=f"mscoco {split}", unit="img") as bar:
+        fill_pending(loader, write, [moments, contexts], done, bar.update)
     return split_dir
 
 
@@ -356,23 +343,6 @@ class MSCOCOFeatures(Dataset):
 # ---------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------
-
-
-def load_vae_spec(spec: str, scaling_factor: float):
-    """An LDM-format autoencoder file or a diffusers AutoencoderKL folder, with `scaling_factor` in its config."""
-    from diffusers import AutoencoderKL
-
-    from uvic.models.autoencoder import load_ldm_autoencoder
-
-    path = Path(spec)
-    if path.is_file():
-        return load_ldm_autoencoder(path, scaling_factor=scaling_factor)
-    if path.is_dir():
-        return AutoencoderKL.from_pretrained(path, scaling_factor=scaling_factor)
-    raise FileNotFoundError(
-        f"--vae {spec}: not found. Pass U-ViT's assets/stable-diffusion/autoencoder_kl.pth or a diffusers "
-        "AutoencoderKL folder"
-    )
 
 
 def _load_text_encoder(spec: str, cache_dir: str | None):

@@ -119,7 +119,7 @@ class ClassConditionalTask(DiffusionTask):
 
     def load_vae(self) -> AutoencoderKL | None:
         """The autoencoder named by `data.vae` (scale `data.latent_scale`), or None if unset; checked against the model."""
-        from uvic.data.mscoco import load_vae_spec
+        from uvic.data.features import load_vae_spec
 
         if not self.cfg.data.vae:
             return None
