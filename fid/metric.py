@@ -26,7 +26,6 @@ from .stats import (
     is_stats_file,
     load_extractor,
     load_stats,
-    stats_from_features,
     validate_stats,
 )
 
@@ -237,11 +236,10 @@ def compute_fid(
         raise ValueError("the Inception Score needs an extractor built with with_logits=True")
     opts = {"batch_size": batch_size, "num_workers": num_workers, "value_range": value_range, "progress": progress}
     feats = extract_features(source, extractor, num_samples=num_samples, **opts)
-    samples = stats_from_features(feats.features, mode=feats.mode, name=feats.name, meta=feats.meta)
+    samples = feats.stats()
     if ref_stats is None:
         ref_feats = extract_features(reference, extractor, **opts)
-        ref_stats = stats_from_features(ref_feats.features, mode=ref_feats.mode, name=ref_feats.name,
-                                        meta=ref_feats.meta)  # fmt: skip
+        ref_stats = ref_feats.stats()
     result = fid_from_stats(samples, ref_stats)
     result.extras.update(_extras(feats, ref_feats, isc, kid, prc, isc_splits, kid_subsets, kid_subset_size, seed))
     logger.debug("%s", result)  # the caller reports it (the CLI prints it once)

@@ -74,6 +74,10 @@ class Features:
     def n(self) -> int:
         return int(self.features.shape[0])
 
+    def stats(self) -> FIDStats:
+        """The FID statistics of these features, labelled with their mode, name and provenance."""
+        return stats_from_features(self.features, mode=self.mode, name=self.name, meta=self.meta)
+
 
 def validate_stats(mu: np.ndarray, sigma: np.ndarray, name: str = "stats") -> None:
     """Raise ValueError unless mu is (d,), sigma is (d, d), both finite, and sigma symmetric."""
@@ -297,8 +301,7 @@ def compute_stats(
     if extractor is None:
         extractor = load_extractor(mode=mode, dims=dims, weights=weights, sha256=weights_sha256,
                                    allow_download=allow_download, device=device)  # fmt: skip
-    feats = extract_features(source, extractor, **kwargs)
-    return stats_from_features(feats.features, mode=feats.mode, name=feats.name, meta=feats.meta)
+    return extract_features(source, extractor, **kwargs).stats()
 
 
 def load_extractor(
