@@ -28,6 +28,7 @@ from diffusers.models.attention_processor import (
 )
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from layer_calls import attention_layers, outputs, recorded_run
 
 from uvic.integrations.diffusers import CONFIG_KEY, apply_cog_attention, load, restore_cog_attention
 
@@ -184,23 +185,6 @@ SWITCHED = {
 }
 
 
-def attention_layers(model):
-    return {name: m for name, m in model.named_modules() if hasattr(m, "processor") and hasattr(m, "set_processor")}
-
-
-def record_layers(model):
-    """Forward hooks that store each attention layer's (args, kwargs, output)."""
-    calls = {}
-
-    def hook(name):
-        def record(module, args, kwargs, output):
-            calls[name] = (args, kwargs, output)  # returns None: the output is left as it is
-        return record
-
-    handles = [m.register_forward_hook(hook(name), with_kwargs=True) for name, m in attention_layers(model).items()]
-    return calls, handles
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------------------------------------
@@ -288,10 +272,7 @@ def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
         stock = sample(model(**inputs))
         switched = apply_cog_attention(model, keep_softmax=1)
         assert switched == SWITCHED[kind]
-        calls, handles = record_layers(model)
-        cog = sample(model(**inputs))
-        for h in handles:
-            h.remove()
+        calls, cog = recorded_run(model, inputs, sample)
         assert not torch.allclose(cog, stock, atol=1e-3)
         layers = attention_layers(model)
         assert set(calls) == set(layers)
@@ -309,8 +290,7 @@ def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
             else:
                 expect = paper_layer(attn, x, context, kept_keys(mask)) if name in switched else \
                     AttnProcessor2_0()(attn, x, encoder_hidden_states=context, attention_mask=mask)  # fmt: skip
-            for got, want in zip(out if isinstance(out, tuple) else (out,), expect if isinstance(expect, tuple)
-                                 else (expect,)):  # fmt: skip
+            for got, want in zip(outputs(out), outputs(expect), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         if kind == "unet":  # the padded caption reached the cross-attention as a mask
             assert calls[SWITCHED["unet"][1]][1]["attention_mask"] is not None

@@ -21,6 +21,7 @@ from diffusers import (
     UNet2DConditionModel,
     WanTransformer3DModel,
 )
+from layer_calls import attention_layers, outputs, recorded_run
 
 from uvic.integrations.diffusers import apply_cog_attention
 
@@ -148,27 +149,6 @@ def in_float64(model, inputs):
     return model.double().eval(), double
 
 
-def attention_layers(model):
-    return {name: m for name, m in model.named_modules() if hasattr(m, "processor") and hasattr(m, "set_processor")}
-
-
-def record_layers(model):
-    """Run hooks that store each attention layer's (args, kwargs, output); returns (calls, handles)."""
-    calls = {}
-
-    def hook(name):
-        def record(module, args, kwargs, output):
-            calls[name] = (args, kwargs, output)
-        return record
-
-    handles = [m.register_forward_hook(hook(name), with_kwargs=True) for name, m in attention_layers(model).items()]
-    return calls, handles
-
-
-def outputs(out):
-    return out if isinstance(out, tuple) else (out,)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------------------------------------
@@ -178,10 +158,7 @@ def outputs(out):
 def test_kept_layers_are_the_stock_processor_exactly(kind):
     model, inputs = in_float64(*MODELS[kind]())
     with torch.no_grad():
-        calls, handles = record_layers(model)
-        stock = model(**inputs).sample
-        for h in handles:
-            h.remove()
+        calls, stock = recorded_run(model, inputs)
         with pytest.warns(UserWarning, match="no layer runs Cog attention"):
             assert apply_cog_attention(model, keep_softmax=100) == []
         layers = attention_layers(model)
@@ -197,10 +174,7 @@ def test_kept_layers_are_the_stock_processor_exactly(kind):
 def test_cog_layers_follow_the_formula(kind):
     model, inputs = in_float64(*MODELS[kind]())
     with torch.no_grad():
-        calls, handles = record_layers(model)
-        stock = model(**inputs).sample
-        for h in handles:
-            h.remove()
+        calls, stock = recorded_run(model, inputs)
         stock_processors = {name: type(m.processor) for name, m in attention_layers(model).items()}
         switched = apply_cog_attention(model, keep_softmax=0)
         layers = attention_layers(model)
