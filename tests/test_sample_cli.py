@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_t2i_config
 
 import uvic.pipelines.sampling as sampling
 from uvic.config import DiffusionConfig
@@ -348,31 +349,13 @@ def test_the_grid_progress_bar_and_quiet(pipe_dir, tmp_path, monkeypatch, capsys
 @pytest.fixture(scope="module")
 def t2i_export(tmp_path_factory, make_tiny_coco):
     """A 1-step t2i run on tiny features whose export carries the features' (tiny) text encoder."""
-    from uvic.config import (
-        DiffusionConfig,
-        SampleConfig,
-        Text2ImageDataConfig,
-        Text2ImageRunConfig,
-        TrainConfig,
-        UViTConfig,
-    )
     from uvic.training import train
 
     tmp = tmp_path_factory.mktemp("t2i")
     root, vae, te = make_tiny_coco(tmp, 4, splits=("train",))
     vae.save_pretrained(tmp / "vae")
     te.save_pretrained(tmp / "te")
-    cfg = Text2ImageRunConfig(
-        model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=16, depth=2, num_heads=2, clip_dim=16,
-                         num_clip_token=5),
-        diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
-                                  beta_end=0.012),
-        data=Text2ImageDataConfig(root=str(root), num_workers=0, vae=str(tmp / "vae"), text_encoder=str(tmp / "te")),
-        train=TrainConfig(run_dir=str(tmp / "run"), max_steps=1, batch_size=2, warmup_steps=0, log_every=1,
-                          sample_every=0, save_every=1, log_with="none"),
-        sample=SampleConfig(sampler="uvit_dpm_solver", num_inference_steps=2, num_images=2),
-    )  # fmt: skip
-    train(cfg)
+    train(tiny_t2i_config(root, tmp / "run", tmp / "vae", data={"text_encoder": str(tmp / "te")}))
     return tmp / "run" / "pipeline", te
 
 

@@ -35,3 +35,36 @@ def vae_state_to_ldm(state: dict, n_levels: int) -> dict:
                 v = v[:, :, None, None]
         out[k] = v.clone()
     return out
+
+
+def tiny_t2i_config(root, run_dir, vae_dir, *, model=None, data=None, train=None, sample=None):
+    """A seconds-long text-to-image run config on the tiny MS-COCO features of the `make_tiny_coco` fixture (CLIP
+    width 16, 5 tokens; the tiny VAE's 8x8x4 latents): a U-ViT of width 16 and depth 2 on the discrete SD schedule,
+    one step at batch 2 that saves a checkpoint, samples of 2 images with 2 U-ViT DPM-Solver steps.
+
+    root: the features root; run_dir: the run folder; vae_dir: the saved tiny VAE. model, data, train, sample:
+    fields of that config section that replace (or add to) these defaults.
+    """
+    from uvic.config import (
+        DiffusionConfig,
+        SampleConfig,
+        Text2ImageDataConfig,
+        Text2ImageRunConfig,
+        TrainConfig,
+        UViTConfig,
+    )
+
+    model = {"img_size": 8, "patch_size": 2, "in_chans": 4, "embed_dim": 16, "depth": 2, "num_heads": 2,
+             "clip_dim": 16, "num_clip_token": 5, **(model or {})}  # fmt: skip
+    data = {"root": str(root), "num_workers": 0, "vae": str(vae_dir), **(data or {})}
+    train = {"run_dir": str(run_dir), "max_steps": 1, "batch_size": 2, "warmup_steps": 0, "log_every": 1,
+             "sample_every": 0, "save_every": 1, "log_with": "none", **(train or {})}  # fmt: skip
+    sample = {"sampler": "uvit_dpm_solver", "num_inference_steps": 2, "num_images": 2, **(sample or {})}
+    return Text2ImageRunConfig(
+        model=UViTConfig(**model),
+        diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
+                                  beta_end=0.012),
+        data=Text2ImageDataConfig(**data),
+        train=TrainConfig(**train),
+        sample=SampleConfig(**sample),
+    )  # fmt: skip

@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from tiny_models import tiny_t2i_config
 
 from uvic.config import load_config
 from uvic.training import train
@@ -271,14 +272,6 @@ def test_bad_evaluation_inputs_stop_the_run_before_training(data, defaults, tmp_
 
 def test_text_to_image_evaluation_uses_the_validation_captions(data, make_tiny_coco, tmp_path):
     """The t2i protocol of sample.py --out-dir --features: random captions of the stored validation features."""
-    from uvic.config import (
-        DiffusionConfig,
-        SampleConfig,
-        Text2ImageDataConfig,
-        Text2ImageRunConfig,
-        TrainConfig,
-        UViTConfig,
-    )
     from uvic.fid import compute_fid
     from uvic.pipelines.sampling import mscoco_prompt_embeds, sample_to_folder
     from uvic.training.runs import load_pipeline
@@ -286,17 +279,11 @@ def test_text_to_image_evaluation_uses_the_validation_captions(data, make_tiny_c
     root, vae, _ = make_tiny_coco(tmp_path / "coco", 4, splits=("train", "val"))
     vae.save_pretrained(tmp_path / "vae")
     ref = _images(tmp_path / "ref", 3, 16)  # the tiny VAE decodes 8x8 latents to 16x16 images
-    cfg = Text2ImageRunConfig(
-        model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=16, depth=2, num_heads=2, clip_dim=16,
-                         num_clip_token=5),
-        diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
-                                  beta_end=0.012),
-        data=Text2ImageDataConfig(root=str(root), num_workers=0, vae=str(tmp_path / "vae")),
-        train=TrainConfig(run_dir=str(tmp_path / "run"), max_steps=1, batch_size=2, warmup_steps=0, log_every=1,
-                          sample_every=0, save_every=1, log_with="none", eval_every=1, eval_num_images=2,
-                          eval_reference=str(ref), eval_fid_weights=str(data["weights"]),
-                          eval_fid_weights_sha256="none"),
-        sample=SampleConfig(sampler="uvit_dpm_solver", num_inference_steps=2, num_images=2, batch_size=2),
+    cfg = tiny_t2i_config(
+        root, tmp_path / "run", tmp_path / "vae",
+        train={"eval_every": 1, "eval_num_images": 2, "eval_reference": str(ref),
+               "eval_fid_weights": str(data["weights"]), "eval_fid_weights_sha256": "none"},
+        sample={"batch_size": 2},
     )  # fmt: skip
     train(cfg)
     (record,) = _evaluations(tmp_path / "run")

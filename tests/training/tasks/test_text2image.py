@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
+from tiny_models import tiny_t2i_config
 
 from uvic.models import build_preset
 from uvic.schedulers.timesteps import network_timestep
@@ -98,14 +99,6 @@ def test_a_few_training_steps_reduce_the_loss():
 def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
     """`train(cfg)` with the t2i task from the task registry: trains, writes a sample grid and checkpoints, and
     exports a t2i pipeline that carries the config's latent scale and sampler."""
-    from uvic.config import (
-        DiffusionConfig,
-        SampleConfig,
-        Text2ImageDataConfig,
-        Text2ImageRunConfig,
-        TrainConfig,
-        UViTConfig,
-    )
     from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
     from uvic.training.loop import train
     from uvic.training.tasks import TASKS
@@ -114,16 +107,13 @@ def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
     root, vae, _ = make_tiny_coco(tmp_path, 8, splits=("train", "val"))
     vae_dir = tmp_path / "vae"
     vae.save_pretrained(vae_dir)
-    cfg = Text2ImageRunConfig(
-        model=UViTConfig(img_size=8, patch_size=2, in_chans=4, embed_dim=32, depth=4, num_heads=2, clip_dim=16,
-                         num_clip_token=5, attention="cog", attention_backend="torch"),
-        diffusion=DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
-                                  beta_end=0.012),
-        data=Text2ImageDataConfig(root=str(root), num_workers=0, vae=str(vae_dir)),
-        train=TrainConfig(run_dir=str(tmp_path / "run"), max_steps=3, batch_size=4, betas=(0.9, 0.9),
-                          warmup_steps=2, log_every=1, sample_every=3, save_every=3, log_with="none"),
-        sample=SampleConfig(sampler="uvit_dpm_solver", num_inference_steps=3, num_images=4),
-    )
+    cfg = tiny_t2i_config(
+        root, tmp_path / "run", vae_dir,
+        model={"embed_dim": 32, "depth": 4, "attention": "cog", "attention_backend": "torch"},
+        train={"max_steps": 3, "batch_size": 4, "betas": (0.9, 0.9), "warmup_steps": 2, "sample_every": 3,
+               "save_every": 3},
+        sample={"num_inference_steps": 3, "num_images": 4},
+    )  # fmt: skip
     train(cfg)
     run = tmp_path / "run"
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
