@@ -19,6 +19,8 @@ def test_regular_install_maps_kernels_and_fid_into_uvic(tmp_path):
     assert (target / "uvic" / "kernels" / "attention.py").is_file()
     assert (target / "uvic" / "fid" / "metric.py").is_file()
     assert not (target / "kernels").exists() and not (target / "fid").exists()  # no top-level `kernels` / `fid`
+    for init in (ROOT / "uvic").rglob("__init__.py"):  # pyproject lists the packages by hand: none may be left out
+        assert (target / init.relative_to(ROOT)).is_file(), f"{init.parent.relative_to(ROOT)} is not installed"
     code = (
         "import uvic, uvic.kernels, uvic.fid, uvic.kernels.bench, uvic.integrations;"
         "from uvic.attention import unsupported_reason;"
