@@ -114,8 +114,10 @@ def forward_sign_ptx(arch: int, dtype: str) -> bool:
 
 # Sliding-window / softcap kernels (WINDOW or SOFTCAP, "banded" below) keep a few more values per score. ptxas
 # (triton 3.8) spilled their 4-warp dQ tiles at head dim 128 (sm_80 (64, 32, 4, 2): 16-48 bytes; sm_90 (64, 64, 4, 2):
-# 20-24 bytes), so banded calls leave those out; at head dim 256 the one tile of each kernel spilled 12-20 bytes in
-# some banded kernel (sm_80 forward, sm_90 dQ), so banded calls at 256 are outside the envelope (BANDED_HEAD_DIMS).
+# 20-24 bytes), so banded calls leave those out. Where a kernel has one tile and it spilled, banded calls are outside
+# the envelope (BANDED_HEAD_DIMS, 16-bit only): head dim 256 (sm_80 forward, sm_90 dQ: 12-20 bytes), head dim 32
+# (sm_80 dQ (64, 64, 4, 2): 12 bytes) and fp32 (the 16 x 16 tiles of the sm_80 dQ at 64/128 and of sm_90 at 32:
+# 4-12 bytes).
 _BANDED_DROP = {(80, 128, "bwd_dq"): _C(64, 32, 4, 2), (90, 128, "bwd_dq"): _C(64, 64, 4, 2)}
 
 
@@ -139,7 +141,7 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
     arch = 90 if arch >= 90 else 80
     if kernel == "bwd_pre":
         return list(_PRE)
-    if banded and head_dim not in BANDED_HEAD_DIMS:
+    if banded and (head_dim not in BANDED_HEAD_DIMS or dtype == "fp32"):
         return []
     if dtype == "fp32":
         return [_C(16, 16, 4, 1)] if (arch, head_dim, kernel) in _FP32_4_WARPS else [_FP32]
