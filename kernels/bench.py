@@ -3,6 +3,7 @@
     python -m uvic.kernels.bench                      # time + memory, on CUDA if present else CPU
     python -m uvic.kernels.bench --what time --rounds 30
     python -m uvic.kernels.bench --what memory
+    python -m uvic.kernels.bench --what generate      # one decode step of a Cogformer with a 2048-token cache
 
 Every number is a ratio measured in the same run: the implementations run round-robin (one call each per round)
 and the reported ratio is the median over rounds of time(impl) / time(softmax) within the round, which stays
@@ -18,7 +19,10 @@ Implementations (forward + backward):
     cog[reference]   `cog_attention(backend="reference")`: the dense formula, upcast to float32
     official         the unfused formula of the official U-ViC / Cogformer code, in the input dtype
 
-Shapes: U-ViT (B=8, nh=8, L=257 and 334, hd=64) and LM (B=1, nh=12, L=2048, hd=64, causal). Memory: the peak
+Shapes: U-ViT (B=8, nh=8, L=257 and 334, hd=64), LM (B=1, nh=12, L=2048, hd=64, causal) and the same with
+Mistral-style local attention over the last 512 tokens (window=(511, 0)). Generate: one `generate()` decode step
+(forward of one new token, no grad) of the paper's 141M Cogformer with a 2048-token KV cache, against the same
+model (same weights) with softmax attention in every layer; the ratio is per round, as above. Memory: the peak
 extra memory of one forward + backward at L=4096 (CUDA: the allocator's peak; CPU: the process's peak RSS above its RSS before the call (Linux VmHWM after a
 reset), each implementation in a fresh subprocess).
 """
@@ -45,33 +49,42 @@ SHAPES = {
     "uvit-cifar10 (L=257)": (8, 8, 257, 64, False),
     "uvit-mscoco (L=334)": (8, 8, 334, 64, False),
     "lm (L=2048, causal)": (1, 12, 2048, 64, True),
+    "lm (L=2048, causal, window 512)": (1, 12, 2048, 64, (511, 0)),
 }
 MEMORY_SHAPE = (1, 8, 4096, 64, False)
 
 
-def official_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """The official code's attention (CogAttn: U-ViC/libs/uvit_t2i.py, Cogformer/attention.py), unfused."""
+def official_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal=False) -> torch.Tensor:
+    """The official code's attention (CogAttn: U-ViC/libs/uvit_t2i.py, Cogformer/attention.py), unfused.
+    `causal` may be a (left, 0) window, as in `implementations`."""
     p = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     abs_p = torch.abs(p)
     if causal:
         L = q.shape[2]
         mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        if isinstance(causal, tuple):
+            mask &= torch.ones_like(mask).triu(-causal[0])
         abs_p = abs_p.masked_fill(~mask, float("-inf"))
     attn = torch.sign(p) * F.softmax(abs_p, dim=-1)
     return attn @ v
 
 
+def _mask_kw(c) -> dict:
+    """A shape's mask entry as op arguments: False / True (causal) or a (left, 0) causal window."""
+    return {"causal": True, "window": c} if isinstance(c, tuple) else {"causal": c}
+
+
 def implementations(device: torch.device) -> dict[str, Callable]:
     impls = {
-        "softmax": lambda q, k, v, c: softmax_attention(q, k, v, causal=c),
-        "cog": lambda q, k, v, c: cog_attention(q, k, v, causal=c),
+        "softmax": lambda q, k, v, c: softmax_attention(q, k, v, **_mask_kw(c)),
+        "cog": lambda q, k, v, c: cog_attention(q, k, v, **_mask_kw(c)),
     }
     if device.type == "cpu":
-        impls["cog[eager]"] = lambda q, k, v, c: _eager(cog_attention, q, k, v, causal=c)
+        impls["cog[eager]"] = lambda q, k, v, c: _eager(cog_attention, q, k, v, **_mask_kw(c))
     if device.type == "cuda":
-        impls["cog[torch]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="torch")
-        impls["softmax[triton]"] = lambda q, k, v, c: softmax_attention(q, k, v, causal=c, backend="triton")
-    impls["cog[reference]"] = lambda q, k, v, c: cog_attention(q, k, v, causal=c, backend="reference")
+        impls["cog[torch]"] = lambda q, k, v, c: cog_attention(q, k, v, backend="torch", **_mask_kw(c))
+        impls["softmax[triton]"] = lambda q, k, v, c: softmax_attention(q, k, v, backend="triton", **_mask_kw(c))
+    impls["cog[reference]"] = lambda q, k, v, c: cog_attention(q, k, v, backend="reference", **_mask_kw(c))
     impls["official"] = lambda q, k, v, c: official_formula(q, k, v, causal=c)
     return impls
 
@@ -118,7 +131,8 @@ def time_fwd_bwd(shape, device, dtype, rounds: int, warmup: int = 2) -> dict[str
                 times[name].append(time.perf_counter() - t0)
     base = times["softmax"]
     B, nh, L, hd, _ = shape
-    flops = 4 * B * nh * L * L * hd * 3.5 * (0.5 if causal else 1.0)  # fwd 2 matmuls + bwd 5 (2.5x fwd)
+    kept = min(1.0, (causal[0] + 1) / L) if isinstance(causal, tuple) else (0.5 if causal else 1.0)
+    flops = 4 * B * nh * L * L * hd * 3.5 * kept  # fwd 2 matmuls + bwd 5 (2.5x fwd)
     return {
         name: {
             "ms": 1e3 * statistics.median(t),
@@ -126,6 +140,43 @@ def time_fwd_bwd(shape, device, dtype, rounds: int, warmup: int = 2) -> dict[str
             "tflops": flops / statistics.median(t) / 1e12,
         }
         for name, t in times.items()
+    }
+
+
+def time_generate_step(device, dtype, rounds: int, cache_len: int = 2048, warmup: int = 2) -> dict[str, float]:
+    """Median ms of one decode step (one new token, no grad) with a `cache_len`-token KV cache: the paper's 141M
+    Cogformer (Cog in all but the first and last layer) and the same weights with softmax attention everywhere,
+    round-robin; returns {"cog ms", "softmax ms", "ratio"} (median of per-round ratios)."""
+    from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
+
+    torch.manual_seed(0)
+    models = {}
+    for attention in ("softmax", "cog"):
+        model = CogformerForCausalLM(CogformerConfig(attention=attention)).to(device=device, dtype=dtype).eval()
+        if models:
+            model.load_state_dict(models["softmax"].state_dict())
+        models[attention] = model
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, models["cog"].config.vocab_size, (1, cache_len), generator=g).to(device)
+    token = torch.randint(0, models["cog"].config.vocab_size, (1, 1), generator=g).to(device)
+    caches = {}
+    with torch.no_grad():
+        for name, model in models.items():  # prefill once; every timed step adds one token and crops it again
+            caches[name] = model(input_ids=prompt, use_cache=True).past_key_values  # a DynamicCache
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for r in range(warmup + rounds):
+            for name, model in models.items():
+                _sync(device)
+                t0 = time.perf_counter()
+                model(input_ids=token, past_key_values=caches[name], use_cache=True)
+                _sync(device)
+                if r >= warmup:
+                    times[name].append(time.perf_counter() - t0)
+                caches[name].crop(-1)
+    return {
+        "cog ms": 1e3 * statistics.median(times["cog"]),
+        "softmax ms": 1e3 * statistics.median(times["softmax"]),
+        "ratio": statistics.median(a / b for a, b in zip(times["cog"], times["softmax"])),
     }
 
 
@@ -178,7 +229,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--what", choices=["all", "time", "memory"], default="all")
+    p.add_argument("--what", choices=["all", "time", "memory", "generate"], default="all")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), help=f"subset of {list(SHAPES)}")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (CPU); 0 keeps the default")
@@ -201,6 +252,12 @@ def main(argv: list[str] | None = None) -> None:
             for name, r in res.items():
                 extra = f"{r['tflops']:>10.1f}" if device.type == "cuda" else ""
                 print(f"  {name:<16}{r['ms']:>12.2f}{r['ratio']:>12.2f}{extra}")
+    if args.what in ("all", "generate"):
+        res = time_generate_step(device, dtype, args.rounds)
+        print("\ngenerate() decode step, Cogformer 141M, 2048-token KV cache, no grad")
+        print(f"  {'impl':<16}{'median ms':>12}{'x softmax':>12}")
+        print(f"  {'softmax':<16}{res['softmax ms']:>12.2f}{1.0:>12.2f}")
+        print(f"  {'cog':<16}{res['cog ms']:>12.2f}{res['ratio']:>12.2f}")
     if args.what in ("all", "memory"):
         mem = peak_memory(device)
         B, nh, L, hd, _ = MEMORY_SHAPE
