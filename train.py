@@ -45,16 +45,9 @@ def main() -> None:
     configure_logging()
     with cli_errors():  # bad input, a locked run dir, a failed write or a diverged run: one line, exit 1
         if args.export:
-            from uvic.training.evaluation import best_checkpoint
-            from uvic.training.runs import export
+            from uvic.training.runs import export, export_source
 
-            source = {"latest": cfg.train.run_dir}.get(args.export, args.export)
-            if args.export == "best":
-                source = best_checkpoint(cfg.train.run_dir)
-                if source is None:
-                    raise FileNotFoundError(f"{cfg.train.run_dir} has no best.json: no FID was computed while "
-                                            f"training (train.eval_every)")
-            print(export(source, f"{cfg.train.run_dir}/pipeline"))
+            print(export(export_source(cfg.train.run_dir, args.export), f"{cfg.train.run_dir}/pipeline"))
             return
         from uvic.training import train
 

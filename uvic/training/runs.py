@@ -26,6 +26,7 @@ from uvic.training.checkpoint import (
     read_checkpoint_config,
     write_dir_atomically,
 )
+from uvic.training.evaluation import best_checkpoint
 from uvic.training.tasks import build_task
 
 
@@ -65,6 +66,19 @@ def load_pipeline(
         raise FileNotFoundError(f"{source} is neither a pipeline dir (model_index.json) nor a run/checkpoint dir")
     task, model, _ = task_from_checkpoint(source)
     return attach_text_encoder(task.pipeline(model, sampler=sampler), text_encoder)
+
+
+def export_source(run_dir: str | os.PathLike, which: str) -> Path:
+    """The checkpoint `train.py --export WHICH` means: "latest" (the run dir: its newest checkpoint), "best" (the
+    checkpoint `run_dir/best.json` names), else WHICH itself (a checkpoint or run dir)."""
+    if which == "latest":
+        return Path(run_dir)
+    if which != "best":
+        return Path(which)
+    best = best_checkpoint(run_dir)
+    if best is None:
+        raise FileNotFoundError(f"{run_dir} has no best.json: no FID was computed while training (train.eval_every)")
+    return best
 
 
 def export(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
