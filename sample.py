@@ -35,14 +35,14 @@ from uvic.errors import (
     int_at_least,
     storage_errors,
 )
-from uvic.pipelines import UViCPipeline, UViCText2ImagePipeline
+from uvic.io import atomic_write
+from uvic.pipelines import UViCText2ImagePipeline
 from uvic.pipelines.sampling import (
-    balanced_class_labels,
     check_grid_size,
     check_output,
+    class_labels_for,
     generate,
     mscoco_prompt_embeds,
-    random_class_labels,
     sample_to_folder,
     save_grid,
 )
@@ -60,32 +60,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"cannot read --prompts-file {args.prompts_file}: {reason}") from e
         prompts += [line.strip() for line in text.splitlines() if line.strip()]
     return prompts
-
-
-def class_labels_for(args: argparse.Namespace, pipe) -> list[int] | None:
-    """The label of each image 0..num_images-1 (None for pipelines without classes); checks guidance too."""
-    if not isinstance(pipe, UViCPipeline):
-        if args.class_labels:
-            raise ValueError(f"{args.source} is not class-conditional; --class-labels does not apply")
-        return None
-    if args.guidance_scale is not None and args.guidance_scale > 1 and not pipe.config.null_class:
-        raise ValueError(f"--guidance-scale {args.guidance_scale} needs a class-conditional model with a null class; "
-                         f"{args.source} has none (use --guidance-scale 1)")
-    if not args.class_labels:
-        return balanced_class_labels(pipe, range(args.num_images))
-    if pipe.num_labels <= 0:
-        raise ValueError(f"{args.source} is not class-conditional; --class-labels does not apply")
-    if args.class_labels == ["random"]:
-        return random_class_labels(pipe, args.num_images, args.seed)
-    try:
-        ids = [int(x) for x in args.class_labels]
-    except ValueError:
-        raise ValueError(f"--class-labels takes class ids or `random`, got {' '.join(args.class_labels)}") from None
-    bad = [i for i in ids if not 0 <= i < pipe.num_labels]
-    if bad:
-        null = " (the last id is the null class)" if pipe.config.null_class else ""
-        raise ValueError(f"--class-labels {bad[0]} is outside [0, {pipe.num_labels}){null}")
-    return [ids[i % len(ids)] for i in range(args.num_images)]
 
 
 def main() -> None:
@@ -136,7 +110,8 @@ def main() -> None:
     if not text and (prompts or args.features):
         p.error(f"{args.source} is not a text-to-image pipeline; --prompt/--prompts-file/--features do not apply")
     try:
-        labels = class_labels_for(args, pipe)
+        labels = class_labels_for(pipe, args.num_images, args.class_labels, seed=args.seed,
+                                  guidance_scale=args.guidance_scale, source=args.source)
     except ValueError as e:
         p.error(str(e))
     if args.grid:
@@ -171,7 +146,8 @@ def main() -> None:
             conditions = {"class_labels": labels} if labels is not None else {}
             if labels is not None and state.is_main_process:  # which class each file used
                 Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-                (Path(args.out_dir) / "class_labels.json").write_text(json.dumps(labels))
+                with atomic_write(Path(args.out_dir) / "class_labels.json", "w") as f:
+                    json.dump(labels, f)
             if text:
                 embeds, empty, captions = mscoco_prompt_embeds(args.features, args.num_images, args.seed)
                 conditions = {"prompt_embeds": embeds, "negative_prompt_embeds": empty}

@@ -40,6 +40,7 @@ __all__ = [
     "PIPELINE_CLASSES",
     "attach_text_encoder",
     "balanced_class_labels",
+    "class_labels_for",
     "random_class_labels",
     "check_grid_size",
     "check_output",
@@ -139,6 +140,40 @@ def random_class_labels(pipe: UViCPipeline, num_images: int, seed: int = 0) -> l
                          "and this pipeline has no class_counts; pass explicit labels or build the pipeline with "
                          "class_counts=ImageNet(root).class_counts()")
     return torch.randint(0, k, (num_images,), generator=gen).tolist()
+
+
+def class_labels_for(pipe: DiffusionPipeline, num_images: int, class_labels: Sequence[str] | None = None, *,
+                     seed: int = 0, guidance_scale: float | None = None, source: str = "the pipeline") -> list[int] | None:
+    """The label of each image 0..num_images-1 as `sample.py --class-labels` means it: None for a pipeline
+    without classes; class i % num_labels by default; the given ids cycled; or `["random"]`, U-ViT's FID labels
+    (`random_class_labels` from `seed`).
+
+    Raises:
+        ValueError: labels for a pipeline without classes, an id outside [0, num_labels) (the null class is not a
+            valid request), a token that is not an id, or guidance > 1 on a model without a null class.
+    """
+    if not isinstance(pipe, UViCPipeline):
+        if class_labels:
+            raise ValueError(f"{source} is not class-conditional; --class-labels does not apply")
+        return None
+    if guidance_scale is not None and guidance_scale > 1 and not pipe.config.null_class:
+        raise ValueError(f"--guidance-scale {guidance_scale} needs a class-conditional model with a null class; "
+                         f"{source} has none (use --guidance-scale 1)")
+    if not class_labels:
+        return balanced_class_labels(pipe, range(num_images))
+    if pipe.num_labels <= 0:
+        raise ValueError(f"{source} is not class-conditional; --class-labels does not apply")
+    if list(class_labels) == ["random"]:
+        return random_class_labels(pipe, num_images, seed)
+    try:
+        ids = [int(x) for x in class_labels]
+    except ValueError:
+        raise ValueError(f"--class-labels takes class ids or `random`, got {' '.join(class_labels)}") from None
+    bad = [i for i in ids if not 0 <= i < pipe.num_labels]
+    if bad:
+        null = " (the last id is the null class)" if pipe.config.null_class else ""
+        raise ValueError(f"--class-labels {bad[0]} is outside [0, {pipe.num_labels}){null}")
+    return [ids[i % len(ids)] for i in range(num_images)]
 
 
 def generate(
