@@ -31,9 +31,11 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from uvic.attention import ATTENTIONS, BACKENDS
+from uvic.data.imagenet import LATENT_SCALE as IMAGENET_LATENT_SCALE
 from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
 from uvic.lm.data import TOKEN_DTYPES
+from uvic.models.autoencoder import UVIT_VAE_SCALE
 from uvic.models.cogformer import CogformerConfig, cogformer_preset
 from uvic.models.uvit import UViTModel, uvit_preset
 from uvic.schedulers import sampler_names
@@ -119,8 +121,8 @@ class Text2ImageDataConfig:
     num_workers: int = 2
     # Probability of replacing the whole context by the empty-caption features (classifier-free guidance training).
     p_uncond: float = 0.1
-    # The VAE latent scale (U-ViT: 0.23010, not SD's 0.18215); it becomes `vae.config.scaling_factor`.
-    latent_scale: float = 0.2301
+    # The VAE latent scale (U-ViT MS-COCO: 0.23010, not SD's 0.18215); it becomes `vae.config.scaling_factor`.
+    latent_scale: float = UVIT_VAE_SCALE
     # The autoencoder for sample grids and the exported pipeline: U-ViT's autoencoder_kl.pth or a diffusers dir.
     vae: str = ""
     # The CLIP text encoder the exported pipeline carries (a CLIPTextEncoder dir, an open_clip tag or checkpoint
@@ -239,7 +241,7 @@ class ImageNetDataConfig:
     # Label dropout to the null class (U-ViT's p_uncond: 0.15 for L, 0.1 for H; 0 for ImageNet 64).
     p_uncond: float = 0.0
     # The VAE latent scale of U-ViT's ImageNet autoencoder (0.18215); it becomes `vae.config.scaling_factor`.
-    latent_scale: float = 0.18215
+    latent_scale: float = IMAGENET_LATENT_SCALE
     # Features only: the autoencoder for sample grids and the exported pipeline (U-ViT's autoencoder_kl.pth or a dir).
     vae: str = ""
     num_workers: int = 8
