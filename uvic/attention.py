@@ -58,6 +58,10 @@ ATTENTIONS: tuple[str, ...] = get_args(AttentionKind)
 
 logger = logging.getLogger(__name__)
 
+# Looked up once: `importlib.util.find_spec` searches sys.path on every call (a cost on every attention call) and
+# Dynamo refuses to trace it (a graph break, or an error under fullgraph=True, in compiled models).
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
 # Elements of one (rows x keys) score tile in the "torch" backend: 2**20 fp32 scores = 4 MiB, so a tile and its
 # few temporaries take tens of MiB whatever the sequence length. Measured on CPU (kernels/bench.py): smaller
 # tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
@@ -137,7 +141,7 @@ def unsupported_reason(
     if backend != "triton":
         return None
     # The fused kernel's envelope (the header of kernels/attention.py).
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return "triton is not installed"
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if not (q.is_cuda or (interpret and q.device.type == "cpu")):

@@ -98,3 +98,31 @@ def test_envelope_check_is_a_constant_under_torch_compile():
     torch.testing.assert_close(out, f(q))
     assert len(graphs) == 1
     assert [n.target for n in graphs[0].graph.nodes if n.op == "call_function"] in ([operator.add], [operator.sub])
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "meta"])
+def test_envelope_check_compiles_without_graph_breaks_on_cpu(device_type):
+    """The same fullgraph=True trace for tensors the kernel refuses (CPU without TRITON_INTERPRET): the checks before
+    the device test (triton installed, the interpreter switch) trace without a break, so a compiled model calling
+    the op on any device keeps one graph. (A per-call `importlib.util.find_spec` broke the graph.)"""
+    q = torch.randn(1, 2, 16, 64, device=device_type)
+
+    def f(x):
+        why = unsupported_reason(x, x, x, backend="triton")
+        return x + 1 if why is None else x - 1
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(f, backend=backend, fullgraph=True)(q)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert operator.sub in [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    if device_type == "cpu":
+        torch.testing.assert_close(out, q - 1)
