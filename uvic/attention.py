@@ -15,7 +15,7 @@ Shape letters: B batch, nh heads, Lq / Lk query / key tokens, hd head dim. Every
 Backends (the same semantics in each, tested against `attention_ref` in float64):
     "reference"  the paper's "faster" formula (Fig. 2), dense, upcast to float32; the ground truth.
     "torch"      `tiled_cog_attention`: memory-efficient PyTorch that works over tiles of queries, saves only
-                 q, k, v, the output and one float per row and recomputes the weights in backward.
+                 q, k, v, the output and two floats per row (row max, row sum) and recomputes the weights in backward.
                  For `softmax_attention` this is `F.scaled_dot_product_attention`.
     "triton"     the fused flash-style kernel in `uvic.kernels` (CUDA only).
     "auto"       cog_attention: "triton" for fp16/bf16 CUDA inputs inside the kernel's envelope, else "torch".
@@ -338,7 +338,10 @@ def _tiles(
         # Keys one row sees on average: a two-sided window's width, else about half the keys (causal-like).
         seen = min(Lk, left + right + 1) if left >= 0 and right >= 0 else max(1, Lk // 2)
         heads = nh if nh * BAND_MIN_ROWS * seen <= tile_elements else max(1, tile_elements // (BAND_MIN_ROWS * seen))
+        heads = -(-nh // -(-nh // heads))  # as many head groups, of even sizes (12 heads by 8: 6 + 6, not 8 + 4)
         rows = min(Lq, max(1, tile_elements // (heads * seen)))
+        if rows < Lq and rows > 16:
+            rows -= rows % 16  # whole SIMD vectors: key blocks then end on multiples of 16 (no ragged row tails)
         return [(slice(b, b + 1), slice(h, min(h + heads, nh)), slice(r, min(r + rows, Lq)))
                 for b in range(B) for h in range(0, nh, heads) for r in range(0, Lq, rows)]
     if per_head <= tile_elements:
@@ -350,9 +353,12 @@ def _tiles(
             for r in range(0, Lq, rows)]
 
 
-# Banded tiles take all heads of an item while that leaves at least this many query rows per tile; else fewer
-# heads (per-tile Python overhead grows as the row blocks shrink).
-BAND_MIN_ROWS = 16
+# Banded tiles take all heads of an item while that leaves at least this many query rows per tile, else fewer
+# heads. dK and dV are products summed over a tile's rows, which BLAS runs well below its peak for short sums, and
+# fewer, larger tiles mean fewer per-tile calls (measured on CPU with kernels/bench.py: 85-row blocks of all 12
+# heads cost about 0.1-0.2x of SDPA's time more than 160-row blocks of 6 heads at L=2048). The price is the masked
+# half of each block's diagonal square: about rows / Lq more scores than a causal triangle.
+BAND_MIN_ROWS = 128
 
 
 def _tile_keys(rs: slice, Lq: int, Lk: int, band: tuple[int, int]) -> slice:
@@ -367,24 +373,24 @@ def _tile_keys(rs: slice, Lq: int, Lk: int, band: tuple[int, int]) -> slice:
     return slice(lo, max(hi, lo + 1))
 
 
-def _tile_keep(
-    bs: slice, rs: slice, Lq: int, ks: slice, Lk: int, band: tuple[int, int], kpm: torch.Tensor | None,
-    device: torch.device,
-) -> torch.Tensor | None:  # fmt: skip
-    """Keep-mask of one tile over keys `ks`, broadcastable to (items, heads, rows, keys); None when all are kept."""
+def _tile_band(rs: slice, ks: slice, Lq: int, Lk: int, band: tuple[int, int]) -> tuple[int | None, int | None] | None:
+    """The band edges one tile straddles, in tile coordinates: row r (query rs.start + r) keeps column c (key
+    ks.start + c) when lo <= c - r <= hi. Returns (lo, hi), None for a side no row of the tile is cut on, or None
+    when the band cuts nothing (every key of `ks` is inside every row's band)."""
     left, right = band
     d = Lk - Lq
-    keep = None
-    cut_right = right >= 0 and ks.stop - 1 > rs.start + d + right  # some key is past some row's band
-    cut_left = left >= 0 and ks.start < rs.stop - 1 + d - left
-    if cut_right or cut_left:
-        rows = torch.arange(rs.start, rs.stop, device=device)
-        cols = torch.arange(ks.start, ks.stop, device=device)
-        keep = _band_keep(rows, cols, d, (left if cut_left else -1, right if cut_right else -1))[None, None]
-    if kpm is not None:
-        tile_kpm = kpm[bs, ks][:, None, None, :]  # (items, 1, 1, keys)
-        keep = tile_kpm if keep is None else keep & tile_kpm
-    return keep
+    hi = rs.start + d + right - ks.start if right >= 0 else None
+    lo = rs.start + d - left - ks.start if left >= 0 else None
+    if hi is not None and ks.stop - ks.start - 1 <= hi:  # the last key is in the first row's band: no cut
+        hi = None
+    if lo is not None and lo <= -(rs.stop - rs.start - 1):  # the first key is in the last row's band: no cut
+        lo = None
+    return None if lo is None and hi is None else (lo, hi)
+
+
+def _tile_keep(bs: slice, ks: slice, kpm: torch.Tensor | None) -> torch.Tensor | None:
+    """The key-padding part of a tile's keep-mask over keys `ks`, (items, 1, 1, keys), or None without a mask."""
+    return None if kpm is None else kpm[bs, ks][:, None, None, :]
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -398,7 +404,7 @@ def _flat_out(x: torch.Tensor) -> torch.Tensor:
 
 
 def _flat_keep(keep: torch.Tensor | None, hs: slice) -> torch.Tensor | None:
-    """A tile's keep-mask (items | 1, 1, rows | 1, Lk) -> (items * heads | 1, rows | 1, Lk), matching `_flat`."""
+    """A tile's padding mask (items, 1, 1, Lk) -> (items * heads | 1, 1, Lk), matching `_flat`."""
     if keep is None:
         return None
     return _flat(keep.expand(-1, hs.stop - hs.start, -1, -1)) if keep.shape[0] > 1 else keep[0]
@@ -414,39 +420,59 @@ def _tile_scores(q, k, scale: float, softcap: float | None) -> tuple[torch.Tenso
     return t * softcap, t
 
 
-def _tile_weights(s: torch.Tensor, keep: torch.Tensor | None, cog: bool) -> torch.Tensor:
-    """E = exp(score - m) over kept keys (0 elsewhere), m the row max of the score over kept keys: the score is
-    |s| for Cog (m >= 0, so rows with no kept key have m = 0), s for softmax (m = 0 on rows with no kept key)."""
+def _tile_mask(s: torch.Tensor, kpm: torch.Tensor | None, band: tuple[int | None, int | None] | None):
+    """The keep-mask of a (G, r, keys) score tile, broadcastable to it, or None when every score is kept: the
+    padding mask `kpm` (G | 1, 1, keys) and the band edges (lo, hi) of `_tile_band`. The band part is built from
+    index ranges inside the tile math, so compiled it is a compare in the fused loop, not an (r, keys) tensor."""
+    keep = kpm
+    if band is not None:
+        lo, hi = band
+        diff = (torch.arange(s.shape[-1], device=s.device)[None, :]
+                - torch.arange(s.shape[-2], device=s.device)[:, None])  # c - r, (r, keys)  # fmt: skip
+        cut = diff <= hi if hi is not None else None
+        if lo is not None:
+            cut = diff >= lo if cut is None else cut & (diff >= lo)
+        keep = cut if keep is None else keep & cut
+    return keep
+
+
+def _tile_weights(
+    s: torch.Tensor, keep: torch.Tensor | None, cog: bool, m: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(E, m): E = exp(score - m) over kept keys (0 elsewhere), m the row max of the score over kept keys (taken
+    as given when `m` is passed: backward reuses the forward's). The score is |s| for Cog (m >= 0, so rows with no
+    kept key have m = 0), s for softmax (m = the lowest float on rows with no kept key)."""
     if cog:
-        if keep is not None:
-            s = s.masked_fill(~keep, 0.0)  # |0| cannot raise the row max, which is >= 0 anyway
-        a = s.abs()
-        e = torch.exp(a - a.amax(-1, keepdim=True))
+        a = s.abs() if keep is None else torch.where(keep, s.abs(), 0.0)  # |0| cannot raise the row max (>= 0)
+        if m is None:
+            m = a.amax(-1, keepdim=True)
+        e = torch.exp(a - m)
     else:
         if keep is not None:
             s = s.masked_fill(~keep, float("-inf"))
-        m = s.amax(-1, keepdim=True)
-        if keep is not None:
-            m = m.clamp_min(torch.finfo(s.dtype).min)  # rows with no kept key: exp(-inf - finite) = 0, no NaN
+        if m is None:
+            m = s.amax(-1, keepdim=True)
+            if keep is not None:
+                m = m.clamp_min(torch.finfo(s.dtype).min)  # rows with no kept key: exp(-inf - finite) = 0, no NaN
         e = torch.exp(s - m)
     if keep is not None:
-        e = e.masked_fill(~keep, 0.0)
-    return e
+        e = torch.where(keep, e, 0.0)
+    return e, m
 
 
 def _tile_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None,
-    softcap: float | None = None, cog: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One tile of the forward: q (G, r, hd), k and v (G, Lk, hd), keep broadcastable to (G, r, Lk) or None.
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kpm: torch.Tensor | None,
+    band: tuple[int | None, int | None] | None, softcap: float | None = None, cog: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One tile of the forward: q (G, r, hd), k and v (G, Lk, hd), kpm (G | 1, 1, Lk) or None, band as `_tile_band`.
 
-    Returns (E' v, l): E' = sign(p) * E for Cog (E for softmax), E = exp(score - m) over kept keys
-    (`_tile_weights`), so E' v = l * O, (G, r, hd); and l = rowsum(E), (G, r, 1). Exact zeros p = 0 count in l
-    and get sign 0 (no weight), as in the reference.
+    Returns (E' v, m, l): E' = sign(p) * E for Cog (E for softmax), E = exp(score - m) over kept keys
+    (`_tile_weights`), so E' v = l * O, (G, r, hd); m the row max of the score and l = rowsum(E), (G, r, 1).
+    Exact zeros p = 0 count in l and get sign 0 (no weight), as in the reference.
     """
     s, _ = _tile_scores(q, k, scale, softcap)
-    e = _tile_weights(s, keep, cog)
-    return torch.bmm(e * torch.sign(s) if cog else e, v), e.sum(-1, keepdim=True)
+    e, m = _tile_weights(s, _tile_mask(s, kpm, band), cog)
+    return torch.bmm(e * torch.sign(s) if cog else e, v), m, e.sum(-1, keepdim=True)
 
 
 def _tile_backward(
@@ -454,21 +480,25 @@ def _tile_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     do: torch.Tensor,
+    m: torch.Tensor,
     inv_l: torch.Tensor,
     D: torch.Tensor,
     scale: float,
-    keep: torch.Tensor | None,
+    kpm: torch.Tensor | None,
+    band: tuple[int | None, int | None] | None,
     softcap: float | None = None,
     cog: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One tile of the backward: q, do (G, r, hd); k, v (G, Lk, hd); inv_l = 1/l and D = rowsum(dO * O), (G, r, 1).
+    """One tile of the backward: q, do (G, r, hd); k, v (G, Lk, hd); the forward's row max m, inv_l = 1/l and
+    D = rowsum(dO * O), (G, r, 1); kpm and band as `_tile_forward`.
 
-    Recomputes E' = l * A as `_tile_forward` does and returns this tile's (dQ, dK, dV) contributions, with
-    dV = E'^T (dO / l), l dS = E' * (sign(s) * (dO v^T) - D) (Cog; softmax: E * (dO v^T - D)) for the (capped)
-    score s, l dP = l dS * (1 - t^2) through a softcap (t = tanh(p / c)), dQ = scale dP K and dK = scale dP^T Q.
+    Recomputes E' = l * A as `_tile_forward` does (with the forward's m, so no max pass) and returns this tile's
+    (dQ, dK, dV) contributions, with dV = E'^T (dO / l), l dS = E' * (sign(s) * (dO v^T) - D) (Cog; softmax:
+    E * (dO v^T - D)) for the (capped) score s, l dP = l dS * (1 - t^2) through a softcap (t = tanh(p / c)),
+    dQ = scale dP K and dK = scale dP^T Q.
     """
     s, t = _tile_scores(q, k, scale, softcap)
-    e = _tile_weights(s, keep, cog)
+    e, _ = _tile_weights(s, _tile_mask(s, kpm, band), cog, m)
     g = torch.bmm(do, v.transpose(1, 2))
     if cog:
         sgn = torch.sign(s)
@@ -484,20 +514,22 @@ def _tile_backward(
 
 
 def _tile_forward_into(
-    q, k, v, scale: float, keep, softcap, cog: bool, o_out: torch.Tensor, l_out: torch.Tensor
+    q, k, v, scale: float, kpm, band, softcap, cog: bool, o_out: torch.Tensor, m_out: torch.Tensor,
+    l_out: torch.Tensor,
 ) -> None:  # fmt: skip
     """`_tile_forward` written into views of the outputs (compiled, the last pointwise loop writes there directly)."""
-    o, l = _tile_forward(q, k, v, scale, keep, softcap, cog)
+    o, m, l = _tile_forward(q, k, v, scale, kpm, band, softcap, cog)
     o_out.copy_(o)
+    m_out.copy_(m)
     l_out.copy_(l)
 
 
 def _tile_backward_into(
-    q, k, v, do, inv_l, D, scale: float, keep, softcap, cog: bool, dq_out: torch.Tensor, dk_out: torch.Tensor,
-    dv_out: torch.Tensor, accumulate: bool,
+    q, k, v, do, m, inv_l, D, scale: float, kpm, band, softcap, cog: bool, dq_out: torch.Tensor,
+    dk_out: torch.Tensor, dv_out: torch.Tensor, accumulate: bool,
 ) -> None:  # fmt: skip
     """`_tile_backward` written into views of dQ, dK, dV (dK, dV accumulate over query blocks when `accumulate`)."""
-    dq, dk, dv = _tile_backward(q, k, v, do, inv_l, D, scale, keep, softcap, cog)
+    dq, dk, dv = _tile_backward(q, k, v, do, m, inv_l, D, scale, kpm, band, softcap, cog)
     dq_out.copy_(dq)
     if accumulate:
         dk_out.add_(dk)
@@ -551,9 +583,10 @@ class _AttentionTorch(torch.autograd.Function):
     Tiles (see `_tiles`) hold complete query rows over the keys of their band, so the transient memory is a few
     tiles of `tile_elements` scores whatever the sequence length.
 
-    Forward saves q, k, v, the output and one float per query row: log l_i, the log-sum-exp of |p_i| relative to
-    its row max m_i (LSE_i = m_i + log l_i). Backward recomputes m_i from the same tile, so no precision is lost
-    at large |p| (an absolute fp32 LSE near |p| = 1e4 has an ulp of 1e-3, a 1e-3 relative error in every weight).
+    Forward saves q, k, v, the output and two floats per query row: the row max m_i of |p_i| over kept keys and
+    l_i = sum_j exp(|p_ij| - m_i) (LSE_i = m_i + log l_i). Backward reuses m_i instead of recomputing it (no max
+    pass over the tile), and since m_i and l_i are kept apart no precision is lost at large |p| (an absolute fp32
+    LSE near |p| = 1e4 has an ulp of 1e-3, a 1e-3 relative error in every weight).
     With E = sign(p) * exp(|p| - m) = l * A, every 1/l factor moves onto a (rows, hd) block:
         O = (E v) / l,   dV = A^T dO = E^T (dO / l),   dP = A * (sign(p) * g - D) = (E * (sign(p) * g - D)) / l,
     with g = dO v^T and D = rowsum(dO * O); dQ = scale dP K and dK = scale dP^T Q. (Softmax mode: E = exp(p - m)
@@ -569,24 +602,25 @@ class _AttentionTorch(torch.autograd.Function):
         qc = q.to(ct)  # a view when already in the compute dtype
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
-        l_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
+        m_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
+        l_all = torch.empty_like(m_all)
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
         for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements, band):
             ks = _tile_keys(rs, Lq, Lk, band)
-            keep = _tile_keep(bs, rs, Lq, ks, Lk, band, key_padding_mask, q.device)
-            # The out / l slices of a tile are contiguous, so their 3-d views are written in place.
+            # The out / m / l slices of a tile are contiguous, so their 3-d views are written in place.
             _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
-                      scale, _flat_keep(keep, hs), softcap, cog, _flat_out(out[bs, hs, rs]),
+                      scale, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs), _tile_band(rs, ks, Lq, Lk, band),
+                      softcap, cog, _flat_out(out[bs, hs, rs]), _flat_out(m_all[bs, hs, rs]),
                       _flat_out(l_all[bs, hs, rs]))  # fmt: skip
         out = out.mul_(_safe_reciprocal(l_all)).to(q.dtype)  # rows with no kept key: l = 0, O = 0
-        ctx.save_for_backward(q, k, v, out, l_all.log_(), key_padding_mask)
+        ctx.save_for_backward(q, k, v, out, m_all, l_all, key_padding_mask)
         ctx.band, ctx.scale, ctx.tile_elements, ctx.compile = band, scale, tile_elements, compile
         ctx.softcap, ctx.cog = softcap, cog
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, log_l, key_padding_mask = ctx.saved_tensors
+        q, k, v, out, m_all, l_all, key_padding_mask = ctx.saved_tensors
         band, scale = ctx.band, ctx.scale
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
@@ -594,7 +628,7 @@ class _AttentionTorch(torch.autograd.Function):
         qc, do = q.to(ct), dout.to(ct)
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
-        inv_l = _safe_reciprocal(log_l.exp())  # 0 on rows with no kept key
+        inv_l = _safe_reciprocal(l_all)  # 0 on rows with no kept key
         tiles = _tiles(B, nh, Lq, Lk, ctx.tile_elements, band)
         whole_heads = all(rs.stop - rs.start == Lq for _, _, rs in tiles)  # else query blocks accumulate dK, dV
         dq = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
@@ -606,12 +640,11 @@ class _AttentionTorch(torch.autograd.Function):
         compiled = _use_compiled(q, B * nh * Lq * Lk, ctx.compile)
         for bs, hs, rs in tiles:
             ks = _tile_keys(rs, Lq, Lk, band)
-            keep = _tile_keep(bs, rs, Lq, ks, Lk, band, key_padding_mask, q.device)
             _run_tile(
                 "backward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
-                _flat(do[bs, hs, rs]), _flat(inv_l[bs, hs, rs]), _flat(D[bs, hs, rs]), scale,
-                _flat_keep(keep, hs), ctx.softcap, ctx.cog, _flat_out(dq[bs, hs, rs]), _flat_out(dk[bs, hs, ks]),
-                _flat_out(dv[bs, hs, ks]),
+                _flat(do[bs, hs, rs]), _flat(m_all[bs, hs, rs]), _flat(inv_l[bs, hs, rs]), _flat(D[bs, hs, rs]),
+                scale, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs), _tile_band(rs, ks, Lq, Lk, band),
+                ctx.softcap, ctx.cog, _flat_out(dq[bs, hs, rs]), _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks]),
                 not whole_heads,  # query blocks of one head accumulate dK, dV (zero-initialised)
             )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
