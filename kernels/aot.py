@@ -6,8 +6,8 @@ triton is then run with `-v` on that PTX, with the flags triton itself uses, to 
 shared memory is triton's `metadata.shared`.
 
 Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`) is compiled with the mask
-variants that have the most code: causal + key padding mask, and sliding window + softcap + key padding mask, in
-Cog mode and in softmax mode.
+variants that have the most code: causal + key padding mask for the plain candidates, and sliding window + softcap
++ key padding mask for the banded ones (`banded=True`), in Cog mode and in softmax mode.
 
 `--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
 candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
@@ -102,16 +102,16 @@ def all_specs(
         for dtype in dtypes:
             for hd in head_dims:
                 for kernel in kernels:
-                    banded = candidate_configs(kernel, arch, dtype, hd, banded=True)
                     for c in candidate_configs(kernel, arch, dtype, hd):
                         if kernel == "bwd_pre":  # has no mode or mask switches
                             specs.append(Spec(kernel, arch, dtype, hd, c, cog=False, causal=False, has_kpm=False))
                             continue
-                        for cog in modes:
-                            specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog))
-                            if c in banded:
-                                specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=False, window=True,
-                                                  softcap=True))  # fmt: skip
+                        specs += [Spec(kernel, arch, dtype, hd, c, cog=cog) for cog in modes]
+                    if kernel == "bwd_pre":
+                        continue
+                    for c in candidate_configs(kernel, arch, dtype, hd, banded=True):  # banded: their own list
+                        specs += [Spec(kernel, arch, dtype, hd, c, cog=cog, causal=False, window=True, softcap=True)
+                                  for cog in modes]  # fmt: skip
     return specs
 
 
@@ -327,14 +327,15 @@ def sass_mix(spec: Spec) -> SassMix:
 def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=(64, 128), kernels=tuple(SASS_RATIO_TARGET),
                causal: bool = False, has_kpm: bool = False, sign_ptx: bool | None = None, window: bool = False,
                softcap: bool = False) -> list[Spec]:  # fmt: skip
-    """(Cog, softmax) spec pairs, flattened, for the config each kernel's candidate list ranks first. `sign_ptx`
-    (forward only): False compiles the clamp form of the sign step where the launcher would use the PTX form."""
+    """(Cog, softmax) spec pairs, flattened, for the config each kernel's candidate list (the banded list with a
+    window or softcap) ranks first. `sign_ptx` (forward only): False compiles the clamp form of the sign step where
+    the launcher would use the PTX form."""
     specs = []
     for arch in archs:
         for dtype in dtypes:
             for hd in head_dims:
                 for kernel in kernels:
-                    c = candidate_configs(kernel, arch, dtype, hd)[0]
+                    c = candidate_configs(kernel, arch, dtype, hd, banded=window or softcap)[0]
                     for cog in (True, False):
                         specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=causal and not window,
                                           has_kpm=has_kpm, sign_ptx=sign_ptx if kernel == "fwd" else None,

@@ -27,7 +27,9 @@ Supported envelope (enforced by `uvic.attention.unsupported_reason`):
       the WINDOW specialization; tiles outside the band are skipped by the loop bounds of all three kernels.
     - logit softcaps p' = c tanh(p / c) (Gemma 2), applied before Cog's sign and magnitude, with the gradient
       factor 1 - tanh^2: the SOFTCAP specialization. Calls without a window or softcap compile the kernels of
-      before (docs/kernel_math.md, "Sliding windows and softcaps").
+      before (docs/kernel_math.md, "Sliding windows and softcaps"). Windows and softcaps run for every dtype and
+      head dim above; where a plain tile spills in these "banded" kernels, they have tiles of their own
+      (`configs.candidate_configs(..., banded=True)`).
     - any finite scale (a negative scale flips the signs of p, as in the reference; for Cog the launcher passes
       -q and |scale|, or q = 0 for scale 0, since the kernels take sign(p) from the bits of q.k).
 Known differences from `uvic.attention.attention_ref`:
@@ -184,15 +186,19 @@ def _exp2_arg(s, scale2, m, COG: tl.constexpr, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _softcap_grad(ds, s, cap_out, SOFTCAP: tl.constexpr):
-    """dL/dp from dL/dp' through p' = c tanh(p / c): times 1 - tanh^2 = 1 - (s / cap_out)^2, s the base-2 capped
-    score of `_scores` (for Cog its magnitude, which has the same square). Identity without SOFTCAP."""
+def _softcap_fold(a, w, s, cap_out, SOFTCAP: tl.constexpr):
+    """(a, w) times the softcap's gradient factor dp'/dp = 1 - tanh^2 = 1 - (s / cap_out)^2 (s the base-2 capped
+    score of `_scores`; for Cog its magnitude, which has the same square), so that `_dscore` of the results is
+    dL/dp: `_dscore` is linear in (a, w) and the factor is >= 0 (|a f| = |a| f). Folded in before the g = dO . v
+    product, only the scaled weights stay live across it, not the weights and the score tile (the banded kernels
+    then compile without spills, "Sliding windows and softcaps" in docs/kernel_math.md). Identity without SOFTCAP."""
     if SOFTCAP:
-        # clamped to [-1, 1] (exact for tanh): masked entries have s = -inf and ds = 0, and must give 0, not NaN
+        # clamped to [-1, 1] (exact for tanh): masked entries have s = -inf and a = w = 0, and must give 0, not NaN
         t = tl.minimum(tl.maximum(s / cap_out, -1.0), 1.0)
-        return ds * (1.0 - t * t)
+        f = 1.0 - t * t
+        return a * f, w * f
     else:
-        return ds
+        return a, w
 
 
 @triton.jit
@@ -531,8 +537,9 @@ def _bwd_dkdv_inner(
         wT = tl.math.exp2(_exp2_arg(sT, scale2, m[None, :], COG, SOFTCAP))
         aT = _signed(wT, qkT, COG)
         dv += _dot(aT.to(do.dtype), do, DOT_PREC)
+        aT, wT = _softcap_fold(aT, wT, sT, cap_out, SOFTCAP)
         gT = _dot(v, tl.trans(do), DOT_PREC)  # g_ij = dO_i . v_j
-        dsT = _softcap_grad(_dscore(aT, wT, gT, dlt[None, :], COG), sT, cap_out, SOFTCAP)
+        dsT = _dscore(aT, wT, gT, dlt[None, :], COG)
         dk += _dot(dsT.to(q.dtype), q, DOT_PREC)
     return dk, dv
 
@@ -630,9 +637,9 @@ def _bwd_dq_inner(
                                   offs_m, start_n + offs_n, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
                                   MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG, WINDOW, SOFTCAP)  # fmt: skip
         w = tl.math.exp2(_exp2_arg(s, scale2, m[:, None], COG, SOFTCAP))
-        a = _signed(w, qk, COG)
+        a, w = _softcap_fold(_signed(w, qk, COG), w, s, cap_out, SOFTCAP)
         g = _dot(do, tl.trans(v), DOT_PREC)  # g_ij = dO_i . v_j
-        ds = _softcap_grad(_dscore(a, w, g, dlt[:, None], COG), s, cap_out, SOFTCAP)
+        ds = _dscore(a, w, g, dlt[:, None], COG)
         dq += _dot(ds.to(k.dtype), k, DOT_PREC)
     return dq
 

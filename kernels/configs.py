@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from uvic.kernels import BANDED_HEAD_DIMS
-
 
 KERNELS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 ARCHS = (80, 90)
@@ -112,13 +110,24 @@ def forward_sign_ptx(arch: int, dtype: str) -> bool:
     return arch >= 90 and dtype in ("fp16", "bf16")
 
 
-# Sliding-window / softcap kernels (WINDOW or SOFTCAP, "banded" below) keep a few more values per score. ptxas
-# (triton 3.8) spilled their 4-warp dQ tiles at head dim 128 (sm_80 (64, 32, 4, 2): 16-48 bytes; sm_90 (64, 64, 4, 2):
-# 20-24 bytes), so banded calls leave those out. Where a kernel has one tile and it spilled, banded calls are outside
-# the envelope (BANDED_HEAD_DIMS, 16-bit only): head dim 256 (sm_80 forward, sm_90 dQ: 12-20 bytes), head dim 32
-# (sm_80 dQ (64, 64, 4, 2): 12 bytes) and fp32 (the 16 x 16 tiles of the sm_80 dQ at 64/128 and of sm_90 at 32:
-# 4-12 bytes).
-_BANDED_DROP = {(80, 128, "bwd_dq"): _C(64, 32, 4, 2), (90, 128, "bwd_dq"): _C(64, 64, 4, 2)}
+# Sliding-window / softcap kernels (WINDOW or SOFTCAP, "banded" below) keep a few more values per score (the band
+# compares, the capped score and its tanh). Their variants of the plain candidates compile spill-free except in the
+# cases below, which get a list of their own (ptxas -v, triton 3.8, window + softcap + key padding, Cog and softmax):
+_BANDED_16 = {
+    (80, 16, "bwd_dkdv"): [_C(32, 64, 4, 2)],  # (64, 64, 4, 2) spills 4 bytes (Cog)
+    (80, 128, "bwd_dq"): [_C(64, 64, 8, 2)],  # (64, 32, 4, 2) spills 8-40 bytes
+    (80, 256, "fwd"): [_C(32, 64, 8, 1)],  # (64, 64, 8, 1) spills 12 bytes (Cog); (64, 32, 8, 1|2) at 255 registers
+    (90, 128, "bwd_dq"): [_C(128, 64, 8, 2)],  # (64, 64, 4, 2) spills 16-24 bytes
+    (90, 256, "bwd_dq"): [_C(32, 64, 8, 1)],  # (64, 32, 8, 2) spills 20 bytes (softmax), (64, 32, 8, 1) 1 KB
+}
+_BANDED_FP32 = {  # the 16 x 16 tiles' warp count flips where ptxas spilled 4-24 bytes with the plain one
+    (80, 64, "bwd_dq"): [_C(16, 16, 4, 1)],
+    (80, 128, "bwd_dq"): [_C(16, 16, 4, 1)],
+    (80, 256, "bwd_dq"): [_C(16, 16, 4, 1)],
+    (80, 256, "fwd"): [_C(16, 32, 8, 1)],  # (16, 16, 8 | 4 warps, 1) spill 4 | 32 bytes
+    (90, 32, "fwd"): [_C(16, 16, 4, 1)],
+    (90, 32, "bwd_dkdv"): [_C(16, 16, 4, 1)],
+}
 
 
 def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded: bool = False) -> list[KernelConfig]:
@@ -130,7 +139,8 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
             nearest: < 90 -> 80, >= 90 -> 90).
         dtype: "fp16", "bf16" or "fp32".
         head_dim: 16, 32, 64, 128 or 256.
-        banded: for the sliding-window / softcap kernels (none at head dims outside BANDED_HEAD_DIMS).
+        banded: for the sliding-window / softcap kernels (WINDOW or SOFTCAP), which have their own list where
+            the plain candidates' banded variants spill.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -141,13 +151,13 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
     arch = 90 if arch >= 90 else 80
     if kernel == "bwd_pre":
         return list(_PRE)
-    if banded and (head_dim not in BANDED_HEAD_DIMS or dtype == "fp32"):
-        return []
+    own = (_BANDED_FP32 if dtype == "fp32" else _BANDED_16).get((arch, head_dim, kernel)) if banded else None
+    if own is not None:
+        return list(own)
     if dtype == "fp32":
         return [_C(16, 16, 4, 1)] if (arch, head_dim, kernel) in _FP32_4_WARPS else [_FP32]
     table = {"fwd": _FWD_16, "bwd_dkdv": _DKDV_16, "bwd_dq": _DQ_16}[kernel]
-    drop = _BANDED_DROP.get((arch, head_dim, kernel)) if banded else None
-    return [c for c in table[(arch, head_dim)] if c != drop]
+    return list(table[(arch, head_dim)])
 
 
 def config_arch(major: int, minor: int, smem_optin: int, is_hip: bool) -> tuple[int | None, str | None]:
@@ -186,14 +196,16 @@ def config_arch(major: int, minor: int, smem_optin: int, is_hip: bool) -> tuple[
 
 
 def all_configs(arch: int) -> dict[str, list[KernelConfig]]:
-    """Union over dtypes and head dims of the candidates of each kernel (the autotuner's config list)."""
+    """Union over dtypes, head dims and banded or not of the candidates of each kernel (the autotuner's config
+    list, which its prune hook narrows to `candidate_configs` of each launch)."""
     out: dict[str, list[KernelConfig]] = {}
     for kernel in KERNELS:
         seen: list[KernelConfig] = []
         for dtype in DTYPES:
             for hd in HEAD_DIMS:
-                for c in candidate_configs(kernel, arch, dtype, hd):
-                    if c not in seen:
-                        seen.append(c)
+                for banded in (False, True):
+                    for c in candidate_configs(kernel, arch, dtype, hd, banded):
+                        if c not in seen:
+                            seen.append(c)
         out[kernel] = seen
     return out

@@ -25,7 +25,7 @@ import ptx_emulator
 
 import uvic.kernels.attention as kattn
 from uvic.attention import attention_ref, cog_attention, softmax_attention
-from uvic.kernels.configs import HEAD_DIMS, KernelConfig, candidate_configs
+from uvic.kernels.configs import HEAD_DIMS, KernelConfig, all_configs, candidate_configs
 from uvic.kernels.ops import fused_attention
 
 
@@ -214,18 +214,19 @@ def test_dispatcher_triton_backend_matches_reference(op):
 
 
 def test_autotuner_picks_only_checked_candidates():
-    """The prune hook never leaves the candidate list that the AOT test compiles."""
+    """The prune hook never leaves the candidate list that the AOT test compiles, and what it keeps is in the
+    autotuner's config list (`all_configs`), so no launch is left with no config."""
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         for arch in (80, 90):
+            tuned = all_configs(arch)[kernel]
             for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                 for hd in HEAD_DIMS:
                     for banded in (False, True):
                         allowed = candidate_configs(kernel, arch, name, hd, banded)
-                        if not allowed:  # banded kernels at head dim 256: refused by unsupported_reason
-                            continue
+                        assert allowed, (kernel, arch, name, hd, banded)
                         for bucket in (16, 64, 256, 16384):
                             picked = kattn.pick_candidates(kernel, arch, dtype, hd, bucket, banded)
-                            assert picked and all(c in allowed for c in picked)
+                            assert picked and all(c in allowed and c in tuned for c in picked)
 
 
 def test_backward_accepts_strided_lse():
@@ -411,6 +412,15 @@ WINDOW_CASES = [
     (1, 1, 90, 40, 64, torch.float16, False, (3, 3), 5.0, None, True),
     (1, 2, 57, 57, 16, torch.float32, False, (-1, 6), 0.5, "partial", True),
     (1, 1, 50, 70, 128, torch.bfloat16, False, (1, 1), 3.0, "partial", False),
+    # every head dim in 16-bit and in fp32 (the banded tiles of configs.py): head dim 256 with window 1, a window
+    # wider than the keys, softcaps with padded keys; fp32 beyond head dim 16. (Window 1 in 16-bit: the exact dq is
+    # 0 there, where the kernel's rounding of D = rowsum(dO O) leaves ~1e-6 that the floor, 0, does not allow.)
+    (1, 1, 33, 33, 256, torch.float16, True, (5, -1), 4.0, "partial", True),
+    (1, 1, 30, 45, 256, torch.bfloat16, False, (50, 50), None, "partial", False),
+    (1, 1, 17, 30, 256, torch.float32, False, (0, 0), 1.0, "partial", True),
+    (2, 1, 30, 30, 64, torch.float32, True, None, 1.5, "empty_batch", True),
+    (1, 1, 40, 24, 128, torch.float32, True, (7, -1), None, "partial", False),
+    (1, 1, 24, 24, 32, torch.float32, False, (40, 40), 2.0, None, True),
 ]
 
 
@@ -427,6 +437,18 @@ def test_window_and_softcap_with_sign_ptx(monkeypatch, case):
     q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=Lq + Lk)
     _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, window=window, softcap=softcap)
     assert emu.calls > 0
+
+
+@pytest.mark.parametrize("arch,dtype", [(80, torch.bfloat16), (90, torch.float16), (80, torch.float32)])
+def test_banded_gpu_tiles_at_head_dim_256(monkeypatch, arch, dtype):
+    """The banded kernels with the very tiles the autotuner may pick for them at head dim 256 (their own lists in
+    configs.py, e.g. 32 x 64 for the sm_80 forward; the interpreter ignores warps and stages): window, softcap and
+    key padding, lengths that are not tile multiples."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        monkeypatch.setitem(kattn.INTERPRET_CONFIGS, kernel, candidate_configs(kernel, arch, name, 256, banded=True)[0])
+    q, k, v, do = _inputs(1, 1, 50, 70, 256, dtype, seed=14)
+    _check(q, k, v, do, dtype, causal=False, kpm=_mask("partial", 1, 70), cog=True, window=(30, 10), softcap=3.0)
 
 
 @pytest.mark.parametrize("window", [(4, 3), (9, -1)])
