@@ -14,17 +14,12 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-# Head dims and dtypes of the sliding-window / softcap kernels: ptxas spills some of them elsewhere (configs.py).
-BANDED_HEAD_DIMS = (16, 64, 128)
-BANDED_DTYPES = (torch.float16, torch.bfloat16)
 # Offsets inside one (batch, head) slice are 32-bit in the kernels: L * hd must stay below this.
 MAX_SLICE_ELEMENTS = 2**31
 # The (batch * head) axis of the launch grid.
 MAX_BATCH_HEADS = 65535
 
 __all__ = [
-    "BANDED_DTYPES",
-    "BANDED_HEAD_DIMS",
     "MAX_BATCH_HEADS",
     "MAX_SLICE_ELEMENTS",
     "SUPPORTED_DTYPES",

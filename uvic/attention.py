@@ -39,8 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from uvic.kernels import (
-    BANDED_DTYPES,
-    BANDED_HEAD_DIMS,
     MAX_BATCH_HEADS,
     MAX_SLICE_ELEMENTS,
     SUPPORTED_DTYPES,
@@ -154,11 +152,6 @@ def unsupported_reason(
         return f"L * hd = {max(Lq, Lk) * hd} elements per (batch, head); the kernel allows fewer than 2**31"
     if B * nh > MAX_BATCH_HEADS:
         return f"B * nh = {B * nh} is larger than the kernel grid allows ({MAX_BATCH_HEADS})"
-    if (_normal_window(window) is not None or softcap is not None) and (
-        hd not in BANDED_HEAD_DIMS or q.dtype not in BANDED_DTYPES
-    ):
-        return (f"sliding windows and softcaps run in the kernel for float16/bfloat16 at head dims {BANDED_HEAD_DIMS}, "
-                f"not {q.dtype} at {hd} (its tiles spill registers there); the torch backend has them")  # fmt: skip
     if q.is_cuda:
         return config_arch(*cuda_device_info(q.device.index))[1]
     return None
