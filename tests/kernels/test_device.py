@@ -97,7 +97,10 @@ def test_envelope_check_is_a_constant_under_torch_compile():
         torch._dynamo.reset()
     torch.testing.assert_close(out, f(q))
     assert len(graphs) == 1
-    assert [n.target for n in graphs[0].graph.nodes if n.op == "call_function"] in ([operator.add], [operator.sub])
+    # The branch was decided at trace time: one of the two ops, and this GPU is inside the envelope. (Dynamo may
+    # add a getattr node of its own: torch 2.11 does on an H100.)
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert operator.add in targets and operator.sub not in targets
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "meta"])
