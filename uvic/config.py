@@ -166,6 +166,8 @@ class TrainConfig:
     # sampling weights against eval_reference (stats .npz, image folder or dataset spec, as `python -m uvic.fid`
     # takes), with eval_sampler / eval_steps ("" / None: the sample section's). The Inception weights: the
     # harness's lookup and checksum unless eval_fid_weights / eval_fid_weights_sha256 ("none": no check) are set.
+    # eval_fid_dims: the FID-Inception feature layer (`python -m uvic.fid --dims`): 2048, pool3, is the standard FID;
+    # 64, 192 and 768 are quicker (a 64-d covariance instead of a 2048-d one) but give numbers of another scale.
     eval_every: int = 0
     eval_num_images: int = 10_000
     eval_reference: str = ""
@@ -173,6 +175,7 @@ class TrainConfig:
     eval_steps: int | None = None
     eval_fid_weights: str = ""
     eval_fid_weights_sha256: str = ""
+    eval_fid_dims: int = 2048
 
 
 @dataclass(frozen=True)
@@ -503,7 +506,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.ema_decay": _FRACTION, "train.cpu_threads": _AT_LEAST_0, "train.log_every": _AT_LEAST_1,
     "train.sample_every": _AT_LEAST_0, "train.save_every": _AT_LEAST_0, "train.keep_checkpoints": _AT_LEAST_0,
     "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
-    "train.eval_steps": _AT_LEAST_1,
+    "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,

@@ -7,7 +7,7 @@ The number is a training monitor (U-ViT's fid10k with the training sampler), not
 
 On disk, in the run dir:
 
-    eval.jsonl   one line per evaluated step: {"step", "fid", "num_images", "sampler", "steps", "checkpoint"}
+    eval.jsonl   one line per evaluated step: {"step", "fid", "num_images", "dims", "sampler", "steps", "checkpoint"}
     best.json    the evaluated checkpoint with the lowest FID: {"step", "fid", "checkpoint"}
 
 "checkpoint" is relative to the run dir (checkpoints/step_000001000), so a run dir can be moved.
@@ -115,6 +115,7 @@ class Evaluator:
 
     def __init__(self, cfg: Any, task: Any, state: Any) -> None:
         from uvic.fid import compute_stats, load_extractor, load_stats, open_source
+        from uvic.fid.inception import DIMS
         from uvic.fid.stats import is_stats_file
 
         tc = cfg.train
@@ -124,12 +125,15 @@ class Evaluator:
             raise ConfigError("train.eval_every needs train.eval_reference (FID statistics .npz, an image folder or "
                               "a dataset spec such as cifar10-train:DIR)")
         self.cfg, self.task, self.state = cfg, task, state
-        self.num_images = tc.eval_num_images
+        if tc.eval_fid_dims not in DIMS:
+            raise ConfigError(f"config key train.eval_fid_dims: {tc.eval_fid_dims} is not one of {list(DIMS)} (the "
+                              "FID-Inception feature layers)")
+        self.num_images, self.dims = tc.eval_num_images, tc.eval_fid_dims
         self.sampler = tc.eval_sampler or cfg.sample.sampler
         self.steps = tc.eval_steps or cfg.sample.num_inference_steps
         self.vae = task.load_vae() if hasattr(task, "load_vae") else None
         # The reference first (cheap), then the weights, then the reference's statistics.
-        ref, dims = tc.eval_reference, 2048  # the FID-Inception pool features the harness uses by default
+        ref, dims = tc.eval_reference, self.dims
         reference = None
         if str(ref).endswith(".npz") and not os.path.isfile(ref):
             raise FileNotFoundError(f"train.eval_reference {ref!r} does not exist")
@@ -157,8 +161,8 @@ class Evaluator:
             from uvic.pipelines.sampling import mscoco_prompt_embeds
 
             self._captions = mscoco_prompt_embeds(cfg.data.root, self.num_images, cfg.sample.seed)
-        logger.info("FID every %d steps: fid%d, sampler %s with %d steps, reference %s", tc.eval_every,
-                    self.num_images, self.sampler, self.steps, ref)
+        logger.info("FID every %d steps: fid%d (%d-d features), sampler %s with %d steps, reference %s",
+                    tc.eval_every, self.num_images, self.dims, self.sampler, self.steps, ref)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -188,8 +192,8 @@ class Evaluator:
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             result = compute_fid(self._batches(model, step), self.reference, num_samples=self.num_images,
                                  extractor=self.extractor, batch_size=self.cfg.sample.batch_size, progress=False)
-        record = {"step": step, "fid": result.fid, "num_images": self.num_images, "sampler": self.sampler,
-                  "steps": self.steps, "checkpoint": checkpoint}
+        record = {"step": step, "fid": result.fid, "num_images": self.num_images, "dims": self.dims,
+                  "sampler": self.sampler, "steps": self.steps, "checkpoint": checkpoint}
         if self.state.is_main_process:
             record_evaluation(run_dir, record)
         logger.info("step=%07d fid%d=%.4f (%s, %d steps)", step, self.num_images, result.fid, self.sampler,
