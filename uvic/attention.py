@@ -403,10 +403,9 @@ def _flat_keep(keep: torch.Tensor | None, hs: slice) -> torch.Tensor | None:
     return _flat(keep.expand(-1, hs.stop - hs.start, -1, -1)) if keep.shape[0] > 1 else keep[0]
 
 
-def _tile_scores(q, k, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(p, t): the tile's scores p = scale q k^T, softcapped to c * tanh(p / c) when `softcap` is c, (G, r, keys);
-    t = tanh(p / c) (for the softcap's derivative 1 - t^2) or None."""
-    p = torch.bmm(q * scale, k.transpose(1, 2))  # q * scale is (r, hd), far smaller than p
+def _capped(p: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(s, t): the scores p softcapped to s = c * tanh(p / c) when `softcap` is c (else s = p), and t = tanh(p / c)
+    (for the softcap's derivative 1 - t^2) or None."""
     if softcap is None:
         return p, None
     t = torch.tanh(p * (1.0 / softcap))
@@ -453,87 +452,51 @@ def _tile_weights(
     return e, m
 
 
-def _tile_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kpm: torch.Tensor | None,
-    band: tuple[int | None, int | None] | None, softcap: float | None = None, cog: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One tile of the forward: q (G, r, hd), k and v (G, Lk, hd), kpm (G | 1, 1, Lk) or None, band as `_tile_band`.
-
-    Returns (E' v, m, l): E' = sign(p) * E for Cog (E for softmax), E = exp(score - m) over kept keys
-    (`_tile_weights`), so E' v = l * O, (G, r, hd); m the row max of the score and l = rowsum(E), (G, r, 1).
-    Exact zeros p = 0 count in l and get sign 0 (no weight), as in the reference.
-    """
-    s, _ = _tile_scores(q, k, scale, softcap)
-    e, m = _tile_weights(s, _tile_mask(s, kpm, band), cog)
-    return torch.bmm(e * torch.sign(s) if cog else e, v), m, e.sum(-1, keepdim=True)
-
-
-def _tile_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    m: torch.Tensor,
-    inv_l: torch.Tensor,
-    D: torch.Tensor,
-    scale: float,
-    kpm: torch.Tensor | None,
-    band: tuple[int | None, int | None] | None,
-    softcap: float | None = None,
-    cog: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One tile of the backward: q, do (G, r, hd); k, v (G, Lk, hd); the forward's row max m, inv_l = 1/l and
-    D = rowsum(dO * O), (G, r, 1); kpm and band as `_tile_forward`.
-
-    Recomputes E' = l * A as `_tile_forward` does (with the forward's m, so no max pass) and returns this tile's
-    (dQ, dK, dV) contributions, with dV = E'^T (dO / l), l dS = E' * (sign(s) * (dO v^T) - D) (Cog; softmax:
-    E * (dO v^T - D)) for the (capped) score s, l dP = l dS * (1 - t^2) through a softcap (t = tanh(p / c)),
-    dQ = scale dP K and dK = scale dP^T Q.
-    """
-    s, t = _tile_scores(q, k, scale, softcap)
-    e, _ = _tile_weights(s, _tile_mask(s, kpm, band), cog, m)
-    g = torch.bmm(do, v.transpose(1, 2))
-    if cog:
-        sgn = torch.sign(s)
-        e = e * sgn  # E' = l * A
-        dp = e * (sgn * g - D)  # l * dS
-    else:
-        dp = e * (g - D)
-    dv = torch.bmm(e.transpose(1, 2), do * inv_l)
-    if t is not None:
-        dp = dp * (1.0 - t * t)  # d(c tanh(p / c)) / dp
-    inv_l = inv_l * scale
-    return torch.bmm(dp, k) * inv_l, torch.bmm(dp.transpose(1, 2), q * inv_l), dv
-
-
-def _tile_forward_into(
-    q, k, v, scale: float, kpm, band, softcap, cog: bool, o_out: torch.Tensor, m_out: torch.Tensor,
-    l_out: torch.Tensor,
+def _tile_forward_weights(
+    p: torch.Tensor, kpm: torch.Tensor | None, band: tuple[int | None, int | None] | None, softcap: float | None,
+    cog: bool, m_out: torch.Tensor, l_out: torch.Tensor,
 ) -> None:  # fmt: skip
-    """`_tile_forward` written into views of the outputs (compiled, the last pointwise loop writes there directly)."""
-    o, m, l = _tile_forward(q, k, v, scale, kpm, band, softcap, cog)
-    o_out.copy_(o)
+    """The forward's element-wise tile math, in place: the scores p = scale q k^T, (G, r, keys), become the weights
+    A = sign(p) * E / l (Cog; softmax: E / l), E = exp(score - m) over kept keys (`_tile_weights`), so that
+    O = A v; m (the row max of the score) and l = rowsum(E), (G, r, 1), go to `m_out` and `l_out`. kpm (G | 1, 1,
+    keys) or None, band as `_tile_band`. Exact zeros p = 0 count in l and get sign 0 (no weight), as in the
+    reference; rows with no kept key (l = 0) get A = 0."""
+    s, _ = _capped(p, softcap)
+    e, m = _tile_weights(s, _tile_mask(s, kpm, band), cog)
+    l = e.sum(-1, keepdim=True)
+    e = e * _safe_reciprocal(l)
+    p.copy_(e * torch.sign(s) if cog else e)
     m_out.copy_(m)
     l_out.copy_(l)
 
 
-def _tile_backward_into(
-    q, k, v, do, m, inv_l, D, scale: float, kpm, band, softcap, cog: bool, dq_out: torch.Tensor,
-    dk_out: torch.Tensor, dv_out: torch.Tensor, accumulate: bool,
+def _tile_backward_weights(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, inv_l: torch.Tensor, D: torch.Tensor, scale: float,
+    kpm: torch.Tensor | None, band: tuple[int | None, int | None] | None, softcap: float | None, cog: bool,
 ) -> None:  # fmt: skip
-    """`_tile_backward` written into views of dQ, dK, dV (dK, dV accumulate over query blocks when `accumulate`)."""
-    dq, dk, dv = _tile_backward(q, k, v, do, m, inv_l, D, scale, kpm, band, softcap, cog)
-    dq_out.copy_(dq)
-    if accumulate:
-        dk_out.add_(dk)
-        dv_out.add_(dv)
+    """The backward's element-wise tile math, in place: the recomputed scores p (G, r, keys) become the weights A
+    of `_tile_forward_weights` (from the forward's row max m and inv_l = 1/l, so no reduction), and g = dO v^T
+    (G, r, keys) becomes scale * dP, dP = A * (sign(s) * g - D) for the (capped) score s (softmax: A * (g - D)),
+    times 1 - t^2 through a softcap (t = tanh(p / c)); D = rowsum(dO * O), (G, r, 1). Then dV = A^T dO,
+    dQ = (scale dP) K and dK = (scale dP)^T Q."""
+    s, t = _capped(p, softcap)
+    e, _ = _tile_weights(s, _tile_mask(s, kpm, band), cog, m)
+    e = e * inv_l
+    if cog:
+        sgn = torch.sign(s)
+        e = e * sgn  # A
+        dp = e * (sgn * g - D)
     else:
-        dk_out.copy_(dk)
-        dv_out.copy_(dv)
+        dp = e * (g - D)
+    if t is not None:
+        dp = dp * (1.0 - t * t)  # d(c tanh(p / c)) / dp
+    p.copy_(e)
+    g.copy_(dp * scale)
 
 
-# The tile math compiled with torch.compile (Inductor fuses the abs/max/exp/sign/sum chain into two loops between
-# the matmuls; eager PyTorch makes ~7 passes over each score tile). By default used on CPU for calls with at least
+# The element-wise tile math compiled with torch.compile (Inductor fuses the abs/max/exp/sum/sign chain of a pass
+# into one kernel, row by row; eager PyTorch makes ~7 passes over each score tile). The matrix products stay outside,
+# as BLAS calls that write into the output slices, so a compiled graph has no extern calls or copies of its own. By default used on CPU for calls with at least
 # COMPILE_MIN_SCORES scores (smaller ones are dominated by call overhead, and compiling them is not worth it);
 # switched off by UVIC_ATTENTION_COMPILE=0, or for the process when the compiler is missing or fails (a warning).
 COMPILE_MIN_SCORES = 2**20
@@ -555,8 +518,8 @@ def _use_compiled(q: torch.Tensor, n_scores: int, compile: bool | None) -> bool:
 
 
 def _run_tile(name: str, compiled: bool, *args) -> None:
-    """`_tile_forward_into` / `_tile_backward_into`, compiled when asked and possible, else eager."""
-    fn = _tile_forward_into if name == "forward" else _tile_backward_into
+    """`_tile_forward_weights` / `_tile_backward_weights`, compiled when asked and possible, else eager."""
+    fn = _tile_forward_weights if name == "forward" else _tile_backward_weights
     if compiled:
         if name not in _compiled:
             _compiled[name] = torch.compile(fn, dynamic=None)
@@ -574,16 +537,18 @@ class _AttentionTorch(torch.autograd.Function):
     (docs/attention.md, "The torch backend").
 
     Tiles (see `_tiles`) hold complete query rows over the keys of their band, so the transient memory is a few
-    tiles of `tile_elements` scores whatever the sequence length.
+    tiles of `tile_elements` scores whatever the sequence length. Per tile, the matrix products run as plain
+    (batched) BLAS calls that write into the outputs' slices, and only the element-wise math between them goes
+    through `_run_tile` (compiled on CPU at large sizes), once per tile and pass.
 
     Forward saves q, k, v, the output and two floats per query row: the row max m_i of |p_i| over kept keys and
     l_i = sum_j exp(|p_ij| - m_i) (LSE_i = m_i + log l_i). Backward reuses m_i instead of recomputing it (no max
     pass over the tile), and since m_i and l_i are kept apart no precision is lost at large |p| (an absolute fp32
     LSE near |p| = 1e4 has an ulp of 1e-3, a 1e-3 relative error in every weight).
-    With E = sign(p) * exp(|p| - m) = l * A, every 1/l factor moves onto a (rows, hd) block:
-        O = (E v) / l,   dV = A^T dO = E^T (dO / l),   dP = A * (sign(p) * g - D) = (E * (sign(p) * g - D)) / l,
-    with g = dO v^T and D = rowsum(dO * O); dQ = scale dP K and dK = scale dP^T Q. (Softmax mode: E = exp(p - m)
-    and dP = (E * (g - D)) / l; a softcap multiplies dP by 1 - tanh^2(p / c).)
+    With A = sign(p) * exp(|p| - m) / l:
+        O = A v,   dV = A^T dO,   dP = A * (sign(p) * g - D),   g = dO v^T,   D = rowsum(dO * O),
+        dQ = scale dP K,   dK = scale dP^T Q.
+    (Softmax mode: A = exp(p - m) / l and dP = A * (g - D); a softcap multiplies dP by 1 - tanh^2(p / c).)
     """
 
     @staticmethod
@@ -592,7 +557,7 @@ class _AttentionTorch(torch.autograd.Function):
         Lk = k.shape[2]
         band = _band(causal, window)
         ct = _compute_dtype(q.dtype)
-        qc = q.to(ct)  # a view when already in the compute dtype
+        qs = q.to(ct) * scale  # scaled once here, not per tile
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         m_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
@@ -600,12 +565,14 @@ class _AttentionTorch(torch.autograd.Function):
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
         for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements, band):
             ks = _tile_keys(rs, Lq, Lk, band)
+            kt, vt = _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks])
+            p = torch.bmm(_flat(qs[bs, hs, rs]), kt.transpose(1, 2))  # (G, rows, keys)
             # The out / m / l slices of a tile are contiguous, so their 3-d views are written in place.
-            _run_tile("forward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
-                      scale, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs), _tile_band(rs, ks, Lq, Lk, band),
-                      softcap, cog, _flat_out(out[bs, hs, rs]), _flat_out(m_all[bs, hs, rs]),
+            _run_tile("forward", compiled, p, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs),
+                      _tile_band(rs, ks, Lq, Lk, band), softcap, cog, _flat_out(m_all[bs, hs, rs]),
                       _flat_out(l_all[bs, hs, rs]))  # fmt: skip
-        out = out.mul_(_safe_reciprocal(l_all)).to(q.dtype)  # rows with no kept key: l = 0, O = 0
+            torch.bmm(p, vt, out=_flat_out(out[bs, hs, rs]))
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, m_all, l_all, key_padding_mask)
         ctx.band, ctx.scale, ctx.tile_elements, ctx.compile = band, scale, tile_elements, compile
         ctx.softcap, ctx.cog = softcap, cog
@@ -619,6 +586,7 @@ class _AttentionTorch(torch.autograd.Function):
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
         qc, do = q.to(ct), dout.to(ct)
+        qs = qc * scale
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
         inv_l = _safe_reciprocal(l_all)  # 0 on rows with no kept key
@@ -633,13 +601,22 @@ class _AttentionTorch(torch.autograd.Function):
         compiled = _use_compiled(q, B * nh * Lq * Lk, ctx.compile)
         for bs, hs, rs in tiles:
             ks = _tile_keys(rs, Lq, Lk, band)
-            _run_tile(
-                "backward", compiled, _flat(qc[bs, hs, rs]), _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks]),
-                _flat(do[bs, hs, rs]), _flat(m_all[bs, hs, rs]), _flat(inv_l[bs, hs, rs]), _flat(D[bs, hs, rs]),
-                scale, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs), _tile_band(rs, ks, Lq, Lk, band),
-                ctx.softcap, ctx.cog, _flat_out(dq[bs, hs, rs]), _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks]),
-                not whole_heads,  # query blocks of one head accumulate dK, dV (zero-initialised)
-            )
+            qt, dot = _flat(qc[bs, hs, rs]), _flat(do[bs, hs, rs])
+            kt, vt = _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks])
+            p = torch.bmm(_flat(qs[bs, hs, rs]), kt.transpose(1, 2))  # (G, rows, keys)
+            g = torch.bmm(dot, vt.transpose(1, 2))
+            _run_tile("backward", compiled, p, g, _flat(m_all[bs, hs, rs]), _flat(inv_l[bs, hs, rs]),
+                      _flat(D[bs, hs, rs]), scale, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs),
+                      _tile_band(rs, ks, Lq, Lk, band), ctx.softcap, ctx.cog)  # fmt: skip
+            # p is now A and g is scale * dP. Query blocks of one head accumulate dK, dV (zero-initialised).
+            dkt, dvt = _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks])
+            if whole_heads:
+                torch.bmm(p.transpose(1, 2), dot, out=dvt)
+                torch.bmm(g.transpose(1, 2), qt, out=dkt)
+            else:
+                dvt.baddbmm_(p.transpose(1, 2), dot)
+                dkt.baddbmm_(g.transpose(1, 2), qt)
+            torch.bmm(g, kt, out=_flat_out(dq[bs, hs, rs]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
