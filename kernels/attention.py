@@ -288,9 +288,19 @@ def _softcap_factors(sm_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _band_keep(rows, cols, lo_off, hi_off):
-    """(rows, cols) bool of a sliding window: key j kept for query i when i + lo_off <= j <= i + hi_off."""
-    return (cols[None, :] >= rows[:, None] + lo_off) & (cols[None, :] <= rows[:, None] + hi_off)
+def _in_band(cols, rows, lo_off, hi_off, ONE_COMPARE: tl.constexpr):
+    """Sliding-window keep-mask, cols and rows broadcast against each other (a tile either way round): key j kept
+    for query i when i + lo_off <= j <= i + hi_off.
+
+    ONE_COMPARE (the forward): one unsigned compare per score, j - (i + lo_off) <= hi_off - lo_off, exact since
+    `band_args` gives lo_off <= hi_off and |offsets| <= Lq + Lk + 1 (both sides fit in int32; j < i + lo_off wraps
+    above hi_off - lo_off). With two compares ptxas ran out of predicate registers in the Cog forward (P2R / LOP3
+    bit packing) and missed the --sass-mix target; in the backward kernels the one-compare form made ptxas spill
+    registers instead, so they keep two ("Sliding windows and softcaps" in docs/kernel_math.md)."""
+    if ONE_COMPARE:
+        return (cols - (rows + lo_off)).to(tl.uint32, bitcast=True) <= (hi_off - lo_off).to(tl.uint32, bitcast=True)
+    else:
+        return (cols >= rows + lo_off) & (cols <= rows + hi_off)
 
 
 @triton.jit
@@ -298,9 +308,9 @@ def _score_tile(
     q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, cols, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
-    ZERO_MASKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    ZERO_MASKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FWD: tl.constexpr,
 ):  # fmt: skip
-    """One (query block x key block) tile of the query-major kernels (forward and dQ): the k and v rows, q.k
+    """One (query block x key block) tile of the query-major kernels (forward, FWD, and dQ): the k and v rows, q.k
     (BLOCK_M, BLOCK_N) and the masked score (`_scores`, -inf where the entry is masked).
 
     ZERO_MASKS (the Cog backward): only the causal mask is applied to the score. Keys past LK and keys removed by
@@ -315,14 +325,14 @@ def _score_tile(
         if MASK and CAUSAL:
             s = tl.where(cols[None, :] <= offs_m[:, None] + diag, s, float("-inf"))
         if MASK and WINDOW:
-            s = tl.where(_band_keep(offs_m, cols, lo_off, hi_off), s, float("-inf"))
+            s = tl.where(_in_band(cols[None, :], offs_m[:, None], lo_off, hi_off, FWD), s, float("-inf"))
     else:
         if MASK:
             keep = cols[None, :] < LK
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
             if WINDOW:
-                keep = keep & _band_keep(offs_m, cols, lo_off, hi_off)
+                keep = keep & _in_band(cols[None, :], offs_m[:, None], lo_off, hi_off, FWD)
             s = tl.where(keep, s, float("-inf"))
         if HAS_KPM:
             s = tl.where(kpm_keep[None, :], s, float("-inf"))
@@ -371,7 +381,7 @@ def _fwd_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                   offs_m, start_n + offs_n, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False, WINDOW, SOFTCAP)  # fmt: skip
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False, WINDOW, SOFTCAP, True)  # fmt: skip
         if COG and SOFTCAP:  # s is the capped |p| in base 2 already (`_scores`), >= 0
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
@@ -522,15 +532,14 @@ def _bwd_dkdv_inner(
             if MASK and CAUSAL:
                 sT = tl.where(offs_n[:, None] <= rows[None, :] + diag, sT, float("-inf"))
             if MASK and WINDOW:
-                in_band = (offs_n[:, None] >= rows[None, :] + lo_off) & (offs_n[:, None] <= rows[None, :] + hi_off)
-                sT = tl.where(in_band, sT, float("-inf"))
+                sT = tl.where(_in_band(offs_n[:, None], rows[None, :], lo_off, hi_off, False), sT, float("-inf"))
         else:
             if MASK:
                 keep = rows[None, :] < LQ
                 if CAUSAL:
                     keep = keep & (offs_n[:, None] <= rows[None, :] + diag)
                 if WINDOW:
-                    keep = keep & (offs_n[:, None] >= rows[None, :] + lo_off) & (offs_n[:, None] <= rows[None, :] + hi_off)
+                    keep = keep & _in_band(offs_n[:, None], rows[None, :], lo_off, hi_off, False)
                 sT = tl.where(keep, sT, float("-inf"))
             if HAS_KPM:
                 sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
@@ -635,7 +644,7 @@ def _bwd_dq_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                   offs_m, start_n + offs_n, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG, WINDOW, SOFTCAP)  # fmt: skip
+                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG, WINDOW, SOFTCAP, False)  # fmt: skip
         w = tl.math.exp2(_exp2_arg(s, scale2, m[:, None], COG, SOFTCAP))
         a, w = _softcap_fold(_signed(w, qk, COG), w, s, cap_out, SOFTCAP)
         g = _dot(do, tl.trans(v), DOT_PREC)  # g_ij = dO_i . v_j

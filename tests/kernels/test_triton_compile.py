@@ -164,3 +164,17 @@ def test_sass_mix_forward_clamp_costs_at_most_one_and_a_half_per_score(sass_mix_
     assert cog.opcodes.get("HMNMX2", 0) == sites and "HMNMX2.BF16_V2.XORSIGN" not in cog.variants
     assert cog.counts()["total"] > sass_mix_pairs["fwd"][0].counts()["total"]  # the PTX form is the shorter
     assert all(cog.counts()[c] == soft.counts()[c] for c in SASS_EQUAL_CLASSES)
+
+
+@pytest.mark.slow
+def test_sass_mix_banded_kernels_meet_targets():
+    """The sliding-window + softcap kernels (with key padding: the most code a banded launch has, and the very
+    specs the spill check compiles) against the same targets, sm_90 bf16 head dim 64: Cog/softmax totals within
+    1.05 / 1.10, MUFU (exp2 and the softcap's tanh) and MMA counts equal."""
+    specs = sass_specs(dtypes=("bf16",), head_dims=(64,), has_kpm=True, window=True, softcap=True)
+    assert all(s in all_specs(archs=(90,), dtypes=("bf16",), head_dims=(64,)) for s in specs)
+    pairs = sass_pairs(sass_mix_all(specs, workers=2))
+    logger.info("\n%s", format_sass_mix(pairs))
+    assert {cog.spec.kernel for cog, _ in pairs} == set(SASS_RATIO_TARGET)
+    assert all(cog.counts()["mufu"] > 0 and cog.counts()["mma"] > 0 for cog, _ in pairs)
+    assert sass_target_failures(pairs) == []
