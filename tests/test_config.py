@@ -217,10 +217,29 @@ def test_model_section_defaults_are_the_model_signatures():
     from uvic.models import CogformerConfig
 
     for section, fn in ((UViTConfig, UViTModel.__init__), (LMModelConfig, CogformerConfig.__init__)):
-        params = inspect.signature(fn).parameters
+        # uvic.config reads the signatures from the model sources (it does not import diffusers / transformers).
+        params, hints = inspect.signature(fn).parameters, typing.get_type_hints(fn)
         assert all(f.default == params[f.name].default for f in dataclasses.fields(section))
+        assert all(f.type == hints[f.name] for f in dataclasses.fields(section))
     assert UViTConfig().img_size == 224  # the model's default, not the CIFAR-10 run's
     assert Config().model == UViTConfig.from_preset("uvic-s2-cifar10")  # the run's default is a preset
+
+
+def test_loading_configs_imports_no_model_library():
+    """`train.py --dry-run` and a config error cost the torch import, not diffusers' and transformers' (seconds):
+    uvic.config reads the model signatures from source, the presets from uvic.presets, the sampler names from the
+    table of class paths."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from uvic.config import load_config\n"
+            "for name in ('cifar10_uvic_s2', 'mscoco_uvic_s2', 'imagenet256_uvic_l2', 'lm_tiny'):\n"
+            "    load_config(f'configs/{name}.yaml')\n"
+            "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-3000:] + r.stdout
 
 
 def test_a_model_section_starts_from_its_preset_and_overrides_it(tmp_path):

@@ -18,8 +18,8 @@ only what differs. Unknown keys and values of the wrong type are errors that nam
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import inspect
 import math
 import types
 import typing
@@ -35,9 +35,7 @@ from uvic.data.imagenet import LATENT_SCALE as IMAGENET_LATENT_SCALE
 from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
 from uvic.lm.data import TOKEN_DTYPES
-from uvic.models.autoencoder import UVIT_VAE_SCALE
-from uvic.models.cogformer import CogformerConfig, cogformer_preset
-from uvic.models.uvit import UViTModel, uvit_preset
+from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
 
 
@@ -62,20 +60,44 @@ class ModelSection:
         return cls(**{**cls.preset_kwargs(name), **overrides})
 
 
-def model_section(name: str, signature_of: Callable, preset_kwargs: Callable[[str], dict[str, Any]], doc: str,
-                  exclude: tuple[str, ...] = ()) -> type:
-    """A frozen `ModelSection` dataclass named `name` whose fields are the keyword arguments of `signature_of`
-    (less `exclude`), with their annotated types and default values."""
-    hints = typing.get_type_hints(signature_of)
-    params = [p for p in inspect.signature(signature_of).parameters.values()
-              if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in exclude]
+def keyword_parameters(module: str, function: str) -> list[tuple[str, Any, Any]]:
+    """(name, type, default) of each positional-or-keyword parameter but `self` of `function` ("Class.__init__") in
+    the uvic module `module` ("uvic.models.uvit"), read from the module's source without importing it.
+
+    The model modules import diffusers and transformers, which take seconds that a config load (`train.py
+    --dry-run`, a config error) does not need; their signatures stay the one statement of a model's hyperparameters.
+    Annotations are evaluated with the builtin types and `typing`'s names; defaults must be literals (a test pins the
+    result to `inspect.signature` of the imported function).
+    """
+    path = Path(__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    scope: Any = ast.parse(path.read_text(encoding="utf-8"))
+    for part in function.split("."):
+        scope = next(n for n in scope.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == part)
+    args = scope.args.posonlyargs + scope.args.args
+    defaults = [None] * (len(args) - len(scope.args.defaults)) + scope.args.defaults
+    names = {**{t.__name__: t for t in (int, float, str, bool, tuple, list, dict)}, "None": None,
+             **{n: getattr(typing, n) for n in typing.__all__}}
+    return [(a.arg, eval(ast.unparse(a.annotation), {"__builtins__": {}}, names),
+             dataclasses.MISSING if d is None else ast.literal_eval(d))
+            for a, d in zip(args, defaults) if a.arg != "self"]  # fmt: skip
+
+
+def model_section(name: str, signature_of: tuple[str, str], preset_kwargs: Callable[[str], dict[str, Any]],
+                  doc: str, exclude: tuple[str, ...] = ()) -> type:
+    """A frozen `ModelSection` dataclass named `name` whose fields are the keyword arguments of the function
+    `signature_of` = (module, function) (less `exclude`, see `keyword_parameters`), with their annotated types and
+    default values."""
+    params = [p for p in keyword_parameters(*signature_of) if p[0] not in exclude]
     namespace = {"__doc__": doc, "__module__": __name__, "preset_kwargs": staticmethod(preset_kwargs)}
-    return dataclasses.make_dataclass(name, [(p.name, hints[p.name], field(default=p.default)) for p in params],
+    return dataclasses.make_dataclass(name, [(n, hint, field(default=d)) for n, hint, d in params],
                                       bases=(ModelSection,), namespace=namespace, frozen=True)
 
 
-UViTConfig = model_section("UViTConfig", UViTModel.__init__, uvit_preset, """`UViTModel.__init__` keyword
-    arguments, field for field, with the model's defaults; `preset:` names an entry of `UVIT_PRESETS`.""")
+UViTConfig = model_section(
+    "UViTConfig", ("uvic.models.uvit", "UViTModel.__init__"), uvit_preset,
+    """`UViTModel.__init__` keyword arguments, field for field, with the model's defaults; `preset:` names an entry
+    of `UVIT_PRESETS`.""",
+)
 
 
 @dataclass(frozen=True)
@@ -264,7 +286,7 @@ class ClassCondRunConfig(Config):
 
 
 LMModelConfig = model_section(
-    "LMModelConfig", CogformerConfig.__init__, cogformer_preset,
+    "LMModelConfig", ("uvic.models.cogformer", "CogformerConfig.__init__"), cogformer_preset,
     """`CogformerConfig.__init__`'s architecture kwargs with its defaults (the paper's 141M model, Sec. 4.1);
     `preset:` names an entry of `COGFORMER_PRESETS`.""",
     # Generation settings and special-token ids, which the LM task's export takes from the tokenizer.

@@ -23,14 +23,12 @@ from diffusers import AutoencoderKL
 from diffusers.utils.torch_utils import randn_tensor
 
 from uvic.io import load_torch_data
+from uvic.presets import UVIT_VAE_SCALE
 
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["UVIT_VAE_SCALE", "sd_v1_vae_config", "build_vae", "load_ldm_autoencoder", "encode_moments", "sample_latents"]
-
-# U-ViT configs/mscoco_uvit_small.py: autoencoder scale_factor (logs: "Create autoencoder with scale_factor=0.2301").
-UVIT_VAE_SCALE = 0.23010
 
 
 def sd_v1_vae_config(scaling_factor: float = UVIT_VAE_SCALE) -> dict:

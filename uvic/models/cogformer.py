@@ -17,8 +17,6 @@ hd head dim, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,6 +26,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from uvic.attention import ATTENTIONS, BACKENDS, cog_attention, softmax_attention
+from uvic.presets import COGFORMER_PRESETS, cogformer_preset  # noqa: F401  (re-exported)
 
 
 class CogformerConfig(PretrainedConfig):
@@ -414,36 +413,6 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states
         )
-
-
-# Paper Sec. 4.1 (141M) and App. C (600M, 1B). All share RoPE, SwiGLU and the 32000-token Llama vocabulary.
-# "tiny" is a CPU-sized model over bytes (vocab 257: the 256 byte values + end-of-text, `uvic.lm.data`).
-COGFORMER_PRESETS: dict[str, dict] = {
-    "tiny": {
-        "vocab_size": 257, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "max_position_embeddings": 256, "num_softmax_layers": 1,
-    },
-    "141M": {
-        "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-        "num_attention_heads": 12, "max_position_embeddings": 2048, "num_softmax_layers": 1,
-    },
-    "600M": {
-        "vocab_size": 32000, "hidden_size": 1536, "intermediate_size": 4608, "num_hidden_layers": 16,
-        "num_attention_heads": 24, "max_position_embeddings": 4096, "num_softmax_layers": 2,
-    },
-    "1B": {
-        "vocab_size": 32000, "hidden_size": 1792, "intermediate_size": 5376, "num_hidden_layers": 22,
-        "num_attention_heads": 28, "max_position_embeddings": 4096, "num_softmax_layers": 3,
-    },
-}  # fmt: skip
-
-
-def cogformer_preset(name: str) -> dict[str, Any]:
-    """The `CogformerConfig` kwargs of preset `name` ("tiny", "141M", "600M", "1B"); the one preset lookup, used by
-    `cogformer_config` and by an LM config's `model: {preset: NAME}`."""
-    if name not in COGFORMER_PRESETS:
-        raise ValueError(f"unknown Cogformer preset {name!r}; expected one of {sorted(COGFORMER_PRESETS)}")
-    return dict(COGFORMER_PRESETS[name])
 
 
 def cogformer_config(preset: str, **overrides) -> CogformerConfig:

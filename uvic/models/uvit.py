@@ -16,8 +16,8 @@ Conditioning modes (token order as the official code; the first `extras` tokens 
     class-conditional  `[label, time, patches]`                num_classes > 0
     text-conditional   `[time, context x num_clip_token, patches]`  clip_dim set
 
-Presets (`UVIT_PRESETS`, name -> constructor kwargs; `build_preset(name, **overrides)`, or `model: {preset: name}`
-in a run config): every entry exists as
+Presets (`UVIT_PRESETS` of `uvic.presets`, name -> constructor kwargs; `build_preset(name, **overrides)`, or
+`model: {preset: name}` in a run config): every entry exists as
 `uvit-<size>-<data>` (softmax) and `uvic-<size>-<data>` (Cog). Sizes follow the U-ViT paper (Table 1): S (D 512,
 depth 12 = 13 blocks), S-Deep (depth 16), M (D 768, depth 16), L (D 1024, depth 20), H (D 1152, depth 28); the
 digit after the size is the patch size. `tiny-*` presets are for tests, `demo` for the CPU demo.
@@ -42,6 +42,7 @@ from diffusers.utils import BaseOutput
 
 from uvic.attention import ATTENTIONS, BACKENDS
 from uvic.models.layers import Attention, Mlp, PatchEmbed, timestep_embedding, unpatchify
+from uvic.presets import UVIT_PRESETS, uvit_preset  # noqa: F401  (re-exported)
 
 
 logger = logging.getLogger(__name__)
@@ -410,65 +411,6 @@ def _init_keys() -> set[str]:
     return set(inspect.signature(UViTModel.__init__).parameters) - {"self", "attention", "attention_backend"}
 
 
-def uvit_preset(name: str) -> dict[str, Any]:
-    """The `UViTModel` kwargs of preset `name` (a copy of `UVIT_PRESETS[name]`); the one preset lookup, used by
-    `build_preset` and by a config's `model: {preset: NAME}`.
-
-    A name without the `uvit-` / `uvic-` prefix (e.g. "tiny-cifar") means the softmax flavour.
-    """
-    if name not in UVIT_PRESETS and f"uvit-{name}" in UVIT_PRESETS:
-        name = f"uvit-{name}"
-    if name not in UVIT_PRESETS:
-        raise ValueError(f"unknown preset {name!r}; available: {sorted(UVIT_PRESETS)}")
-    return dict(UVIT_PRESETS[name])
-
-
 def build_preset(name: str, **overrides: Any) -> UViTModel:
     """Build a model from preset `name` (`uvit_preset`) with keyword overrides (e.g. `attention_backend="torch"`)."""
     return UViTModel(**{**uvit_preset(name), **overrides})
-
-
-# Architectures only; the official configs under baofff/U-ViT `configs/` hold the rest of each recipe.
-# Parameter counts (U-ViT and U-ViC alike) are in the comments; tests check them.
-_S = {"embed_dim": 512, "depth": 12, "num_heads": 8}
-_T2I = {"clip_dim": 768, "num_clip_token": 77}
-_M = {"embed_dim": 768, "depth": 16, "num_heads": 12}
-_L = {"embed_dim": 1024, "depth": 20, "num_heads": 16}
-_H = {"embed_dim": 1152, "depth": 28, "num_heads": 16, "conv": False}  # the Huge configs drop the final conv
-_BASE_PRESETS: dict[str, dict[str, Any]] = {
-    # U-ViT-S/2 CIFAR-10 (U-ViT configs/cifar10_uvit_small.py): 44,255,328.
-    "s2-cifar10": {"img_size": 32, "patch_size": 2, "in_chans": 3, **_S},
-    # U-ViT-S/4 CelebA 64 (U-ViT configs/celeba64_uvit_small.py): 44,292,228.
-    "s4-celeba64": {"img_size": 64, "patch_size": 4, "in_chans": 3, **_S},
-    # U-ViT-S/2 MS-COCO on 4x32x32 SD latents (U-ViT configs/mscoco_uvit_small.py; U-ViC: CogAttn
-    # U-ViC/configs/mscoco_uvit_small_np_0_last.py): 44,692,644.
-    "s2-mscoco": {"img_size": 32, "patch_size": 2, "in_chans": 4, **_S, **_T2I},
-    # U-ViT-S/2-Deep MS-COCO (README: --config.nnet.depth=16): 58,345,636.
-    "s2-deep-mscoco": {"img_size": 32, "patch_size": 2, "in_chans": 4, **_S, "depth": 16, **_T2I},
-    # ImageNet 64 pixels, 1000 classes and no null class (configs/imagenet64_uvit_{mid,large}.py):
-    # M/4 130,940,292 (paper: 131M); L/4 286,827,652 (287M).
-    "m4-imagenet64": {"img_size": 64, "patch_size": 4, "in_chans": 3, **_M, "num_classes": 1000},
-    "l4-imagenet64": {"img_size": 64, "patch_size": 4, "in_chans": 3, **_L, "num_classes": 1000},
-    # ImageNet 256 / 512 on SD latents, 1000 classes + the CFG null class (configs/imagenet{256,512}_uvit_*.py):
-    # L/2 286,763,172; H/2 500,832,016 (501M); L/4 286,861,524; H/4 500,942,656.
-    "l2-imagenet256": {"img_size": 32, "patch_size": 2, "in_chans": 4, **_L, "num_classes": 1001},
-    "h2-imagenet256": {"img_size": 32, "patch_size": 2, "in_chans": 4, **_H, "num_classes": 1001},
-    "l4-imagenet512": {"img_size": 64, "patch_size": 4, "in_chans": 4, **_L, "num_classes": 1001},
-    "h4-imagenet512": {"img_size": 64, "patch_size": 4, "in_chans": 4, **_H, "num_classes": 1001},
-    # Tiny models for tests (65, 22 and 18 tokens; 5 blocks so U-ViC has both kinds) and the CPU demo, the model
-    # of configs/demo_digits.yaml (1x8x8 digits in 4x4 patches, 5 tokens, 7 blocks, 2,322,106 parameters). For the
-    # demo, 2x2 patches (16 tokens) trained 2.5x slower per sample and gave blobs, and 160 wide for 3,200 steps beat
-    # 192 wide for 5,000 (digit-classifier confidence 0.83 vs 0.78).
-    "tiny-cifar": {"img_size": 32, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 4, "num_heads": 2},
-    "tiny-t2i": {"img_size": 8, "patch_size": 2, "in_chans": 4, "embed_dim": 32, "depth": 4, "num_heads": 2,
-                 "clip_dim": 16, "num_clip_token": 5},
-    "tiny-class": {"img_size": 8, "patch_size": 2, "in_chans": 3, "embed_dim": 32, "depth": 4, "num_heads": 2,
-                   "num_classes": 11},
-    "demo": {"img_size": 8, "patch_size": 4, "in_chans": 1, "embed_dim": 160, "depth": 6, "num_heads": 4},
-}  # fmt: skip
-
-UVIT_PRESETS: dict[str, dict[str, Any]] = {
-    f"{prefix}-{name}": {**kwargs, "attention": attention}
-    for name, kwargs in _BASE_PRESETS.items()
-    for prefix, attention in (("uvit", "softmax"), ("uvic", "cog"))
-}

@@ -22,8 +22,9 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 # Imported so that `from_pretrained` can load the saved scheduler: diffusers only resolves component modules
-# that are already imported (it will not import a module named in a config file).
-import uvic.schedulers  # noqa: F401
+# that are already imported (it will not import a module named in a config file). This module imports the other
+# one that holds uvic's scheduler classes, `scheduling_vpsde`.
+import uvic.schedulers.scheduling_dpmsolver_uvit  # noqa: F401
 from uvic.models import UViTModel
 from uvic.pipelines.export import ExportedPipelineMixin
 from uvic.schedulers.timesteps import network_timestep_for

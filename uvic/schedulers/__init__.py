@@ -15,32 +15,52 @@ through `build_scheduler` / `convert_scheduler` below.
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from typing import Any
-
-from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
-from diffusers.schedulers.scheduling_utils import SchedulerMixin
-
-from uvic.schedulers.noise_schedule import VPSDE, DiscreteSchedule, NoiseSchedule
-from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler, VPSDEDPMSolverFastScheduler
-from uvic.schedulers.scheduling_vpsde import VPSDEDPMSolverScheduler, VPSDEEulerMaruyamaScheduler
-from uvic.schedulers.timesteps import network_timestep, network_timestep_for, schedule_of
+from typing import TYPE_CHECKING, Any
 
 
-# The sampler table: for each forward process ("vpsde" continuous, "discrete" DDPM), sampler name -> class.
-SAMPLER_TABLE: dict[str, dict[str, type[SchedulerMixin]]] = {
+if TYPE_CHECKING:
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+
+# The sampler table: for each forward process ("vpsde" continuous, "discrete" DDPM), sampler name -> scheduler class,
+# written "module:Class" and imported on first use (`sampler_class`), as transformers' auto mappings name their
+# classes: reading the names (config validation, `sample.py --help`) then imports no diffusers. A class object is a
+# valid entry too.
+SAMPLER_TABLE: dict[str, dict[str, str | type[SchedulerMixin]]] = {
     "vpsde": {
-        "euler_maruyama": VPSDEEulerMaruyamaScheduler,  # U-ViT's CIFAR-10 FID sampler
-        "dpm_solver": VPSDEDPMSolverScheduler,  # DPM-Solver++(2M), logSNR grid
-        "uvit_dpm_solver": VPSDEDPMSolverFastScheduler,  # U-ViT's CIFAR-10 training monitor
+        "euler_maruyama": "uvic.schedulers.scheduling_vpsde:VPSDEEulerMaruyamaScheduler",  # U-ViT's CIFAR-10 FID sampler
+        "dpm_solver": "uvic.schedulers.scheduling_vpsde:VPSDEDPMSolverScheduler",  # DPM-Solver++(2M), logSNR grid
+        # U-ViT's CIFAR-10 training monitor
+        "uvit_dpm_solver": "uvic.schedulers.scheduling_dpmsolver_uvit:VPSDEDPMSolverFastScheduler",
     },
     "discrete": {
-        "ddpm": DDPMScheduler,
-        "ddim": DDIMScheduler,
-        "dpm_solver": DPMSolverMultistepScheduler,
-        "uvit_dpm_solver": UViTDPMSolverScheduler,  # the official MS-COCO sampler (single-step DPM-Solver++)
+        "ddpm": "diffusers:DDPMScheduler",
+        "ddim": "diffusers:DDIMScheduler",
+        "dpm_solver": "diffusers:DPMSolverMultistepScheduler",
+        # The official MS-COCO sampler (single-step DPM-Solver++).
+        "uvit_dpm_solver": "uvic.schedulers.scheduling_dpmsolver_uvit:UViTDPMSolverScheduler",
     },
 }
+
+# The classes and functions of the submodules, re-exported here and imported on first access (PEP 562), so that
+# `import uvic.schedulers` stays free of diffusers.
+_EXPORTS = {
+    "VPSDE": "noise_schedule", "DiscreteSchedule": "noise_schedule", "NoiseSchedule": "noise_schedule",
+    "UViTDPMSolverScheduler": "scheduling_dpmsolver_uvit", "VPSDEDPMSolverFastScheduler": "scheduling_dpmsolver_uvit",
+    "VPSDEDPMSolverScheduler": "scheduling_vpsde", "VPSDEEulerMaruyamaScheduler": "scheduling_vpsde",
+    "network_timestep": "timesteps", "network_timestep_for": "timesteps", "schedule_of": "timesteps",
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """The re-exported name `name` of a submodule, imported now (PEP 562: called only for names not yet defined)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
 
 
 def sampler_names() -> tuple[str, ...]:
@@ -53,14 +73,23 @@ def sampler_names() -> tuple[str, ...]:
 _PER_CLASS_KEYS = ("t_eps",)
 
 
-def _sampler_class(sampler: str, schedule: str) -> type[SchedulerMixin]:
+def sampler_class(sampler: str, schedule: str) -> type[SchedulerMixin]:
+    """The scheduler class of `sampler` for a forward process `schedule` ("vpsde" | "discrete"), imported now.
+
+    Raises:
+        ValueError: an unknown schedule, or a sampler that does not apply to it (the message lists those that do).
+    """
     if schedule not in SAMPLER_TABLE:
         raise ValueError(f"unknown diffusion schedule {schedule!r}; expected one of {sorted(SAMPLER_TABLE)}")
     table = SAMPLER_TABLE[schedule]
     if sampler not in table:
         kind = "continuous VP-SDE" if schedule == "vpsde" else schedule
         raise ValueError(f"sampler {sampler!r} does not apply to a {kind} model; use one of {sorted(table)}")
-    return table[sampler]
+    entry = table[sampler]
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    return entry
 
 
 def _accepted(cls: type, config: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +105,7 @@ def build_scheduler(sampler: str, diffusion: Any) -> SchedulerMixin:
     DPM-Solver-fast); discrete: "ddpm" | "ddim" | "dpm_solver" (diffusers' multistep) | "uvit_dpm_solver" (the
     official single-step DPM-Solver++).
     """
-    cls = _sampler_class(sampler, diffusion.schedule)
+    cls = sampler_class(sampler, diffusion.schedule)
     if diffusion.schedule == "vpsde":
         fields = {"beta_min": diffusion.beta_min, "beta_max": diffusion.beta_max, "time_scale": diffusion.time_scale}
     else:
@@ -87,14 +116,18 @@ def build_scheduler(sampler: str, diffusion: Any) -> SchedulerMixin:
 
 def convert_scheduler(scheduler: SchedulerMixin, sampler: str) -> SchedulerMixin:
     """Switch a pipeline's scheduler to another `sampler` for the same forward process (diffusers `from_config`)."""
+    from uvic.schedulers.timesteps import schedule_of
+
     schedule = schedule_of(scheduler)
-    cls = _sampler_class(sampler, schedule)
+    cls = sampler_class(sampler, schedule)
     config = {k: v for k, v in scheduler.config.items() if k not in _PER_CLASS_KEYS}
     return cls.from_config(_accepted(cls, config))
 
 
 def is_continuous(scheduler: SchedulerMixin) -> bool:
     """True for the VP-SDE schedulers (continuous t, network time 999 t), False for discrete ones."""
+    from uvic.schedulers.timesteps import schedule_of
+
     return schedule_of(scheduler) == "vpsde"
 
 
@@ -112,6 +145,7 @@ __all__ = [
     "is_continuous",
     "network_timestep",
     "network_timestep_for",
+    "sampler_class",
     "sampler_names",
     "schedule_of",
 ]
