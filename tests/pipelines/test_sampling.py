@@ -77,24 +77,29 @@ def test_prompts_and_sampler_switch(setup):
         generate(full, [5], prompts=["a cat"], class_labels=[0])
 
 
-def test_sample_script_text_to_image(setup):
-    """sample.py on a UViCText2ImagePipeline dir: a grid from prompts, a FID folder from extracted captions."""
-    import os
-    import subprocess
+def test_sample_script_text_to_image(setup, monkeypatch, capsys):
+    """sample.py on a UViCText2ImagePipeline dir: a grid from prompts, a FID folder from extracted captions (the
+    script runs in this process, as tests/test_sample_cli.py runs it, which saves three interpreter start-ups)."""
+    import runpy
     import sys
     from pathlib import Path
 
     tmp, pipe = setup
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run(*args):
-        return subprocess.run([sys.executable, "sample.py", str(tmp / "pipe"), *args], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=600)
+        """sample.py PIPE ARGS in this process: (exit code, stderr)."""
+        monkeypatch.setattr(sys, "argv", ["sample.py", str(tmp / "pipe"), *args])
+        try:
+            runpy.run_path(str(root / "sample.py"), run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err
 
-    res = run("--grid", str(tmp / "grid.png"), "--num-images", "2", "--steps", "2", "--prompt", "a cat",
-              "--prompt", "a dog", "--seed", "5")
-    assert res.returncode == 0, res.stderr
+    code, err = run("--grid", str(tmp / "grid.png"), "--num-images", "2", "--steps", "2", "--prompt", "a cat",
+                    "--prompt", "a dog", "--seed", "5")
+    assert code == 0, err
     grid = np.asarray(Image.open(tmp / "grid.png"))
     pipe.set_progress_bar_config(disable=True)
     expect = generate(pipe, [5, 6], batch_size=2, num_inference_steps=2, prompts=["a cat", "a dog"])
@@ -104,9 +109,9 @@ def test_sample_script_text_to_image(setup):
     cells = [grid[y:y + h, x:x + w] for y in range(grid.shape[0] - h + 1) for x in range(grid.shape[1] - w + 1)]
     assert any(np.abs(c.astype(int) - expect[0].astype(int)).max() <= 1 for c in cells)
 
-    res = run("--out-dir", str(tmp / "script_fid"), "--num-images", "3", "--steps", "2", "--batch-size", "2",
-              "--features", str(tmp / "feat"), "--seed", "3")
-    assert res.returncode == 0, res.stderr
+    code, err = run("--out-dir", str(tmp / "script_fid"), "--num-images", "3", "--steps", "2", "--batch-size", "2",
+                    "--features", str(tmp / "feat"), "--seed", "3")
+    assert code == 0, err
     direct = tmp / "direct_fid"
     embeds, empty, captions = mscoco_prompt_embeds(tmp / "feat", 3, seed=3)
     sample_to_folder(pipe, direct, 3, seed=3, batch_size=2, num_inference_steps=2, prompt_embeds=embeds,
@@ -116,5 +121,5 @@ def test_sample_script_text_to_image(setup):
         a = np.asarray(Image.open(tmp / "script_fid" / f"{i:06d}.png")).astype(int)
         assert np.abs(a - np.asarray(Image.open(direct / f"{i:06d}.png")).astype(int)).max() <= 1
 
-    res = run("--grid", str(tmp / "g2.png"))  # no prompts: a clear CLI error, no stack trace
-    assert res.returncode == 2 and "needs --prompt" in res.stderr and "Traceback" not in res.stderr
+    code, err = run("--grid", str(tmp / "g2.png"))  # no prompts: a clear CLI error (an exception would propagate)
+    assert code == 2 and "needs --prompt" in err and "Traceback" not in err
