@@ -1,11 +1,39 @@
 """Fixtures shared by the training and script tests: a tiny image folder and the overrides of a seconds-long run."""
 
+import runpy
 import socket
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 from tiny_models import VAE_TINY
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def run_script(monkeypatch, capsys):
+    """The function `(script, *args) -> (exit code, stdout, stderr)` that runs a script of the repository root
+    (train.py, sample.py) in this process as `python SCRIPT ARGS` runs it there: an error the script turns into a
+    message and an exit status gives that status; any other exception propagates (a subprocess would print a
+    traceback). It saves the seconds each interpreter start-up with torch and diffusers costs; what only a fresh
+    process shows (several processes, a kill, the log format, import-time warnings) keeps a subprocess."""
+
+    def run(script, *args):
+        monkeypatch.chdir(ROOT)
+        monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
+        try:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
 
 
 @pytest.fixture

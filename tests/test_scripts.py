@@ -1,4 +1,7 @@
-"""train.py / sample.py end to end, including real 2-process CPU runs (torchrun + accelerate, gloo)."""
+"""train.py / sample.py end to end, including real 2-process CPU runs (torchrun + accelerate, gloo).
+
+One-process runs of a script go through conftest's `run_script` (the script in this process) unless the test is
+about what a fresh process shows (start-up, log lines, a second process, `accelerate launch`)."""
 
 import os
 import shutil
@@ -68,10 +71,11 @@ def test_bad_config_key_exits_with_a_clear_message():
     assert "Traceback" not in r.stderr
 
 
-def test_sample_help_and_missing_source(tmp_path):
-    assert _run([sys.executable, "sample.py", "--help"]).returncode == 0
-    r = _run([sys.executable, "sample.py", str(tmp_path / "nothing"), "--grid", str(tmp_path / "g.png")])
-    assert r.returncode == 2 and "neither a pipeline dir" in r.stderr and "Traceback" not in r.stderr
+def test_sample_help_and_missing_source(tmp_path, run_script):
+    code, out, _ = run_script("sample.py", "--help")
+    assert code == 0 and "--out-dir" in out
+    code, _, err = run_script("sample.py", tmp_path / "nothing", "--grid", tmp_path / "g.png")
+    assert code == 2 and "neither a pipeline dir" in err and "Traceback" not in err
 
 
 def _class_pipeline(path):
@@ -89,13 +93,13 @@ def _class_pipeline(path):
     return pipe
 
 
-def test_sample_grid_of_a_class_conditional_pipeline(tmp_path):
+def test_sample_grid_of_a_class_conditional_pipeline(tmp_path, run_script):
     from uvic.pipelines.sampling import generate
 
     pipe = _class_pipeline(tmp_path / "pipe")
-    r = _run([sys.executable, "sample.py", str(tmp_path / "pipe"), "--grid", str(tmp_path / "grid.png"),
-              "--num-images", "4", "--steps", "2", "--batch-size", "3", "--seed", "5"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = run_script("sample.py", tmp_path / "pipe", "--grid", tmp_path / "grid.png", "--num-images", "4",
+                              "--steps", "2", "--batch-size", "3", "--seed", "5")
+    assert code == 0, err[-3000:]
     grid = np.asarray(Image.open(tmp_path / "grid.png")).astype(int)
     # Image i has seed 5 + i and class i % 3, as in --out-dir mode.
     cells = [grid[2 + r * 10 : 10 + r * 10, 2 + c * 10 : 10 + c * 10] for r in range(2) for c in range(2)]
@@ -106,7 +110,7 @@ def test_sample_grid_of_a_class_conditional_pipeline(tmp_path):
     assert max(np.abs(cell - other).max() for cell, other in zip(cells, shifted)) > 1
 
 
-def test_export_writes_the_ema_weights_of_the_checkpoint(tmp_path, image_dir, tiny):
+def test_export_writes_the_ema_weights_of_the_checkpoint(tmp_path, image_dir, tiny, run_script):
     from uvic.config import load_config
     from uvic.pipelines import UViCPipeline
     from uvic.training import train
@@ -117,9 +121,9 @@ def test_export_writes_the_ema_weights_of_the_checkpoint(tmp_path, image_dir, ti
     for ckpt, arg in [(run / "checkpoints" / "step_000000004", []),  # default: the latest
                       (run / "checkpoints" / "step_000000002", [str(run / "checkpoints" / "step_000000002")])]:
         shutil.rmtree(run / "pipeline")
-        r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export", *arg])
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert r.stdout.strip() == f"{run}/pipeline"
+        code, out, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export", *arg)
+        assert code == 0, err[-3000:]
+        assert out.strip() == f"{run}/pipeline"
         exported = UViCPipeline.from_pretrained(run / "pipeline").transformer.state_dict()
         ema, raw = load_file(str(ckpt / "ema.safetensors")), load_file(str(ckpt / "model.safetensors"))
         assert exported.keys() == ema.keys()
@@ -152,7 +156,7 @@ def test_sample_out_dir_rerun_keeps_existing_files_and_regenerates_missing_ones(
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tmp_path, image_dir, tiny):
+def test_two_processes_match_one_process(tmp_path, image_dir, tiny, run_script):
     from uvic.config import load_config
     from uvic.pipelines.sampling import sample_to_folder
     from uvic.training import train
@@ -185,9 +189,9 @@ def test_two_processes_match_one_process(tmp_path, image_dir, tiny):
         x = np.asarray(Image.open(tmp_path / "s1" / f)).astype(int)
         y = np.asarray(Image.open(tmp_path / "s2" / f)).astype(int)
         assert np.abs(x - y).max() <= 1
-    g = _run([sys.executable, "sample.py", str(one), "--grid", str(tmp_path / "grid.png"), "--num-images", "4",
-              "--steps", "2", "--sampler", "euler_maruyama"])
-    assert g.returncode == 0, g.stderr[-3000:]
+    code, _, err = run_script("sample.py", one, "--grid", tmp_path / "grid.png", "--num-images", "4", "--steps", "2",
+                              "--sampler", "euler_maruyama")
+    assert code == 0, err[-3000:]
     assert Image.open(tmp_path / "grid.png").size == (2 * 10 + 2, 2 * 10 + 2)
 
 
@@ -208,11 +212,11 @@ def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, ov
     assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {message.format(config=config)}")
 
 
-def test_unreadable_training_image_exits_with_one_line_before_training(tmp_path, image_dir, tiny):
+def test_unreadable_training_image_exits_with_one_line_before_training(tmp_path, image_dir, tiny, run_script):
     (image_dir / "5.png").write_bytes((image_dir / "5.png").read_bytes()[:60])  # truncated
-    r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(tmp_path / "run", image_dir)])
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {image_dir / '5.png'} is not a readable image (")
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *tiny(tmp_path / "run", image_dir))
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: {image_dir / '5.png'} is not a readable image (")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -224,26 +228,26 @@ def test_resume_followed_by_an_override_resumes_the_latest_and_applies_it():
     assert train["resume"] == "latest" and train["max_steps"] == 150 and train["lr"] == 0.001
 
 
-def test_a_failed_start_leaves_no_lock(tmp_path, image_dir, tiny):
+def test_a_failed_start_leaves_no_lock(tmp_path, image_dir, tiny, run_script):
     run = tmp_path / "run"
     # The model expects 16x16 images, the folder holds 8x8 ones: refused after the run dir was locked.
-    r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(run, image_dir, **{"model.img_size": 16})])
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("error: dataset 'image_folder' gives images of shape (3, 8, 8)")
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *tiny(run, image_dir, **{"model.img_size": 16}))
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: dataset 'image_folder' gives images of shape (3, 8, 8)")
     assert run.is_dir() and not (run / ".lock").exists()
 
 
-def test_export_followed_by_an_override_is_not_taken_as_a_checkpoint(tmp_path, image_dir, tiny):
+def test_export_followed_by_an_override_is_not_taken_as_a_checkpoint(tmp_path, image_dir, tiny, run_script):
     from uvic.config import load_config
     from uvic.training import train
 
     run = tmp_path / "run"
     train(load_config(ROOT / "configs" / "cifar10_uvic_s2.yaml", tiny(run, image_dir)))
     shutil.rmtree(run / "pipeline")
-    r = _run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *tiny(tmp_path / "elsewhere", image_dir),
-              "--export", f"train.run_dir={run}"])
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == str(run / "pipeline") and (run / "pipeline" / "model_index.json").is_file()
+    code, out, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *tiny(tmp_path / "elsewhere", image_dir),
+                                "--export", f"train.run_dir={run}")
+    assert code == 0, err
+    assert out.strip() == str(run / "pipeline") and (run / "pipeline" / "model_index.json").is_file()
 
 
 @pytest.mark.parametrize("case", ["bad config", "bad input"])
