@@ -148,24 +148,22 @@ def test_rotation_never_deletes_the_best_checkpoint(fid_run, data, tmp_path):
     assert [s for s, _ in list_checkpoints(run)] == sorted({best, 8})
 
 
-def test_export_best_exports_the_best_checkpoint(fid_run, tmp_path):
+def test_export_best_exports_the_best_checkpoint(fid_run, tmp_path, run_script):
     run = tmp_path / "run"
     shutil.copytree(fid_run, run)
     shutil.rmtree(run / "pipeline")
     best = json.loads((run / "best.json").read_text())["checkpoint"]
-    r = subprocess.run([sys.executable, "train.py", str(run / "config.yaml"), f"train.run_dir={run}", "--export",
-                        "best"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == str(run / "pipeline")
+    code, out, err = run_script("train.py", run / "config.yaml", f"train.run_dir={run}", "--export", "best")
+    assert code == 0, err
+    assert out.strip() == str(run / "pipeline")
     (weights,) = (run / "pipeline" / "transformer").glob("*.safetensors")
     exported, ema = load_file(weights), load_file(run / best / "ema.safetensors")
     assert exported.keys() == ema.keys() and all(torch.equal(exported[k], ema[k]) for k in ema)
 
 
-def test_export_best_without_evaluations_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "configs/demo_digits.yaml", f"train.run_dir={tmp_path}",
-                        "--export", "best"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+def test_export_best_without_evaluations_is_one_line(tmp_path, run_script):
+    code, _, err = run_script("train.py", "configs/demo_digits.yaml", f"train.run_dir={tmp_path}", "--export", "best")
+    assert code == 1 and err.strip().splitlines()[-1] == (
         f"error: {tmp_path} has no best.json: no FID was computed while training (train.eval_every)")
 
 
@@ -247,7 +245,7 @@ def test_two_processes_give_the_fid_of_one(fid_run, tmp_path):
 
 
 @pytest.mark.parametrize("problem", ["missing reference", "resolution", "feature size", "missing weights"])
-def test_bad_evaluation_inputs_stop_the_run_before_training(data, defaults, tmp_path, problem):
+def test_bad_evaluation_inputs_stop_the_run_before_training(data, defaults, tmp_path, problem, run_script):
     ref, extra = data["ref"], {}
     if problem == "missing reference":
         ref = tmp_path / "nothing.npz"
@@ -264,11 +262,9 @@ def test_bad_evaluation_inputs_stop_the_run_before_training(data, defaults, tmp_
         extra = {"train.eval_fid_weights": str(tmp_path / "missing.pth")}
         expected = f"FID Inception weights not found at '{tmp_path / 'missing.pth'}'"
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "train.py", defaults,
-                        *_overrides(run, data, **{"train.eval_reference": str(ref), **extra})], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {expected}")
+    code, _, err = run_script("train.py", defaults, *_overrides(run, data, **{"train.eval_reference": str(ref), **extra}))
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: {expected}")
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
