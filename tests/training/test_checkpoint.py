@@ -53,7 +53,7 @@ def reference_run(tmp_path, image_dir, tiny_overrides):
 # 1. Two launches on one run dir.
 
 
-def test_second_launch_on_a_locked_run_dir_fails_naming_the_holder(tmp_path, image_dir, tiny_overrides):
+def test_second_launch_on_a_locked_run_dir_fails_naming_the_holder(tmp_path, image_dir, tiny_overrides, run_script):
     run = tmp_path / "run"
     long = tiny_overrides(run, image_dir, **{"train.max_steps": 100_000, "train.save_every": 3,
                                              "train.keep_checkpoints": 2, "train.log_every": 1})
@@ -65,17 +65,16 @@ def test_second_launch_on_a_locked_run_dir_fails_naming_the_holder(tmp_path, ima
             time.sleep(0.2)
         assert first.poll() is None and (run / ".lock").read_text().strip() == str(first.pid)
         other_seed = tiny_overrides(run, image_dir, **{"train.seed": 7, "train.max_steps": 6})
-        second = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *other_seed], cwd=ROOT,
-                                env=ENV, capture_output=True, text=True, timeout=300)
+        code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *other_seed)  # this process
         assert first.poll() is None  # the first run was still training when the second gave up
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    assert second.returncode == 1
-    assert second.stderr.strip().splitlines()[-1] == (
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
         f"error: {run} is in use by another training run (PID {first.pid}); wait for it to finish, or choose "
         f"another train.run_dir")
-    assert "Traceback" not in second.stderr
+    assert "Traceback" not in err
     # Nothing of the second launch reached the run dir: the first run's config, checkpoints and metrics are intact.
     assert load_config(run / "config.yaml").train.seed == 1234
     ckpts = list_checkpoints(run)
@@ -150,7 +149,7 @@ def test_a_step_that_disagrees_with_its_directory_is_refused(tmp_path, image_dir
         verify_checkpoint(step6)
 
 
-def test_export_refuses_a_corrupted_checkpoint(tmp_path, image_dir, tiny_overrides):
+def test_export_refuses_a_corrupted_checkpoint(tmp_path, image_dir, tiny_overrides, run_script):
     from uvic.training.runs import export
 
     run = tmp_path / "run"
@@ -164,10 +163,9 @@ def test_export_refuses_a_corrupted_checkpoint(tmp_path, image_dir, tiny_overrid
                f"recorded when it was saved); the newest checkpoint of this run that verifies is {step2}")
     with pytest.raises(CheckpointError, match=f"^{re.escape(message)}"):
         export(run, run / "pipeline")
-    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export"],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export")
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: {message}")
     assert not (run / "pipeline").exists()
     assert export(step2, run / "pipeline") == run / "pipeline"  # the named one exports
 
@@ -300,15 +298,13 @@ def test_failed_checkpoint_write_removes_the_partial_checkpoint(tmp_path, image_
     _assert_same_weights(run / "checkpoints" / "step_000000004", reference_run / "checkpoints" / "step_000000004")
 
 
-def test_a_real_file_in_the_way_is_one_clear_line(tmp_path, image_dir, tiny_overrides):
+def test_a_real_file_in_the_way_is_one_clear_line(tmp_path, image_dir, tiny_overrides, run_script):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file")
-    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml",
-                        *tiny_overrides(blocker / "run", image_dir)], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(
-        f"error: cannot use {blocker / 'run'} as the run dir: not a directory (a file is in the way)"), r.stderr[-2000:]
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *tiny_overrides(blocker / "run", image_dir))
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        f"error: cannot use {blocker / 'run'} as the run dir: not a directory (a file is in the way)"), err[-2000:]
     with pytest.raises(StorageError, match=rf"^cannot use {blocker} as the run dir: a file is in the way"):
         train(load_config(None, tiny_overrides(blocker, image_dir)))
     # A real checkpoints/ path blocked by a file: the save itself fails, and the run stops with the reason.
