@@ -5,7 +5,7 @@
     UVIT_VAE_SCALE     the latent scale of U-ViT's MS-COCO autoencoder (`uvic.models.autoencoder`)
 
 A preset is the only place a model size is written; a run config names one with `model: {preset: NAME}` and
-`uvic.config` reads these tables when it loads a config. They are plain data and this module imports nothing, so
+`uvic.config` reads these tables when it loads a config. They are plain data and this module imports no model code, so
 that `train.py --dry-run` or a config error does not wait for diffusers and transformers, which the model modules
 import (docs/conventions.md, "Import-time behaviour"). The model modules re-export them: `uvic.models.UVIT_PRESETS`
 is this dict.
@@ -70,6 +70,7 @@ UVIT_PRESETS: dict[str, dict[str, Any]] = {
     for name, kwargs in _BASE_PRESETS.items()
     for prefix, attention in (("uvit", "softmax"), ("uvic", "cog"))
 }
+
 
 def uvit_preset(name: str) -> dict[str, Any]:
     """The `UViTModel` kwargs of preset `name` (a copy of `UVIT_PRESETS[name]`); the one preset lookup, used by
