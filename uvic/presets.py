@@ -5,10 +5,10 @@
     UVIT_VAE_SCALE     the latent scale of U-ViT's MS-COCO autoencoder (`uvic.models.autoencoder`)
 
 A preset is the only place a model size is written; a run config names one with `model: {preset: NAME}` and
-`uvic.config` reads these tables when it loads a config. They are plain data and this module imports no model code, so
-that `train.py --dry-run` or a config error does not wait for diffusers and transformers, which the model modules
-import (docs/conventions.md, "Import-time behaviour"). The model modules re-export them: `uvic.models.UVIT_PRESETS`
-is this dict.
+`uvic.config` reads these tables when it loads a config. They are plain data and this module imports no model
+code, so that `train.py --dry-run` or a config error does not wait for diffusers and transformers, which the model
+modules import (docs/conventions.md, "Import-time behaviour"). The model modules re-export them:
+`uvic.models.UVIT_PRESETS` is this dict.
 """
 
 from __future__ import annotations
