@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 # valid entry too.
 SAMPLER_TABLE: dict[str, dict[str, str | type[SchedulerMixin]]] = {
     "vpsde": {
-        "euler_maruyama": "uvic.schedulers.scheduling_vpsde:VPSDEEulerMaruyamaScheduler",  # U-ViT's CIFAR-10 FID sampler
+        # U-ViT's CIFAR-10 FID sampler
+        "euler_maruyama": "uvic.schedulers.scheduling_vpsde:VPSDEEulerMaruyamaScheduler",
         "dpm_solver": "uvic.schedulers.scheduling_vpsde:VPSDEDPMSolverScheduler",  # DPM-Solver++(2M), logSNR grid
         # U-ViT's CIFAR-10 training monitor
         "uvit_dpm_solver": "uvic.schedulers.scheduling_dpmsolver_uvit:VPSDEDPMSolverFastScheduler",
