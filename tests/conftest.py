@@ -1,5 +1,6 @@
 """Fixtures shared by the training and script tests: a tiny image folder and the overrides of a seconds-long run."""
 
+import logging
 import runpy
 import socket
 import sys
@@ -19,17 +20,27 @@ def run_script(monkeypatch, capsys):
     """The function `(script, *args) -> (exit code, stdout, stderr)` that runs a script of the repository root
     (train.py, sample.py) in this process as `python SCRIPT ARGS` runs it there: an error the script turns into a
     message and an exit status gives that status; any other exception propagates (a subprocess would print a
-    traceback). It saves the seconds each interpreter start-up with torch and diffusers costs; what only a fresh
-    process shows (several processes, a kill, the log format, import-time warnings) keeps a subprocess."""
+    traceback), and log records, a logged traceback included, go to stderr as the scripts' `configure_logging`
+    sends them (pytest's own logging setup makes that call a no-op here). It saves the seconds each interpreter
+    start-up with torch and diffusers costs; what only a fresh process shows (several processes, a kill, the exact
+    log line format, import-time warnings) keeps a subprocess."""
 
     def run(script, *args):
         monkeypatch.chdir(ROOT)
         monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
+        root = logging.getLogger()
+        handler, level = logging.StreamHandler(sys.stderr), root.level  # sys.stderr: capsys's, at this point
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
         try:
             runpy.run_path(str(ROOT / script), run_name="__main__")
             code = 0
         except SystemExit as e:
             code = 0 if e.code is None else e.code
+        finally:
+            root.removeHandler(handler)
+            root.setLevel(level)
         out = capsys.readouterr()
         return code, out.out, out.err
 
