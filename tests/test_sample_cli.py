@@ -386,12 +386,10 @@ def test_the_t2i_export_samples_prompts_offline_without_clip(t2i_export, tmp_pat
     assert Image.open(tmp_path / "g.png").size == (w, h)
 
 
-def test_fewer_prompts_than_images_is_said_in_one_line(t2i_export, tmp_path):
+def test_fewer_prompts_than_images_is_said_in_one_line(t2i_export, tmp_path, run_script, no_network):
     pipeline, _ = t2i_export
-    r = subprocess.run([sys.executable, "sample.py", str(pipeline), "--grid", str(tmp_path / "g.png"), "--prompt",
-                        "a cat", "--prompt", "a dog", "--num-images", "3", "--steps", "1", "--quiet"], cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert [line for line in r.stderr.splitlines() if "prompts for" in line][0].endswith(
+    code, _, err = run_script("sample.py", pipeline, "--grid", tmp_path / "g.png", "--prompt", "a cat", "--prompt",
+                              "a dog", "--num-images", "3", "--steps", "1", "--quiet")
+    assert code == 0, err
+    assert [line for line in err.splitlines() if "prompts for" in line][0].endswith(
         "2 prompts for 3 images: image i uses prompt i % 2")
