@@ -58,11 +58,11 @@ def test_train_dry_run_prints_the_resolved_config():
 
 
 @pytest.mark.parametrize("args, expected", [(["123"], "123"), (["runs/a: b/step_1"], "runs/a: b/step_1"), ([], "latest")])
-def test_resume_path_is_taken_verbatim(args, expected):
+def test_resume_path_is_taken_verbatim(args, expected, run_script):
     # Not parsed as YAML: "123" would become an int, "a: b" a mapping; a bare --resume means the latest.
-    r = _run([sys.executable, "train.py", "configs/demo_digits.yaml", "--dry-run", "--resume", *args])
-    assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(r.stdout)["train"]["resume"] == expected
+    code, out, err = run_script("train.py", "configs/demo_digits.yaml", "--dry-run", "--resume", *args)
+    assert code == 0, err
+    assert yaml.safe_load(out)["train"]["resume"] == expected
 
 
 def test_bad_config_key_exits_with_a_clear_message():
@@ -200,16 +200,16 @@ def test_two_processes_match_one_process(tmp_path, image_dir, tiny, run_script):
     (None, ["train.betas=[0.9"], "override 'train.betas=[0.9' is not valid YAML: "),
     ("train:\n  lr: [1e-4\n", [], "config file {config} is not valid YAML: "),
 ])  # fmt: skip
-def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, overrides, message):
+def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, overrides, message, run_script):
     # A YAML syntax error or a value out of range: one line and exit status 2, never a parser traceback or an
     # untrained model exported with exit 0.
     config = "configs/demo_digits.yaml"
     if config_text is not None:
         config = tmp_path / "broken.yaml"
         config.write_text(config_text)
-    r = _run([sys.executable, "train.py", str(config), *overrides])
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {message.format(config=config)}")
+    code, _, err = run_script("train.py", config, *overrides)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"train.py: error: {message.format(config=config)}")
 
 
 def test_unreadable_training_image_exits_with_one_line_before_training(tmp_path, image_dir, tiny, run_script):
@@ -220,11 +220,11 @@ def test_unreadable_training_image_exits_with_one_line_before_training(tmp_path,
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_resume_followed_by_an_override_resumes_the_latest_and_applies_it():
-    r = _run([sys.executable, "train.py", "configs/demo_digits.yaml", "--resume", "train.max_steps=150",
-              "train.lr=0.001", "--dry-run"])
-    assert r.returncode == 0, r.stderr
-    train = yaml.safe_load(r.stdout)["train"]
+def test_resume_followed_by_an_override_resumes_the_latest_and_applies_it(run_script):
+    code, out, err = run_script("train.py", "configs/demo_digits.yaml", "--resume", "train.max_steps=150",
+                                "train.lr=0.001", "--dry-run")
+    assert code == 0, err
+    train = yaml.safe_load(out)["train"]
     assert train["resume"] == "latest" and train["max_steps"] == 150 and train["lr"] == 0.001
 
 
