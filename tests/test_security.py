@@ -123,14 +123,13 @@ def test_resume_never_unpickles(hostile_run, marker, name):
     assert "never loaded because unpickling them can run code" in str(e.value) and name in str(e.value)
 
 
-def test_resume_cli_is_one_line(hostile_run, marker):
+def test_resume_cli_is_one_line(hostile_run, marker, run_script):
     run, ckpt, overrides = hostile_run
     torch.save({"state": Payload(marker)}, ckpt / "training_state.pt")
     _rehash(ckpt)
-    r = subprocess.run([sys.executable, "train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--resume", str(ckpt)],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    last = r.stderr.strip().splitlines()[-1]
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--resume", ckpt)
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: checkpoint {ckpt} is unreadable") and "GLOBAL posix.system" in last
 
 
@@ -161,14 +160,13 @@ def test_a_python_tag_in_a_checkpoint_config_is_refused(hostile_run, marker):
                                          f"constructor for the tag")
 
 
-def test_sample_cli_on_a_hostile_checkpoint_is_one_line(hostile_run, marker):
+def test_sample_cli_on_a_hostile_checkpoint_is_one_line(hostile_run, marker, run_script):
     run, ckpt, _ = hostile_run
     torch.save({"pos_embed": Payload(marker)}, ckpt / "ema.safetensors")
     _rehash(ckpt)
-    r = subprocess.run([sys.executable, "sample.py", str(run), "--grid", str(run / "g.png"), "--num-images", "1",
-                        "--steps", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.stderr.strip().splitlines()[-1].startswith(f"sample.py: error: cannot load {ckpt / 'ema.safetensors'}")
+    code, _, err = run_script("sample.py", run, "--grid", run / "g.png", "--num-images", "1", "--steps", "1")
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"sample.py: error: cannot load {ckpt / 'ema.safetensors'}")
 
 
 def test_pickled_weights_in_a_pipeline_dir_are_refused(trained, tmp_path, marker):
