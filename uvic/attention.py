@@ -366,24 +366,41 @@ def _tile_keys(rs: slice, Lq: int, Lk: int, band: tuple[int, int]) -> slice:
     return slice(lo, max(hi, lo + 1))
 
 
-def _tile_band(rs: slice, ks: slice, Lq: int, Lk: int, band: tuple[int, int]) -> tuple[int | None, int | None] | None:
-    """The band edges one tile straddles, in tile coordinates: row r (query rs.start + r) keeps column c (key
-    ks.start + c) when lo <= c - r <= hi. Returns (lo, hi), None for a side no row of the tile is cut on, or None
-    when the band cuts nothing (every key of `ks` is inside every row's band)."""
+def _tile_plan(
+    B: int, nh: int, Lq: int, Lk: int, tile_elements: int, band: tuple[int, int], device: torch.device
+) -> list[tuple[slice, slice, slice, slice, tuple[torch.Tensor, bool, bool] | None]]:  # fmt: skip
+    """The tiles of a call (`_tiles`) as (items, heads, query rows, keys (`_tile_keys`), band edges).
+
+    The band edges of a tile are None when the band cuts none of its scores, else ([lo, hi], cut_lo, cut_hi) in
+    tile coordinates: row r (query rs.start + r) keeps column c (key ks.start + c) when lo <= c - r <= hi, and
+    cut_lo / cut_hi say whether that side cuts some row (a side that cuts nothing is left out of the mask). The
+    bounds are int64 tensors (2,), rows of one tensor made once per call, not ints: the compiled tile math then
+    takes every tile with one graph (it would specialise on ints)."""
     left, right = band
     d = Lk - Lq
-    hi = rs.start + d + right - ks.start if right >= 0 else None
-    lo = rs.start + d - left - ks.start if left >= 0 else None
-    if hi is not None and ks.stop - ks.start - 1 <= hi:  # the last key is in the first row's band: no cut
-        hi = None
-    if lo is not None and lo <= -(rs.stop - rs.start - 1):  # the first key is in the last row's band: no cut
-        lo = None
-    return None if lo is None and hi is None else (lo, hi)
+    plan, edges = [], []
+    for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements, band):
+        ks = _tile_keys(rs, Lq, Lk, band)
+        rows, keys = rs.stop - rs.start, ks.stop - ks.start
+        hi = rs.start + d + right - ks.start if right >= 0 else keys
+        lo = rs.start + d - left - ks.start if left >= 0 else -rows
+        cuts = (lo > -(rows - 1), hi < keys - 1)  # the first key is outside the last row's band, ...
+        plan.append((bs, hs, rs, ks, cuts if any(cuts) else None))
+        edges.append((lo, hi))
+    bounds = torch.tensor(edges, dtype=torch.int64, device=device)  # (tiles, 2)
+    return [(bs, hs, rs, ks, cut if cut is None else (bounds[i], *cut))
+            for i, (bs, hs, rs, ks, cut) in enumerate(plan)]  # fmt: skip
 
 
-def _tile_keep(bs: slice, ks: slice, kpm: torch.Tensor | None) -> torch.Tensor | None:
-    """The key-padding part of a tile's keep-mask over keys `ks`, (items, 1, 1, keys), or None without a mask."""
-    return None if kpm is None else kpm[bs, ks][:, None, None, :]
+def _tile_keep(bs: slice, hs: slice, ks: slice, kpm: torch.Tensor | None) -> torch.Tensor | None:
+    """The key-padding part of a tile's keep-mask over keys `ks`, matching `_flat` of the tile: (1, 1, keys) for
+    one batch item, (items * heads, 1, keys) for several; a fresh contiguous tensor, or None without a mask."""
+    if kpm is None:
+        return None
+    keep = kpm[bs, ks]  # (items, keys)
+    if keep.shape[0] == 1:
+        return keep[:, None, :].contiguous()
+    return keep[:, None, None, :].expand(-1, hs.stop - hs.start, 1, -1).reshape(-1, 1, keep.shape[1])
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -396,13 +413,6 @@ def _flat_out(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, x.shape[-2], x.shape[-1])
 
 
-def _flat_keep(keep: torch.Tensor | None, hs: slice) -> torch.Tensor | None:
-    """A tile's padding mask (items, 1, 1, Lk) -> (items * heads | 1, 1, Lk), matching `_flat`."""
-    if keep is None:
-        return None
-    return _flat(keep.expand(-1, hs.stop - hs.start, -1, -1)) if keep.shape[0] > 1 else keep[0]
-
-
 def _capped(p: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(s, t): the scores p softcapped to s = c * tanh(p / c) when `softcap` is c (else s = p), and t = tanh(p / c)
     (for the softcap's derivative 1 - t^2) or None."""
@@ -412,18 +422,19 @@ def _capped(p: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch
     return t * softcap, t
 
 
-def _tile_mask(s: torch.Tensor, kpm: torch.Tensor | None, band: tuple[int | None, int | None] | None):
+def _tile_mask(s: torch.Tensor, kpm: torch.Tensor | None, band) -> torch.Tensor | None:
     """The keep-mask of a (G, r, keys) score tile, broadcastable to it, or None when every score is kept: the
-    padding mask `kpm` (G | 1, 1, keys) and the band edges (lo, hi) of `_tile_band`. The band part is built from
-    index ranges inside the tile math, so compiled it is a compare in the fused loop, not an (r, keys) tensor."""
+    padding mask `kpm` (G | 1, 1, keys) and the band edges of `_tile_plan`. The band part is built from index
+    ranges inside the tile math, so compiled it is a compare in the fused loop, not an (r, keys) tensor."""
     keep = kpm
     if band is not None:
-        lo, hi = band
+        bounds, cut_lo, cut_hi = band
         diff = (torch.arange(s.shape[-1], device=s.device)[None, :]
                 - torch.arange(s.shape[-2], device=s.device)[:, None])  # c - r, (r, keys)  # fmt: skip
-        cut = diff <= hi if hi is not None else None
-        if lo is not None:
-            cut = diff >= lo if cut is None else cut & (diff >= lo)
+        if cut_lo and cut_hi:
+            cut = (diff >= bounds[0]) & (diff <= bounds[1])
+        else:
+            cut = diff >= bounds[0] if cut_lo else diff <= bounds[1]
         keep = cut if keep is None else keep & cut
     return keep
 
@@ -453,32 +464,31 @@ def _tile_weights(
 
 
 def _tile_forward_weights(
-    p: torch.Tensor, kpm: torch.Tensor | None, band: tuple[int | None, int | None] | None, softcap: float | None,
-    cog: bool, m_out: torch.Tensor, l_out: torch.Tensor,
-) -> None:  # fmt: skip
+    p: torch.Tensor, kpm: torch.Tensor | None, band, softcap: float | None, cog: bool
+) -> torch.Tensor:  # fmt: skip
     """The forward's element-wise tile math, in place: the scores p = scale q k^T, (G, r, keys), become the weights
     A = sign(p) * E / l (Cog; softmax: E / l), E = exp(score - m) over kept keys (`_tile_weights`), so that
-    O = A v; m (the row max of the score) and l = rowsum(E), (G, r, 1), go to `m_out` and `l_out`. kpm (G | 1, 1,
-    keys) or None, band as `_tile_band`. Exact zeros p = 0 count in l and get sign 0 (no weight), as in the
-    reference; rows with no kept key (l = 0) get A = 0."""
+    O = A v. kpm (G | 1, 1, keys) or None, band as `_tile_plan`. Exact zeros p = 0 count in l and get sign 0 (no
+    weight), as in the reference; rows with no kept key (l = 0) get A = 0.
+    Returns (G, r, 2): m (the row max of the score) and l = rowsum(E)."""
     s, _ = _capped(p, softcap)
     e, m = _tile_weights(s, _tile_mask(s, kpm, band), cog)
     l = e.sum(-1, keepdim=True)
     e = e * _safe_reciprocal(l)
     p.copy_(e * torch.sign(s) if cog else e)
-    m_out.copy_(m)
-    l_out.copy_(l)
+    return torch.cat([m, l], -1)
 
 
 def _tile_backward_weights(
-    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, inv_l: torch.Tensor, D: torch.Tensor, scale: float,
-    kpm: torch.Tensor | None, band: tuple[int | None, int | None] | None, softcap: float | None, cog: bool,
+    p: torch.Tensor, g: torch.Tensor, rowstats: torch.Tensor, scale: float, kpm: torch.Tensor | None,
+    band, softcap: float | None, cog: bool,
 ) -> None:  # fmt: skip
     """The backward's element-wise tile math, in place: the recomputed scores p (G, r, keys) become the weights A
-    of `_tile_forward_weights` (from the forward's row max m and inv_l = 1/l, so no reduction), and g = dO v^T
+    of `_tile_forward_weights` (from the forward's row max m and 1/l, so no reduction), and g = dO v^T
     (G, r, keys) becomes scale * dP, dP = A * (sign(s) * g - D) for the (capped) score s (softmax: A * (g - D)),
-    times 1 - t^2 through a softcap (t = tanh(p / c)); D = rowsum(dO * O), (G, r, 1). Then dV = A^T dO,
-    dQ = (scale dP) K and dK = (scale dP)^T Q."""
+    times 1 - t^2 through a softcap (t = tanh(p / c)). rowstats (G, r, 3): m, 1/l and D = rowsum(dO * O).
+    Then dV = A^T dO, dQ = (scale dP) K and dK = (scale dP)^T Q."""
+    m, inv_l, D = rowstats[..., 0:1], rowstats[..., 1:2], rowstats[..., 2:3]
     s, t = _capped(p, softcap)
     e, _ = _tile_weights(s, _tile_mask(s, kpm, band), cog, m)
     e = e * inv_l
@@ -517,12 +527,22 @@ def _use_compiled(q: torch.Tensor, n_scores: int, compile: bool | None) -> bool:
     )
 
 
-def _run_tile(name: str, compiled: bool, *args) -> None:
+def _run_tile(name: str, compiled: bool, *args) -> torch.Tensor | None:
     """`_tile_forward_weights` / `_tile_backward_weights`, compiled when asked and possible, else eager."""
     fn = _tile_forward_weights if name == "forward" else _tile_backward_weights
     if compiled:
         if name not in _compiled:
             _compiled[name] = torch.compile(fn, dynamic=None)
+        # Rows and keys change from tile to tile: symbolic from the first compile, so that one graph takes every
+        # tile (the head count and head dim stay static, which Inductor's loops are faster for than fully dynamic).
+        scores, kpm = (args[:2], args[4]) if name == "backward" else (args[:1], args[1])
+        for t in scores:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        if name == "backward":
+            torch._dynamo.maybe_mark_dynamic(args[2], 1)  # rowstats
+        if kpm is not None:
+            torch._dynamo.maybe_mark_dynamic(kpm, 2)
         try:
             return _compiled[name](*args)
         except Exception as err:  # no C++ compiler, or an Inductor failure: eager from now on
@@ -531,6 +551,7 @@ def _run_tile(name: str, compiled: bool, *args) -> None:
                            "from now on (set UVIC_ATTENTION_COMPILE=0 to skip the attempt)", type(err).__name__,
                            str(err).splitlines()[0] if str(err) else "")
     return fn(*args)
+
 
 class _AttentionTorch(torch.autograd.Function):
     """Tiled Cog (or softmax) attention with the FlashAttention memory contract
@@ -560,27 +581,25 @@ class _AttentionTorch(torch.autograd.Function):
         qs = q.to(ct) * scale  # scaled once here, not per tile
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
-        m_all = torch.empty(B, nh, Lq, 1, dtype=ct, device=q.device)
-        l_all = torch.empty_like(m_all)
+        ml = torch.empty(B, nh, Lq, 2, dtype=ct, device=q.device)  # per row: m, l
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
-        for bs, hs, rs in _tiles(B, nh, Lq, Lk, tile_elements, band):
-            ks = _tile_keys(rs, Lq, Lk, band)
+        for bs, hs, rs, ks, tile_band in _tile_plan(B, nh, Lq, Lk, tile_elements, band, q.device):
             kt, vt = _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks])
             p = torch.bmm(_flat(qs[bs, hs, rs]), kt.transpose(1, 2))  # (G, rows, keys)
-            # The out / m / l slices of a tile are contiguous, so their 3-d views are written in place.
-            _run_tile("forward", compiled, p, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs),
-                      _tile_band(rs, ks, Lq, Lk, band), softcap, cog, _flat_out(m_all[bs, hs, rs]),
-                      _flat_out(l_all[bs, hs, rs]))  # fmt: skip
+            # The out / ml slices of a tile are contiguous, so their 3-d views are written in place.
+            _flat_out(ml[bs, hs, rs]).copy_(_run_tile(
+                "forward", compiled, p, _tile_keep(bs, hs, ks, key_padding_mask),
+                tile_band, softcap, cog))  # fmt: skip
             torch.bmm(p, vt, out=_flat_out(out[bs, hs, rs]))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, m_all, l_all, key_padding_mask)
+        ctx.save_for_backward(q, k, v, out, ml, key_padding_mask)
         ctx.band, ctx.scale, ctx.tile_elements, ctx.compile = band, scale, tile_elements, compile
         ctx.softcap, ctx.cog = softcap, cog
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, m_all, l_all, key_padding_mask = ctx.saved_tensors
+        q, k, v, out, ml, key_padding_mask = ctx.saved_tensors
         band, scale = ctx.band, ctx.scale
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
@@ -589,9 +608,10 @@ class _AttentionTorch(torch.autograd.Function):
         qs = qc * scale
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
-        inv_l = _safe_reciprocal(l_all)  # 0 on rows with no kept key
-        tiles = _tiles(B, nh, Lq, Lk, ctx.tile_elements, band)
-        whole_heads = all(rs.stop - rs.start == Lq for _, _, rs in tiles)  # else query blocks accumulate dK, dV
+        # Per row: m, 1/l (0 on rows with no kept key) and D, (B, nh, Lq, 3).
+        rowstats = torch.cat([ml[..., :1], _safe_reciprocal(ml[..., 1:]), D], -1)
+        tiles = _tile_plan(B, nh, Lq, Lk, ctx.tile_elements, band, q.device)
+        whole_heads = all(t[2].stop - t[2].start == Lq for t in tiles)  # else query blocks accumulate dK, dV
         dq = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         dk = dq.new_empty(B, nh, Lk, hd) if whole_heads else dq.new_zeros(B, nh, Lk, hd)
         dv = torch.empty_like(dk) if whole_heads else torch.zeros_like(dk)
@@ -599,15 +619,13 @@ class _AttentionTorch(torch.autograd.Function):
             dk.zero_()
             dv.zero_()
         compiled = _use_compiled(q, B * nh * Lq * Lk, ctx.compile)
-        for bs, hs, rs in tiles:
-            ks = _tile_keys(rs, Lq, Lk, band)
+        for bs, hs, rs, ks, tile_band in tiles:
             qt, dot = _flat(qc[bs, hs, rs]), _flat(do[bs, hs, rs])
             kt, vt = _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks])
             p = torch.bmm(_flat(qs[bs, hs, rs]), kt.transpose(1, 2))  # (G, rows, keys)
             g = torch.bmm(dot, vt.transpose(1, 2))
-            _run_tile("backward", compiled, p, g, _flat(m_all[bs, hs, rs]), _flat(inv_l[bs, hs, rs]),
-                      _flat(D[bs, hs, rs]), scale, _flat_keep(_tile_keep(bs, ks, key_padding_mask), hs),
-                      _tile_band(rs, ks, Lq, Lk, band), ctx.softcap, ctx.cog)  # fmt: skip
+            _run_tile("backward", compiled, p, g, _flat(rowstats[bs, hs, rs]).contiguous(), scale,
+                      _tile_keep(bs, hs, ks, key_padding_mask), tile_band, ctx.softcap, ctx.cog)  # fmt: skip
             # p is now A and g is scale * dP. Query blocks of one head accumulate dK, dV (zero-initialised).
             dkt, dvt = _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks])
             if whole_heads:
