@@ -309,6 +309,11 @@ def attention_ref(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _ragged(plan: list) -> bool:
+    """Whether the tiles of a `_tile_plan` differ in rows or keys."""
+    return len({(rs.stop - rs.start, ks.stop - ks.start) for _, _, rs, ks, _ in plan}) > 1
+
+
 def _tiles(
     B: int, nh: int, Lq: int, Lk: int, tile_elements: int, band: tuple[int, int] = (-1, -1)
 ) -> list[tuple[slice, slice, slice]]:  # fmt: skip
@@ -387,6 +392,8 @@ def _tile_plan(
         cuts = (lo > -(rows - 1), hi < keys - 1)  # the first key is outside the last row's band, ...
         plan.append((bs, hs, rs, ks, cuts if any(cuts) else None))
         edges.append((lo, hi))
+    if all(cut is None for *_, cut in plan):
+        return plan
     bounds = torch.tensor(edges, dtype=torch.int64, device=device)  # (tiles, 2)
     return [(bs, hs, rs, ks, cut if cut is None else (bounds[i], *cut))
             for i, (bs, hs, rs, ks, cut) in enumerate(plan)]  # fmt: skip
@@ -464,14 +471,15 @@ def _tile_weights(
 
 
 def _tile_forward_weights(
-    p: torch.Tensor, kpm: torch.Tensor | None, band, softcap: float | None, cog: bool
+    p: torch.Tensor, scale: float, kpm: torch.Tensor | None, band, softcap: float | None, cog: bool
 ) -> torch.Tensor:  # fmt: skip
-    """The forward's element-wise tile math, in place: the scores p = scale q k^T, (G, r, keys), become the weights
+    """The forward's element-wise tile math, in place: the products p = q k^T, (G, r, keys), whose scores are
+    scale * p (the scale is applied here, in the fused pass, not by a pass over q), become the weights
     A = sign(p) * E / l (Cog; softmax: E / l), E = exp(score - m) over kept keys (`_tile_weights`), so that
     O = A v. kpm (G | 1, 1, keys) or None, band as `_tile_plan`. Exact zeros p = 0 count in l and get sign 0 (no
     weight), as in the reference; rows with no kept key (l = 0) get A = 0.
     Returns (G, r, 2): m (the row max of the score) and l = rowsum(E)."""
-    s, _ = _capped(p, softcap)
+    s, _ = _capped(p * scale, softcap)
     e, m = _tile_weights(s, _tile_mask(s, kpm, band), cog)
     l = e.sum(-1, keepdim=True)
     e = e * _safe_reciprocal(l)
@@ -483,13 +491,13 @@ def _tile_backward_weights(
     p: torch.Tensor, g: torch.Tensor, rowstats: torch.Tensor, scale: float, kpm: torch.Tensor | None,
     band, softcap: float | None, cog: bool,
 ) -> None:  # fmt: skip
-    """The backward's element-wise tile math, in place: the recomputed scores p (G, r, keys) become the weights A
-    of `_tile_forward_weights` (from the forward's row max m and 1/l, so no reduction), and g = dO v^T
+    """The backward's element-wise tile math, in place: the recomputed products p = q k^T (G, r, keys) become the
+    weights A of `_tile_forward_weights` (from the forward's row max m and 1/l, so no reduction), and g = dO v^T
     (G, r, keys) becomes scale * dP, dP = A * (sign(s) * g - D) for the (capped) score s (softmax: A * (g - D)),
     times 1 - t^2 through a softcap (t = tanh(p / c)). rowstats (G, r, 3): m, 1/l and D = rowsum(dO * O).
     Then dV = A^T dO, dQ = (scale dP) K and dK = (scale dP)^T Q."""
     m, inv_l, D = rowstats[..., 0:1], rowstats[..., 1:2], rowstats[..., 2:3]
-    s, t = _capped(p, softcap)
+    s, t = _capped(p * scale, softcap)
     e, _ = _tile_weights(s, _tile_mask(s, kpm, band), cog, m)
     e = e * inv_l
     if cog:
@@ -527,22 +535,25 @@ def _use_compiled(q: torch.Tensor, n_scores: int, compile: bool | None) -> bool:
     )
 
 
-def _run_tile(name: str, compiled: bool, *args) -> torch.Tensor | None:
-    """`_tile_forward_weights` / `_tile_backward_weights`, compiled when asked and possible, else eager."""
+def _run_tile(name: str, compiled: bool, ragged: bool, *args) -> torch.Tensor | None:
+    """`_tile_forward_weights` / `_tile_backward_weights`, compiled when asked and possible, else eager. `ragged`:
+    the tiles of the call differ in rows or keys."""
     fn = _tile_forward_weights if name == "forward" else _tile_backward_weights
     if compiled:
         if name not in _compiled:
             _compiled[name] = torch.compile(fn, dynamic=None)
-        # Rows and keys change from tile to tile: symbolic from the first compile, so that one graph takes every
-        # tile (the head count and head dim stay static, which Inductor's loops are faster for than fully dynamic).
-        scores, kpm = (args[:2], args[4]) if name == "backward" else (args[:1], args[1])
-        for t in scores:
-            torch._dynamo.maybe_mark_dynamic(t, 1)
-            torch._dynamo.maybe_mark_dynamic(t, 2)
-        if name == "backward":
-            torch._dynamo.maybe_mark_dynamic(args[2], 1)  # rowstats
-        if kpm is not None:
-            torch._dynamo.maybe_mark_dynamic(kpm, 2)
+        if ragged:
+            # Rows and keys change from tile to tile: symbolic from the first compile, so that one graph takes
+            # every tile (the head count and head dim stay static: Inductor's loops are faster so than fully
+            # dynamic). Calls whose tiles are all alike compile for their sizes (U-ViT: static, faster still).
+            scores, kpm = (args[:2], args[4]) if name == "backward" else (args[:1], args[2])
+            for t in scores:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+            if name == "backward":
+                torch._dynamo.maybe_mark_dynamic(args[2], 1)  # rowstats
+            if kpm is not None:
+                torch._dynamo.maybe_mark_dynamic(kpm, 2)
         try:
             return _compiled[name](*args)
         except Exception as err:  # no C++ compiler, or an Inductor failure: eager from now on
@@ -578,17 +589,19 @@ class _AttentionTorch(torch.autograd.Function):
         Lk = k.shape[2]
         band = _band(causal, window)
         ct = _compute_dtype(q.dtype)
-        qs = q.to(ct) * scale  # scaled once here, not per tile
+        qc = q.to(ct)  # a view when already in the compute dtype
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         ml = torch.empty(B, nh, Lq, 2, dtype=ct, device=q.device)  # per row: m, l
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
-        for bs, hs, rs, ks, tile_band in _tile_plan(B, nh, Lq, Lk, tile_elements, band, q.device):
+        tiles = _tile_plan(B, nh, Lq, Lk, tile_elements, band, q.device)
+        ragged = _ragged(tiles)
+        for bs, hs, rs, ks, tile_band in tiles:
             kt, vt = _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks])
-            p = torch.bmm(_flat(qs[bs, hs, rs]), kt.transpose(1, 2))  # (G, rows, keys)
+            p = torch.bmm(_flat(qc[bs, hs, rs]), kt.transpose(1, 2))  # (G, rows, keys)
             # The out / ml slices of a tile are contiguous, so their 3-d views are written in place.
             _flat_out(ml[bs, hs, rs]).copy_(_run_tile(
-                "forward", compiled, p, _tile_keep(bs, hs, ks, key_padding_mask),
+                "forward", compiled, ragged, p, scale, _tile_keep(bs, hs, ks, key_padding_mask),
                 tile_band, softcap, cog))  # fmt: skip
             torch.bmm(p, vt, out=_flat_out(out[bs, hs, rs]))
         out = out.to(q.dtype)
@@ -605,7 +618,6 @@ class _AttentionTorch(torch.autograd.Function):
         Lk = k.shape[2]
         ct = _compute_dtype(q.dtype)
         qc, do = q.to(ct), dout.to(ct)
-        qs = qc * scale
         kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
         # Per row: m, 1/l (0 on rows with no kept key) and D, (B, nh, Lq, 3).
@@ -618,13 +630,13 @@ class _AttentionTorch(torch.autograd.Function):
         if whole_heads and band != (-1, -1):  # keys outside every row's band get no gradient
             dk.zero_()
             dv.zero_()
-        compiled = _use_compiled(q, B * nh * Lq * Lk, ctx.compile)
+        compiled, ragged = _use_compiled(q, B * nh * Lq * Lk, ctx.compile), _ragged(tiles)
         for bs, hs, rs, ks, tile_band in tiles:
             qt, dot = _flat(qc[bs, hs, rs]), _flat(do[bs, hs, rs])
             kt, vt = _flat(kc[bs, hs, ks]), _flat(vc[bs, hs, ks])
-            p = torch.bmm(_flat(qs[bs, hs, rs]), kt.transpose(1, 2))  # (G, rows, keys)
+            p = torch.bmm(qt, kt.transpose(1, 2))  # (G, rows, keys)
             g = torch.bmm(dot, vt.transpose(1, 2))
-            _run_tile("backward", compiled, p, g, _flat(rowstats[bs, hs, rs]).contiguous(), scale,
+            _run_tile("backward", compiled, ragged, p, g, _flat(rowstats[bs, hs, rs]).contiguous(), scale,
                       _tile_keep(bs, hs, ks, key_padding_mask), tile_band, ctx.softcap, ctx.cog)  # fmt: skip
             # p is now A and g is scale * dP. Query blocks of one head accumulate dK, dV (zero-initialised).
             dkt, dvt = _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks])
