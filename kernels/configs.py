@@ -13,11 +13,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from uvic.kernels import SUPPORTED_HEAD_DIMS
+
 
 KERNELS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 ARCHS = (80, 90)
-HEAD_DIMS = (16, 32, 64, 128, 256)
+HEAD_DIMS = SUPPORTED_HEAD_DIMS  # every multiple of 8 up to 256
+# The head dims with tile tables of their own; every other head dim uses the table of the narrowest of these that
+# holds its padded width (`table_head_dim`).
+TABLE_HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = ("fp16", "bf16", "fp32")
+
+
+def head_dim_chunks(head_dim: int) -> tuple[int, ...]:
+    """The tile widths the kernels split a head dim into, largest first: the binary expansion of the head dim
+    rounded up to a multiple of 16, e.g. 72 -> (64, 16), 96 -> (64, 32), 104 -> (64, 32, 16), 128 -> (128,).
+
+    Triton tiles are powers of two, and a tl.dot needs a reduction dim of at least 16 for 16-bit inputs (the
+    head dim is the reduction of q k^T and dO v^T), so each chunk is a power of two >= 16. Every chunk but the last
+    is full; the last has 8 padding columns when the head dim is an odd multiple of 8 (loaded as zeros, not
+    stored). Head dims 16, 32, 64, 128 and 256 are one chunk: their kernels are those of before the split
+    ("Head dims that are not powers of two" in docs/kernel_math.md).
+
+    Self-contained on purpose: the kernels call it at compile time (`triton.constexpr_function`), and triton
+    hashes its source into their cache key.
+    """
+    width = (head_dim + 15) // 16 * 16
+    return tuple(1 << b for b in range(width.bit_length() - 1, 3, -1) if width >> b & 1)
+
+
+def stride_unit(strides) -> int:
+    """What the launcher divides the (batch, head, row) strides of q, k and v by, `STRIDE_UNIT` of the kernels: 8
+    when they are all multiples of 8 but not all of 16 (the rows of a head dim that is an odd multiple of 8), else
+    1. Triton specialises an integer argument on divisibility by 16 only; passed as stride / 8 and multiplied back
+    by the constexpr 8 in the kernel, the strides tell the compiler that rows are 16-byte aligned (8 elements of a
+    16-bit dtype), so tiles load with 16-byte vector loads instead of element by element."""
+    strides = list(strides)
+    return 8 if all(s % 8 == 0 for s in strides) and not all(s % 16 == 0 for s in strides) else 1
+
+
+def padded_width(head_dim: int) -> int:
+    """Columns the kernels compute per row for a head dim (the sum of its chunks); the rest of it is padding."""
+    return sum(head_dim_chunks(head_dim))
+
+
+def table_head_dim(head_dim: int) -> int:
+    """The head dim whose tile table (`TABLE_HEAD_DIMS`) a head dim uses: the narrowest that holds its padded
+    width, so that its tiles hold at most as many columns as those checked there."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} not supported; expected a multiple of 8 up to {HEAD_DIMS[-1]}")
+    return min(t for t in TABLE_HEAD_DIMS if t >= padded_width(head_dim))
 
 # Shared memory per block (bytes) a kernel may use: A100 164 KB, H100 228 KB (227 KB usable per block).
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -139,7 +184,8 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
         arch: the candidate table, 80 or 90 (`config_arch` says which one a GPU gets; other values map to the
             nearest: < 90 -> 80, >= 90 -> 90).
         dtype: "fp16", "bf16" or "fp32".
-        head_dim: 16, 32, 64, 128 or 256.
+        head_dim: a multiple of 8 up to 256 (`HEAD_DIMS`); one not in `TABLE_HEAD_DIMS` gets the candidates of
+            `table_head_dim(head_dim)`.
         banded: for the sliding-window / softcap kernels (WINDOW or SOFTCAP), which have their own list where
             the plain candidates' banded variants spill.
     """
@@ -147,18 +193,17 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} not supported; expected one of {HEAD_DIMS}")
+    hd = table_head_dim(head_dim)
     arch = 90 if arch >= 90 else 80
     if kernel == "bwd_pre":
         return list(_PRE)
-    own = (_BANDED_FP32 if dtype == "fp32" else _BANDED_16).get((arch, head_dim, kernel)) if banded else None
+    own = (_BANDED_FP32 if dtype == "fp32" else _BANDED_16).get((arch, hd, kernel)) if banded else None
     if own is not None:
         return list(own)
     if dtype == "fp32":
-        return [_C(16, 16, 4, 1)] if (arch, head_dim, kernel) in _FP32_4_WARPS else [_FP32]
+        return [_C(16, 16, 4, 1)] if (arch, hd, kernel) in _FP32_4_WARPS else [_FP32]
     table = {"fwd": _FWD_16, "bwd_dkdv": _DKDV_16, "bwd_dq": _DQ_16}[kernel]
-    return list(table[(arch, head_dim)])
+    return list(table[(arch, hd)])
 
 
 def config_arch(major: int, minor: int, smem_optin: int, is_hip: bool) -> tuple[int | None, str | None]:
