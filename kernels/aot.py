@@ -5,15 +5,18 @@ machine ("Checking without a GPU: AOT compile and the SASS proxy" in docs/kernel
 triton is then run with `-v` on that PTX, with the flags triton itself uses, to read registers and spill bytes;
 shared memory is triton's `metadata.shared`.
 
-Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`) is compiled with the mask
-variants that have the most code: causal + key padding mask for the plain candidates, and sliding window + softcap
-+ key padding mask for the banded ones (`banded=True`), in Cog mode and in softmax mode.
+Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`), for every dtype and head dim (every
+multiple of 8 up to 256), is compiled with the mask variants that have the most code: causal + key padding mask
+for the plain candidates, and sliding window + softcap + key padding mask for the banded ones (`banded=True`), in
+Cog mode and in softmax mode: `all_specs()`, the full matrix that `make aot-full` checks. `make test` compiles
+`representative_specs()`, a subset chosen by a rule that meets every kernel, head dim, arch, dtype and variant.
 
 `--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
 candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
 Cog against the same kernel's softmax mode, with the targets of `SASS_RATIO_TARGET`.
 
-    python -m uvic.kernels.aot                 # full report, exit code 1 if any config spills or overflows smem
+    python -m uvic.kernels.aot --workers 2     # the full matrix (make aot-full); exit 1 on a spill or smem overflow
+    python -m uvic.kernels.aot --representative --workers 2     # the subset `make test` compiles
     python -m uvic.kernels.aot --arch 90 --dtype bf16 --head-dim 128 --workers 2
     python -m uvic.kernels.aot --sass-mix --workers 2     # sm_90, bf16 + fp16, hd 64, 72, 96, 128; exit 1 on a miss
 """
@@ -448,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, action="append", help="default: all")
     parser.add_argument("--kernel", choices=KERNELS, action="append", help="default: all")
     parser.add_argument("--cog-only", action="store_true", help="skip the softmax mode")
+    parser.add_argument("--representative", action="store_true",
+                        help="compile the subset `make test` compiles (representative_specs) instead of the full "
+                             "matrix")  # fmt: skip
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--sass-mix", action="store_true",
@@ -472,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         kernels=args.kernel or KERNELS,
         modes=(True,) if args.cog_only else (True, False),
     )
+    if args.representative:
+        wanted = set(specs)
+        specs = [s for s in representative_specs() if s in wanted]
     t0 = time.perf_counter()
     results = compile_all(specs, workers=args.workers)
     logger.info(format_report(results))

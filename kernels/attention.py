@@ -16,8 +16,11 @@ Supported envelope (enforced by `uvic.attention.unsupported_reason`):
     - dtypes float16, bfloat16, float32 (q, k, v share one). Accumulation is always fp32. For float32 inputs every
       tl.dot uses input_precision="ieee" (no TF32), so fp32 results match an fp32 reference; this path is for
       parity and has no tensor-core speed.
-    - head dims 16, 32, 64, 128, 256 (q, k, v share one). Head dim 256 runs on small tiles (32-64 rows/keys,
-      8 warps, 1-2 stages; see configs.py) so that every kernel stays spill-free on sm_80 and sm_90.
+    - every head dim that is a multiple of 8 up to 256 (q, k, v share one). Powers of two run as one tile; the
+      others as power-of-two chunks (`configs.head_dim_chunks`: 72 = 64 + 16 with 8 padding columns, 96 = 64 + 32;
+      "Head dims that are not powers of two" in docs/kernel_math.md), with the tiles of the narrowest power of two
+      that holds them. Head dim 256 runs on small tiles (32-64 rows/keys, 8 warps, 1-2 stages; see configs.py) so
+      that every kernel stays spill-free on sm_80 and sm_90.
     - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk, with L * hd < 2**31 (offsets inside one
       (batch, head) slice are 32-bit; a strided input whose slice spans more is copied first, `_int32_addressable`);
       causal is bottom-right aligned (key j is masked for query i when j > i + Lk - Lq, as FlashAttention-2);
@@ -296,10 +299,16 @@ def _dot_t(a, b, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _dot_acc(acc, p, b, DOT_PREC: tl.constexpr):
-    """acc + p @ b into the head dim, chunk by chunk: (R, S) x (S, hd) added to the (R, hd) accumulators."""
+    """acc + p @ b into the head dim, chunk by chunk: (R, S) x (S, hd) added to the (R, hd) accumulators.
+
+    The widest chunk's dot is emitted last. In a chain of dots (flash attention) triton 3.8 gives every dot the warp
+    layout it picks from the shape of the last dot in program order (all warps along that dot's longer side): with
+    the 16- or 32-wide chunk last, the 8 warps of the 32 x 32 tiles of head dims 136-240 all went along 32 rows
+    (four times replicated) and ptxas spilled kilobytes; with the widest chunk last they go along the columns, as
+    for head dim 256 ("Head dims that are not powers of two" in docs/kernel_math.md)."""
     out = ()
-    for c in tl.static_range(len(acc)):
-        out = out + (acc[c] + _dot(p, b[c], DOT_PREC),)
+    for c in tl.static_range(len(acc) - 1, -1, -1):
+        out = (acc[c] + _dot(p, b[c], DOT_PREC),) + out
     return out
 
 

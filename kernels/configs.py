@@ -176,6 +176,33 @@ _BANDED_FP32 = {  # the 16 x 16 tiles' warp count flips where ptxas spilled 4-24
 }
 
 
+# Head dims that are not powers of two (chunked, `head_dim_chunks`) take their table head dim's lists, except where
+# ptxas spilled with them at some chunked head dim of that table (triton 3.8, fp16, Cog and softmax, plain and banded,
+# searched at head dims 24 / 72, 96, 104, 120 / 136, 200, 232, 248). A list here serves plain and banded kernels
+# both, unless _CHUNKED_BANDED_16 has one; _HEAD_DIM_16 holds single head dims.
+_CHUNKED_16 = {
+    (80, 32, "fwd"): [_C(64, 64, 4, 1)],  # (64, 64, 4, 2) spills 8 bytes at hd 24
+    (80, 128, "fwd"): [_C(128, 32, 8, 2)],  # (64, 64, 4, 2) spills 4 bytes at hd 104
+    # (32, 64, 8, 2) spills 8-724 bytes, (16, 128, 8, 1 | 2) 8-96 at hd 72-120; (16|32, 64, 4, 1) 12-700
+    (80, 128, "bwd_dkdv"): [_C(16, 64, 8, 1)],
+    # (64, 64, 8, 2) and (64, 32, 4, 2) spill 12-384 bytes at hd 72-104; (128, 32, 8, 2), (128, 64, 8, 1) too
+    (80, 128, "bwd_dq"): [_C(64, 32, 8, 2), _C(32, 64, 4, 1)],
+    (80, 256, "fwd"): [_C(32, 64, 8, 1)],  # (64, 64, 8, 1) spills 28 bytes at hd 200, 232; (64, 32, 8 | 4, 1) too
+    (80, 256, "bwd_dkdv"): [_C(16, 32, 8, 1)],  # (32, 32, 8, 1) spills 8-32 bytes at hd 232 (softmax)
+    (90, 128, "fwd"): [_C(128, 64, 8, 1), _C(128, 32, 8, 2)],  # (128, 64, 8, 2 | 3) spill 8-56 bytes at hd 120
+    (90, 256, "bwd_dkdv"): [_C(16, 32, 8, 1)],  # (32, 32, 8, 1) spills 8-56 bytes at hd 232
+    (90, 256, "bwd_dq"): [_C(32, 64, 8, 1)],  # (64, 32, 8, 2) spills 4 bytes at hd 232 (softmax), (64, 32, 8, 1) more
+}
+_CHUNKED_BANDED_16 = {
+    (90, 256, "fwd"): [_C(32, 64, 8, 1)],  # (64, 32, 8, 1) spills 36 bytes at hd 232
+}
+_HEAD_DIM_16 = {  # four chunks (128 + 64 + 32 + 16)
+    # (16, 32, 8, 1) spills 4 bytes (softmax, banded), (16, 32, 8, 2) 8, (16, 16, 4, 1) 4 at hd 136
+    (90, 232, "bwd_dkdv"): [_C(16, 16, 8, 1)],
+    (90, 240, "bwd_dkdv"): [_C(16, 16, 8, 1)],
+}
+
+
 def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded: bool = False) -> list[KernelConfig]:
     """Every config the autotuner may pick for one kernel on one architecture (sm_80 or sm_90).
 
@@ -197,6 +224,14 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
     arch = 90 if arch >= 90 else 80
     if kernel == "bwd_pre":
         return list(_PRE)
+    if head_dim != hd and dtype != "fp32":  # chunked (or padded): its own lists where the table's spill
+        own = _HEAD_DIM_16.get((arch, head_dim, kernel))
+        if own is None and banded:
+            own = _CHUNKED_BANDED_16.get((arch, hd, kernel))
+        if own is None:
+            own = _CHUNKED_16.get((arch, hd, kernel))
+        if own is not None:
+            return list(own)
     own = (_BANDED_FP32 if dtype == "fp32" else _BANDED_16).get((arch, hd, kernel)) if banded else None
     if own is not None:
         return list(own)
