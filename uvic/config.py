@@ -34,6 +34,7 @@ from uvic.attention import ATTENTIONS, BACKENDS
 from uvic.data.imagenet import LATENT_SCALE as IMAGENET_LATENT_SCALE
 from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
+from uvic.guidance import DEFAULT_GUIDANCE_SCALE
 from uvic.lm.data import TOKEN_DTYPES
 from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
@@ -211,7 +212,7 @@ class SampleConfig:
     num_inference_steps: int = 50
     # Text-to-image and class-conditional runs with a null class; diffusers' convention (1 + the official scale:
     # MS-COCO's 1.0 is 2.0, ImageNet 256's 0.4 is 1.4).
-    guidance_scale: float = 2.0
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE
     num_images: int = 64
     seed: int = 0
     # Images per pipeline call for the grids (the images do not depend on it).

@@ -206,6 +206,14 @@ class CLIPTextEncoder(ModelMixin, ConfigMixin):
         logger.info("loaded open_clip %s text tower from %s", model_name, checkpoint)
         return encoder.eval().requires_grad_(False)
 
+    @classmethod
+    def from_spec(cls, spec: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> CLIPTextEncoder:
+        """The encoder `spec` names: a `save_pretrained` directory, else an open_clip tag or checkpoint file
+        (`from_open_clip`); in eval mode. The one loader behind `--clip`, `data.text_encoder` and `sample.py`."""
+        if Path(spec).is_dir():
+            return cls.from_pretrained(spec).eval()
+        return cls.from_open_clip(spec, cache_dir=cache_dir)
+
     def load_text_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the text-tower keys of a full open_clip CLIP state dict (vision keys and projections ignored)."""
         own = self.text.state_dict()

@@ -106,17 +106,14 @@ def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> Di
     if text_encoder is not None and isinstance(pipe, UViCText2ImagePipeline) and pipe.text_encoder is None:
         from uvic.models.text_encoder import CLIPTextEncoder
 
-        te = (CLIPTextEncoder.from_pretrained(text_encoder) if Path(text_encoder).is_dir()
-              else CLIPTextEncoder.from_open_clip(text_encoder))
-        pipe.register_modules(text_encoder=te.eval())
+        pipe.register_modules(text_encoder=CLIPTextEncoder.from_spec(text_encoder))
     return pipe
 
 
-def balanced_class_labels(pipe: DiffusionPipeline, indices: Sequence[int]) -> list[int] | None:
-    """Class i % K for image i (a balanced set; K = `pipe.num_labels`, no null class) for a class-conditional
-    `UViCPipeline`, else None."""
-    k = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
-    return [i % k for i in indices] if k > 0 else None
+def balanced_class_labels(num_labels: int, indices: Sequence[int]) -> list[int] | None:
+    """Class i % K for image i (a balanced set; K = `num_labels`, the classes without the null class, as
+    `UViCPipeline.num_labels` counts them); None for K <= 0 (an unconditional model)."""
+    return [i % num_labels for i in indices] if num_labels > 0 else None
 
 
 def random_class_labels(pipe: UViCPipeline, num_images: int, seed: int = 0) -> list[int]:
@@ -160,7 +157,7 @@ def class_labels_for(pipe: DiffusionPipeline, num_images: int, class_labels: Seq
         raise ValueError(f"--guidance-scale {guidance_scale} needs a class-conditional model with a null class; "
                          f"{source} has none (use --guidance-scale 1)")
     if not class_labels:
-        return balanced_class_labels(pipe, range(num_images))
+        return balanced_class_labels(pipe.num_labels, range(num_images))
     if pipe.num_labels <= 0:
         raise ValueError(f"{source} is not class-conditional; --class-labels does not apply")
     if list(class_labels) == ["random"]:
@@ -290,7 +287,7 @@ def sample_to_folder(
     _remove_stale_temporaries(out_dir, set(mine))
     todo = [i for i in mine if not _is_complete_png(out_dir / f"{i:06d}.png")]
     if class_labels is None and not isinstance(pipe, UViCText2ImagePipeline):
-        class_labels = balanced_class_labels(pipe, range(num_images))
+        class_labels = balanced_class_labels(pipe.num_labels if isinstance(pipe, UViCPipeline) else 0, range(num_images))
     with _progress_bar(len(mine), f"sampling to {out_dir}", not progress, initial=len(mine) - len(todo)) as bar:
         for k in range(0, len(todo), batch_size):
             chunk = todo[k : k + batch_size]

@@ -173,14 +173,11 @@ class Evaluator:
         side = m.img_size * 2 ** (len(self.vae.config.block_out_channels) - 1)
         return side, side, self.vae.config.out_channels
 
-    def due(self, step: int) -> bool:
-        """Whether `step` is an evaluation step (every `eval_every` steps, and the last step)."""
-        every = self.cfg.train.eval_every
-        return every > 0 and (step % every == 0 or step == self.cfg.train.max_steps)
-
-    def pending(self, run_dir: str | os.PathLike, step: int) -> bool:
-        """Whether the evaluation of `step` (a resumed checkpoint) is missing: a kill interrupted it."""
-        return self.due(step) and all(r["step"] != step for r in read_evaluations(run_dir))
+    @staticmethod
+    def recorded(run_dir: str | os.PathLike, step: int) -> bool:
+        """Whether eval.jsonl holds the evaluation of `step` (False for a resumed checkpoint whose evaluation a kill
+        interrupted)."""
+        return any(r["step"] == step for r in read_evaluations(run_dir))
 
     def evaluate(self, model: nn.Module, step: int, run_dir: str | os.PathLike, checkpoint: str) -> float:
         """The FID of `model` (the sampling weights, eval mode; every process calls this); the main process records
@@ -222,7 +219,7 @@ class Evaluator:
                     cond = {"prompt_embeds": embeds[np.asarray(idx) % n], "negative_prompt_embeds": empty,
                             "guidance_scale": s.guidance_scale}
                 else:
-                    cond = {"class_labels": balanced_class_labels(pipe, idx)}
+                    cond = {"class_labels": balanced_class_labels(getattr(pipe, "num_labels", 0), idx)}
                 images = generate(pipe, [s.seed + i for i in idx], batch_size=s.batch_size,
                                   num_inference_steps=self.steps, progress=bar, **cond)
                 if images.shape[-1] == 1:  # grey images: the FID network takes RGB

@@ -31,6 +31,7 @@ from uvic.training.checkpoint import (
     TrainingState,
     abandon_newer_checkpoints,
     agree,
+    checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
@@ -97,7 +98,8 @@ def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     run.evaluator = Evaluator(cfg, run.task, accelerator) if cfg.train.eval_every > 0 else None
     _resume(run)
     with logging_redirect_tqdm():  # log lines go above the progress bar, never onto it
-        if run.evaluator is not None and run.resume is not None and run.evaluator.pending(run.run_dir, run.step):
+        if (run.evaluator is not None and run.resume is not None and _due(run.step, run.tc.eval_every, _last(run))
+                and not run.evaluator.recorded(run.run_dir, run.step)):
             logger.info(f"the evaluation of step {run.step} did not finish (killed?): evaluating it again")
             _evaluate(run)
         pbar = tqdm(total=run.tc.max_steps, initial=run.step, disable=not accelerator.is_local_main_process,
@@ -330,14 +332,18 @@ def _due(step: int, every: int, last: bool) -> bool:
     return every > 0 and (step % every == 0 or last)
 
 
+def _last(run: _Run) -> bool:
+    """Whether the run is at its last step (`train.max_steps`)."""
+    return run.step == run.tc.max_steps
+
+
 def _periodic_work(run: _Run) -> None:
     """Log, sample and checkpoint when due. The NaN/Inf check comes first on any of these steps, so nothing is
     logged, drawn or saved from a diverged model, whatever the intervals are."""
-    tc, step = run.tc, run.step
-    last = step == tc.max_steps
+    tc, step, last = run.tc, run.step, _last(run)
     log_now = _due(step, tc.log_every, last)
     sample_now = _due(step, tc.sample_every, last)
-    eval_now = run.evaluator is not None and run.evaluator.due(step)
+    eval_now = run.evaluator is not None and _due(step, tc.eval_every, last)
     # The last step is always saved, and so is an evaluated one: best.json names a checkpoint, and a kill during
     # the evaluation resumes from it and evaluates again.
     save_now = _due(step, tc.save_every, last) or last or eval_now
@@ -391,7 +397,7 @@ def _sample(run: _Run) -> None:
 def _evaluate(run: _Run) -> None:
     """FID of the sampling weights (every process samples its share): eval.jsonl, best.json and `eval/fid`."""
     with _eval_mode(run.sampling_model) as model:
-        fid = run.evaluator.evaluate(model, run.step, run.run_dir, f"checkpoints/step_{run.step:09d}")
+        fid = run.evaluator.evaluate(model, run.step, run.run_dir, checkpoint_dir(".", run.step).as_posix())
     run.accelerator.log({"eval/fid": fid}, step=run.step)
     run.accelerator.wait_for_everyone()
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from uvic.data.imagenet import ImageNet, ImageNetFeatures
-from uvic.models.autoencoder import sample_latents
+from uvic.models.autoencoder import load_vae, sample_latents
 from uvic.pipelines import UViCPipeline
 from uvic.pipelines.sampling import generate, save_grid
 from uvic.schedulers import build_scheduler
@@ -119,11 +119,9 @@ class ClassConditionalTask(DiffusionTask):
 
     def load_vae(self) -> AutoencoderKL | None:
         """The autoencoder named by `data.vae` (scale `data.latent_scale`), or None if unset; checked against the model."""
-        from uvic.data.features import load_vae_spec
-
         if not self.cfg.data.vae:
             return None
-        vae = load_vae_spec(self.cfg.data.vae, self.cfg.data.latent_scale)
+        vae = load_vae(self.cfg.data.vae, self.cfg.data.latent_scale)
         if vae.config.latent_channels != self.cfg.model.in_chans:
             raise ValueError(f"data.vae has {vae.config.latent_channels} latent channels, model.in_chans is "
                              f"{self.cfg.model.in_chans}: they must match")

@@ -78,7 +78,7 @@ class DiffusionTask:
         pipe.set_progress_bar_config(disable=True)
         seeds = list(range(s.seed, s.seed + s.num_images))
         images = generate(pipe, seeds, batch_size=s.batch_size, num_inference_steps=s.num_inference_steps,
-                          class_labels=balanced_class_labels(pipe, range(len(seeds))))
+                          class_labels=balanced_class_labels(pipe.num_labels, range(len(seeds))))
         path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
         save_grid(images, path, scale=max(1, 32 // self.cfg.model.img_size))  # tiny images: enlarged to >= 32 px
         logger.info("wrote %s", path)

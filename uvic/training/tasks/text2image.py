@@ -19,7 +19,7 @@ from diffusers import AutoencoderKL
 from torch import nn
 
 from uvic.data.mscoco import MSCOCOFeatures, load_empty_context
-from uvic.models.autoencoder import load_ldm_autoencoder
+from uvic.models.autoencoder import load_vae
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
 from uvic.pipelines.sampling import generate, save_grid
 from uvic.schedulers import build_scheduler
@@ -76,12 +76,9 @@ class Text2ImageTask(DiffusionTask):
 
     def load_vae(self) -> AutoencoderKL | None:
         """The autoencoder named by `cfg.data.vae` with `scaling_factor = cfg.data.latent_scale`, or None if unset."""
-        spec = self.cfg.data.vae
-        if not spec:
+        if not self.cfg.data.vae:
             return None
-        if Path(spec).is_dir():
-            return AutoencoderKL.from_pretrained(spec, scaling_factor=self.cfg.data.latent_scale)
-        return load_ldm_autoencoder(spec, scaling_factor=self.cfg.data.latent_scale)
+        return load_vae(self.cfg.data.vae, self.cfg.data.latent_scale)
 
     def pipeline(self, model: nn.Module, *, sampler: str | None = None,
                  vae: AutoencoderKL | None = None) -> UViCText2ImagePipeline:
