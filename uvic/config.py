@@ -3,7 +3,8 @@
     cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
     model = UViTModel(**dataclasses.asdict(cfg.model))
 
-Every config dataclass of the project lives here. A run config's class depends on `task`:
+Every config dataclass of the built-in tasks lives here. A run config's class depends on `task`, through the one
+task table `TASKS` (task name -> (run-config class, training-task class)):
 
     task          class                  sections
     "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import math
 import types
 import typing
@@ -219,8 +221,9 @@ class SampleConfig:
     batch_size: int = 64
 
 
-class _RunConfig:
-    """Serialisation shared by the run configs."""
+class BaseRunConfig:
+    """Serialisation shared by the run configs. A run config is a frozen dataclass deriving from this with a `task`
+    field (its row of `TASKS`), a `train` section (`TrainConfig`) and a `data` section with `num_workers`."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (tuples become lists), the form stored in run dirs and checkpoints."""
@@ -231,7 +234,7 @@ class _RunConfig:
 
 
 @dataclass(frozen=True)
-class Config(_RunConfig):
+class Config(BaseRunConfig):
     """Everything one diffusion run needs. `task` picks the training task (see `uvic.training.tasks`)."""
 
     task: str = "diffusion"
@@ -328,7 +331,7 @@ class LMTrainConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
-class LMRunConfig(_RunConfig):
+class LMRunConfig(BaseRunConfig):
     """A Cogformer language-model run (`task: lm`)."""
 
     task: str = "lm"
@@ -337,10 +340,48 @@ class LMRunConfig(_RunConfig):
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
 
-# The config class of each task (any other task name uses `Config`).
-CONFIG_CLASSES: dict[str, type] = {"diffusion": Config, "t2i": Text2ImageRunConfig, "lm": LMRunConfig,
-                                   "class_cond": ClassCondRunConfig}
 RunConfig = Config | Text2ImageRunConfig | LMRunConfig | ClassCondRunConfig
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The task table
+# ---------------------------------------------------------------------------------------------------------
+
+# `task` in a config -> (its run-config class, its training task: a `uvic.training.tasks.Task` class). Either entry
+# may be written "module:Class" and is then imported on first use (`task_config_class`, `task_class`), as
+# `uvic.schedulers.SAMPLER_TABLE` names its schedulers: loading a config imports no task or model code. A new task
+# is one row here and one file (its task class, and its config class when its sections differ); the config's
+# `task` key, `train.py`, the loop, the validation and FID while training all read this table.
+TASKS: dict[str, tuple[type | str, type | str]] = {
+    "diffusion": (Config, "uvic.training.tasks.diffusion:DiffusionTask"),
+    "t2i": (Text2ImageRunConfig, "uvic.training.tasks.text2image:Text2ImageTask"),
+    "class_cond": (ClassCondRunConfig, "uvic.training.tasks.class_cond:ClassConditionalTask"),
+    "lm": (LMRunConfig, "uvic.training.tasks.lm:LMTask"),
+}
+
+
+def _task_row(task: Any) -> tuple[type | str, type | str]:
+    if not isinstance(task, str) or task not in TASKS:
+        raise ConfigError(f"config key task: {task!r} is not one of {list(TASKS)}")
+    return TASKS[task]
+
+
+def _resolve(entry: type | str) -> type:
+    """A class, or the class a "module:Class" entry names (imported now)."""
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return entry
+
+
+def task_config_class(task: str) -> type:
+    """The run-config class of `task`. Raises ConfigError for a name `TASKS` does not hold."""
+    return _resolve(_task_row(task)[0])
+
+
+def task_class(task: str) -> type:
+    """The training-task class of `task` (imported now). Raises ConfigError for a name `TASKS` does not hold."""
+    return _resolve(_task_row(task)[1])
 
 
 def _plain(obj: Any) -> Any:
@@ -411,7 +452,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     sections, `ModelSection`), and the keys given replace those values.
     """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
-    cls = CONFIG_CLASSES.get(task, Config)
+    cls = task_config_class(task)
     return validate_ranges(_build(cls, data, prefix="", base=cls()))
 
 
@@ -561,6 +602,7 @@ def _numeric_hint(hint: Any) -> bool:
 # The allowed values of string fields with a fixed set of names, by dotted key. Each is read from its table when
 # a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention kind) is a valid value at once.
 CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+    "task": lambda: tuple(TASKS),
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
     "data.name": lambda: tuple(DATASETS),

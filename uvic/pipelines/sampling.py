@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "PIPELINE_CLASSES",
+    "ImageConditions",
     "attach_text_encoder",
     "balanced_class_labels",
     "class_labels_for",
@@ -114,6 +116,40 @@ def balanced_class_labels(num_labels: int, indices: Sequence[int]) -> list[int] 
     """Class i % K for image i (a balanced set; K = `num_labels`, the classes without the null class, as
     `UViCPipeline.num_labels` counts them); None for K <= 0 (an unconditional model)."""
     return [i % num_labels for i in indices] if num_labels > 0 else None
+
+
+@dataclass(frozen=True)
+class ImageConditions:
+    """The conditions of images 0..num_images-1 of one job (a training task's sample grid or FID set), as
+    `generate` takes them: `kwargs(indices)` for the images `indices`.
+
+    Attributes:
+        num_images: N.
+        class_labels: (N,) class ids, or None.
+        prompt_embeds: caption features indexable by an index array -> (n, L, D) (a tensor, or the stored rows of
+            `mscoco_prompt_embeds`), or None.
+        negative_prompt_embeds: (L, D) unconditional features, with `prompt_embeds`.
+        guidance_scale: diffusers' convention; None: the pipeline's default (a class-conditional model's own).
+    """
+
+    num_images: int
+    class_labels: Sequence[int] | None = None
+    prompt_embeds: Any = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    guidance_scale: float | None = None
+
+    def kwargs(self, indices: Sequence[int]) -> dict[str, Any]:
+        """`generate`'s condition arguments for images `indices` (taken modulo N, so a process's padded share
+        past the last image is valid)."""
+        idx = np.asarray(indices, dtype=np.int64) % self.num_images
+        out: dict[str, Any] = {}
+        if self.class_labels is not None:
+            out["class_labels"] = [self.class_labels[i] for i in idx]
+        if self.prompt_embeds is not None:
+            out.update(prompt_embeds=self.prompt_embeds[idx], negative_prompt_embeds=self.negative_prompt_embeds)
+        if self.guidance_scale is not None:
+            out["guidance_scale"] = self.guidance_scale
+        return out
 
 
 def random_class_labels(pipe: UViCPipeline, num_images: int, seed: int = 0) -> list[int]:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from tiny_imagenet import make_imagenet
 from tiny_models import VAE_TINY
 
-from uvic.config import load_config
+from uvic.config import load_config, task_class
 from uvic.data.imagenet import extract_features
 from uvic.models.autoencoder import build_vae
 from uvic.pipelines import UViCPipeline
@@ -18,7 +18,7 @@ from uvic.training import train
 from uvic.training.checkpoint import list_checkpoints
 from uvic.training.rng import ShardedRNG
 from uvic.training.runs import load_pipeline
-from uvic.training.tasks import TASKS, ClassConditionalTask
+from uvic.training.tasks import ClassConditionalTask
 from uvic.training.tasks.class_cond import drop_labels
 
 
@@ -96,7 +96,7 @@ def test_config_errors_are_named(tmp_path):
 
 
 def test_imagenet_pixel_run_resumes_exactly_and_exports(tmp_path):
-    assert TASKS["class_cond"] is ClassConditionalTask
+    assert task_class("class_cond") is ClassConditionalTask
     root = make_imagenet(tmp_path / "imagenet")
     full, part = tmp_path / "full", tmp_path / "part"
     train(load_config(None, _pixels(full, root, **{"train.sample_every": 4})))

@@ -1,4 +1,4 @@
-"""Cogformer language modelling (`cfg.task == "lm"`), trained by the same loop as the diffusion tasks.
+"""Cogformer language modelling (task "lm"), trained by the same loop as the diffusion tasks.
 
 The recipe is the paper's (Sec. 4.1; the `LMTrainConfig` defaults in `uvic.config`): AdamW betas (0.9, 0.95),
 weight decay 0.1 on weight matrices and embeddings only (norm gains and biases are not decayed: `param_groups`),
@@ -21,11 +21,15 @@ from uvic.lm.data import TokenDataset, load_tokenizer, load_tokens
 from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 from uvic.training.optim import decay_matrices
 from uvic.training.rng import ShardedRNG
+from uvic.training.tasks import sample_path
 
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LMTask", "build_dataset", "build_model", "lm_loss"]
+
+_NO_IMAGES = ("an 'lm' run has no image pipeline to sample from; load its exported pipeline/ with transformers' "
+              "AutoModelForCausalLM and call generate()")
 
 
 def build_model(cfg: LMModelConfig) -> CogformerForCausalLM:
@@ -65,6 +69,7 @@ class LMTask:
     the data was tokenized with one), loadable by `AutoModelForCausalLM` and lm-eval's `hf` model.
     """
 
+    makes_images = False
     sample_prompt = "The"
     sample_tokens = 64
 
@@ -98,10 +103,17 @@ class LMTask:
         """Next-token loss; `rng` is unused (the LM loss has no randomness)."""
         return lm_loss(model, batch)
 
+    def load_vae(self) -> NoReturn:
+        """Always raises: a language model makes no images."""
+        raise ValueError(_NO_IMAGES)
+
     def pipeline(self, model: torch.nn.Module, *, sampler: str | None = None, vae: None = None) -> NoReturn:
         """Always raises: a language model has no image pipeline (its export is a transformers model)."""
-        raise ValueError("an 'lm' run has no image pipeline to sample from; load its exported pipeline/ with "
-                         "transformers' AutoModelForCausalLM and call generate()")
+        raise ValueError(_NO_IMAGES)
+
+    def image_conditions(self, purpose: str, num_images: int) -> NoReturn:
+        """Always raises: a language model makes no images."""
+        raise ValueError(_NO_IMAGES)
 
     @torch.no_grad()
     def on_sample(self, model: torch.nn.Module, step: int, run_dir: Path) -> Path:
@@ -113,7 +125,7 @@ class LMTask:
         out = model.generate(ids, max_new_tokens=self.sample_tokens, do_sample=False)
         model.train(was_training)
         text = tok.decode(out[0].tolist())
-        path = Path(run_dir) / "samples" / f"step_{step:07d}.txt"
+        path = sample_path(run_dir, step, ".txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         logger.info("sample at step %d: %r", step, text)
