@@ -136,6 +136,9 @@ class DataConfig:
     num_workers: int = 2
     # image_folder: leave out files that are not readable images (logged) instead of stopping with their name.
     skip_bad_images: bool = False
+    # With train.val_every > 0, the share of a dataset without a test split (image_folder, digits) held out for
+    # the validation loss, chosen by a fixed seed; CIFAR-10 validates on its test batch and trains on all 50,000.
+    val_fraction: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,9 @@ class Text2ImageDataConfig:
     # The CLIP text encoder the exported pipeline carries (a CLIPTextEncoder dir, an open_clip tag or checkpoint
     # file); "" takes the one the features' meta.json records. It must reproduce the stored features.
     text_encoder: str = ""
+    # With train.val_every > 0 and no "val" split under root: the share of the training images (with all their
+    # captions) held out for the validation loss.
+    val_fraction: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,15 @@ class TrainConfig:
     eval_fid_weights: str = ""
     eval_fid_weights_sha256: str = ""
     eval_fid_dims: int = 2048
+    # Held-out validation loss (uvic.training.validation): every val_every steps and at the last step (0 = off),
+    # the mean loss of the sampling weights over the first val_examples (0: all) examples of the held-out set (the
+    # data's test split, else data.val_fraction of the data, which training then never sees), in batches of
+    # val_batch_size examples; a diffusion task scores each example at val_timesteps times spanning the schedule.
+    # The same weights give the same value in any run, seed or process count (metrics.jsonl: {"step", "val_loss"}).
+    val_every: int = 0
+    val_examples: int = 10_000
+    val_batch_size: int = 64
+    val_timesteps: int = 8
 
 
 @dataclass(frozen=True)
@@ -274,6 +289,9 @@ class ImageNetDataConfig:
     # Features only: the autoencoder for sample grids and the exported pipeline (U-ViT's autoencoder_kl.pth or a dir).
     vae: str = ""
     num_workers: int = 8
+    # With train.val_every > 0: the share of the training images (12,812 of ILSVRC-2012's; features: both flips of
+    # each) held out for the validation loss.
+    val_fraction: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -308,6 +326,9 @@ class LMDataConfig:
     token_dtype: str = "uint16"  # element type of a .bin file
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
     num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
+    # With train.val_every > 0: the share of the tokens, at the end of the data, held out for the validation loss
+    # (whole blocks of block_size).
+    val_fraction: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -328,6 +349,8 @@ class LMTrainConfig(TrainConfig):
     min_lr_ratio: float = 0.04
     grad_clip: float = 1.0
     ema_decay: float = 0.0
+    val_examples: int = 1024  # held-out blocks: 2M tokens at block_size 2048
+    val_batch_size: int = 8  # blocks; their logits are (8, block_size, vocab_size) floats
 
 
 @dataclass(frozen=True)
@@ -562,6 +585,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     # data (images, MS-COCO features, LM tokens)
     "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
     "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1, "data.num_classes": _AT_LEAST_1,
+    "data.val_fraction": _OPEN_FRACTION,
     # train
     "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
     "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,
@@ -570,7 +594,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.ema_decay": _FRACTION, "train.cpu_threads": _AT_LEAST_0, "train.log_every": _AT_LEAST_1,
     "train.sample_every": _AT_LEAST_0, "train.save_every": _AT_LEAST_0, "train.keep_checkpoints": _AT_LEAST_0,
     "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
-    "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1,
+    "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1, "train.val_every": _AT_LEAST_0,
+    "train.val_examples": _AT_LEAST_0, "train.val_batch_size": _AT_LEAST_1, "train.val_timesteps": _AT_LEAST_1,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,

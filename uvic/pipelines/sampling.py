@@ -323,7 +323,8 @@ def sample_to_folder(
     _remove_stale_temporaries(out_dir, set(mine))
     todo = [i for i in mine if not _is_complete_png(out_dir / f"{i:06d}.png")]
     if class_labels is None and not isinstance(pipe, UViCText2ImagePipeline):
-        class_labels = balanced_class_labels(pipe.num_labels if isinstance(pipe, UViCPipeline) else 0, range(num_images))
+        num_labels = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
+        class_labels = balanced_class_labels(num_labels, range(num_images))
     with _progress_bar(len(mine), f"sampling to {out_dir}", not progress, initial=len(mine) - len(todo)) as bar:
         for k in range(0, len(todo), batch_size):
             chunk = todo[k : k + batch_size]

@@ -4,8 +4,8 @@
 `_build` (model, EMA, optimizer, data, `accelerator.prepare`), `_resume`, then `_train_step` per micro-batch and
 `_periodic_work` after each optimizer step (log, sample, checkpoint), and `_finish` (export, loss curve). What is
 trained comes from the task (`uvic.training.tasks`); everything here is task-agnostic. Periodic work is one
-`_due` test and one function per job: a new job (an evaluation, say) is one line in `_periodic_work` plus its
-function.
+`_due` test and one function per job (log, sample, validate, save, evaluate): a new job is one line in
+`_periodic_work` plus its function.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_cur
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import Task, build_task
 from uvic.training.trackers import log_samples, start_trackers, tracker_names
+from uvic.training.validation import Validator
 
 
 logger = get_logger(__name__)
@@ -94,7 +95,9 @@ def train(cfg: RunConfig) -> Path:
 def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     accelerator, resume = _setup(cfg, stack)
     run = _build(cfg, accelerator, resume)
-    # FID while training: its reference, weights and sizes are checked now, before any training.
+    # The held-out set of the validation loss, and FID while training (its reference, weights and sizes): checked
+    # now, before any training.
+    run.validator = Validator(cfg, run.task, accelerator) if cfg.train.val_every > 0 else None
     run.evaluator = Evaluator(cfg, run.task, accelerator) if cfg.train.eval_every > 0 else None
     _resume(run)
     with logging_redirect_tqdm():  # log lines go above the progress bar, never onto it
@@ -164,6 +167,7 @@ class _Run:
     resume: Path | None
     step: int = 0
     last_good: Path | None = None  # the newest complete checkpoint, named when the run fails
+    validator: Validator | None = None  # the held-out validation loss (train.val_every > 0)
     evaluator: Evaluator | None = None  # FID while training (train.eval_every > 0)
 
     @property
@@ -288,6 +292,8 @@ def _resume(run: _Run) -> None:
             if abandoned is not None:
                 move_metrics_after(run.metrics_path, run.step, abandoned / "metrics.jsonl")
                 abandon_evaluations_after(run.run_dir, run.step, abandoned / "eval.jsonl")
+            else:  # the lines a killed run wrote after its last checkpoint: this run logs those steps again
+                move_metrics_after(run.metrics_path, run.step, None)
     accelerator.wait_for_everyone()
     run.last_good = latest_checkpoint(run.run_dir)
     if accelerator.is_main_process:
@@ -343,17 +349,21 @@ def _periodic_work(run: _Run) -> None:
     tc, step, last = run.tc, run.step, _last(run)
     log_now = _due(step, tc.log_every, last)
     sample_now = _due(step, tc.sample_every, last)
+    val_now = run.validator is not None and _due(step, tc.val_every, last)
     eval_now = run.evaluator is not None and _due(step, tc.eval_every, last)
     # The last step is always saved, and so is an evaluated one: best.json names a checkpoint, and a kill during
-    # the evaluation resumes from it and evaluates again.
+    # the evaluation resumes from it and evaluates again. A validation comes before the save: a kill during it
+    # resumes from an earlier checkpoint, which validates this step again.
     save_now = _due(step, tc.save_every, last) or last or eval_now
-    if not (log_now or sample_now or save_now):
+    if not (log_now or sample_now or val_now or save_now):
         return
     _check_finite(run)
     if log_now:
         _log(run)
     if sample_now:
         _sample(run)
+    if val_now:
+        _validate(run)
     if save_now:
         _save(run)
     if eval_now:
@@ -392,6 +402,19 @@ def _sample(run: _Run) -> None:
             written = run.task.on_sample(model, run.step, run.run_dir)
         log_samples(run.accelerator, written, run.step)  # the grid or text, to the trackers as `samples`
     run.accelerator.wait_for_everyone()
+
+
+def _validate(run: _Run) -> None:
+    """The validation loss of the sampling weights (every process scores its share): trackers, metrics.jsonl and
+    the console. Its time is left out of the next `steps/s`."""
+    t0 = time.time()
+    with _eval_mode(run.sampling_model) as model:
+        metrics = run.validator.validate(model)
+    run.accelerator.log(metrics, step=run.step)
+    if run.accelerator.is_main_process:
+        append_metrics(run.metrics_path, {"step": run.step, **metrics})
+    logger.info(f"step={run.step:07d} " + " ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
+    run.meter.since += time.time() - t0
 
 
 def _evaluate(run: _Run) -> None:

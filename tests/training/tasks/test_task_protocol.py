@@ -18,8 +18,8 @@ from uvic.training.checkpoint import list_checkpoints
 from uvic.training.tasks import Task, build_task
 
 
-PROTOCOL_METHODS = ["build_model", "build_dataset", "param_groups", "loss", "load_vae", "pipeline",
-                    "image_conditions", "on_sample", "export"]
+PROTOCOL_METHODS = ["build_model", "build_dataset", "validation_set", "param_groups", "loss", "validation_losses",
+                    "validation_metrics", "load_vae", "pipeline", "image_conditions", "on_sample", "export"]
 
 
 def _params(fn):
@@ -90,7 +90,13 @@ class DummyTask:
         return torch.nn.Linear(3, 1, bias=False)
 
     def build_dataset(self):
-        x = torch.randn(self.cfg.data.num_items, 3, generator=torch.Generator().manual_seed(0))
+        return self._items(0)
+
+    def validation_set(self):
+        return self._items(1)
+
+    def _items(self, seed):
+        x = torch.randn(self.cfg.data.num_items, 3, generator=torch.Generator().manual_seed(seed))
         return _Items(TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5]])))
 
     def param_groups(self, model, weight_decay):
@@ -98,6 +104,13 @@ class DummyTask:
 
     def loss(self, model, batch, rng):
         return (model(batch["x"]) - batch["y"]).pow(2).mean()
+
+    def validation_losses(self, model, batch, index):
+        err = (model(batch["x"]) - batch["y"])[:, 0]
+        return {"val_loss": err.pow(2), "val_abs": err.abs()}
+
+    def validation_metrics(self, means):
+        return {**means, "val_rmse": means["val_loss"] ** 0.5}
 
     def load_vae(self):
         raise ValueError("no images")
@@ -130,11 +143,12 @@ class _Items(torch.utils.data.Dataset):
 
 def test_a_new_task_is_one_row_of_the_table(tmp_path, monkeypatch):
     """The row names both classes as "module:Class" (imported on first use): the config loads with the dummy's
-    sections, `build_task` builds it, and `train` runs it end to end (checkpoint, export)."""
+    sections, `build_task` builds it, and `train` runs it end to end (checkpoint, validation, export)."""
     monkeypatch.setitem(TASKS, "dummy", (f"{__name__}:DummyRunConfig", f"{__name__}:DummyTask"))
     cfg = load_config(None, ["task=dummy", "data.num_items=4", f"train.run_dir={tmp_path / 'run'}",
                              "train.max_steps=2", "train.batch_size=4", "train.warmup_steps=0", "train.lr=0.1",
-                             "train.save_every=2", "train.log_every=1", "train.log_with=none", "train.ema_decay=0"])
+                             "train.save_every=2", "train.log_every=1", "train.log_with=none", "train.ema_decay=0",
+                             "train.val_every=2", "train.val_batch_size=3"])
     assert type(cfg) is DummyRunConfig and cfg.data.num_items == 4
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['model'\]; valid keys in config: \['data', "
                                           r"'task', 'train'\]"):
@@ -143,8 +157,18 @@ def test_a_new_task_is_one_row_of_the_table(tmp_path, monkeypatch):
     from uvic.training import train
 
     run = train(cfg)
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in lines if "loss" in r]
     assert len(losses) == 2 and losses[1] < losses[0]  # full-batch Adam steps on a linear regression
     trained = load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors"))["weight"]
+    # The validation of step 2, from the task's own methods: the mean squared and absolute errors on its 4 held-out
+    # items, and their root.
+    x, y = DummyTask(cfg)._items(1).pairs.tensors
+    err = (x @ trained.T - y)[:, 0].double()
+    val = [r for r in lines if "val_loss" in r]
+    assert [r["step"] for r in val] == [2] and set(val[0]) == {"step", "val_loss", "val_abs", "val_rmse"}
+    assert val[0]["val_loss"] == pytest.approx(float(err.pow(2).mean()), rel=1e-6)
+    assert val[0]["val_abs"] == pytest.approx(float(err.abs().mean()), rel=1e-6)
+    assert val[0]["val_rmse"] == pytest.approx(float(err.pow(2).mean().sqrt()), rel=1e-6)
     assert json.loads((run / "pipeline" / "w.json").read_text()) == trained.flatten().tolist()
     assert load_config(run / "config.yaml") == cfg  # the resolved config reloads through the row

@@ -1,10 +1,11 @@
-"""Training tasks: what `train(cfg)` trains. The loop, checkpoints, EMA, logging, LR schedule and FID while training
-(`uvic.training.evaluation`) are shared, and ask the task for everything that differs; none of them asks which task
-it is.
+"""Training tasks: what `train(cfg)` trains. The loop, checkpoints, EMA, logging, LR schedule, the held-out
+validation loss (`uvic.training.validation`) and FID while training (`uvic.training.evaluation`) are shared, and ask
+the task for everything that differs; none of them asks which task it is.
 
-A task builds the model and the dataset, computes the loss of a batch, names its optimizer parameter groups, turns
-a model into the pipeline that samples it (with its autoencoder and the conditions of each image), and writes
-task-specific artefacts (sample grids, the export). `cfg.task` picks it from the one task table, `uvic.config.TASKS`
+A task builds the model and the training and held-out sets, computes the loss of a training batch and the
+deterministic per-example loss of held-out examples, names its optimizer parameter groups, turns a model into the
+pipeline that samples it (with its autoencoder and the conditions of each image), and writes task-specific
+artefacts (sample grids, the export). `cfg.task` picks it from the one task table, `uvic.config.TASKS`
 (name -> (run-config class, task class)); a new task is one file with a class that implements `Task` and one row
 in that table (docs/where_to_change.md).
 
@@ -38,7 +39,7 @@ __all__ = ["ClassConditionalTask", "DiffusionTask", "LMTask", "Task", "Text2Imag
 
 
 class Task(Protocol):
-    """The task interface used by `uvic.training.loop.train` and the FID evaluator.
+    """The task interface used by `uvic.training.loop.train`, the validation loss and the FID evaluator.
 
     `makes_images` (a class attribute) says whether the task's model makes images: only then do `load_vae`,
     `pipeline` and `image_conditions` apply (the others raise ValueError) and FID while training is possible.
@@ -50,13 +51,33 @@ class Task(Protocol):
         """A freshly initialised model (float32, on CPU)."""
 
     def build_dataset(self) -> Dataset:
-        """The training set; items are dicts of tensors."""
+        """The training set; items are dicts of tensors. With validation on (`train.val_every` > 0) it holds no
+        example of `validation_set()`."""
+
+    def validation_set(self) -> Dataset:
+        """The held-out examples of the validation loss: the data's test split where it has one, else
+        `data.val_fraction` of the data held out by a fixed seed (`uvic.training.validation.hold_out`), the same
+        for every run, which `build_dataset` leaves out when validating. Items are `build_dataset`'s, in a fixed
+        order (validation scores the first `train.val_examples`)."""
 
     def param_groups(self, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         """AdamW parameter groups (`{"params": [...], "weight_decay": w}`); every trainable parameter once."""
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: ShardedRNG) -> torch.Tensor:
         """Scalar loss of a (per-process) batch; all randomness comes from `rng`."""
+
+    def validation_losses(self, model: nn.Module, batch: dict[str, torch.Tensor],
+                          index: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-example values `{"val_loss": (B,), ...}` of the held-out examples `index` ((B,) int64, positions in
+        `validation_set()`), whose items `batch` holds; called without gradients, on the model in eval mode.
+
+        Deterministic: example i's random draws (noise, times, latents) come from
+        `uvic.training.validation.example_generators` and nothing else, so a value depends on the weights and the
+        example only, not on the batch, the process count or the run's seed; no label or context dropout."""
+
+    def validation_metrics(self, means: dict[str, float]) -> dict[str, float]:
+        """The logged metrics of one validation from the means over the held-out set of `validation_losses`'
+        values: at least `val_loss`, plus task extras (the LM's `val_ppl`)."""
 
     def load_vae(self) -> AutoencoderKL | None:
         """The autoencoder of a latent model (its config's `scaling_factor` is the training latent scale, checked

@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from diffusers import AutoencoderKL
 from torch import nn
@@ -88,7 +89,22 @@ class ClassConditionalTask(DiffusionTask):
         """1: ImageNet images are drawn as they are."""
         return 1
 
-    def build_dataset(self) -> Dataset:
+    def _test_split(self) -> None:
+        """None: U-ViT's ImageNet reader has no test split (validation holds out `data.val_fraction`)."""
+        return None
+
+    def _holdout_groups(self) -> np.ndarray | None:
+        """Features: item j is image j % N (as is and flipped), held out together."""
+        return np.arange(len(self._data())) % len(self._data().labels) if self.latent else None
+
+    def _validation_inputs(self, batch: dict[str, torch.Tensor],
+                           generators: list[torch.Generator]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The pixels as stored, or a latent drawn from the stored moments; the labels (never the null class)."""
+        x = self._latents(batch["x"], generators) if self.latent else batch["x"]
+        return x, {"class_labels": batch["label"]}
+
+    def _read_data(self) -> Dataset:
+        """ImageNet features or pixels, checked against the model (and the VAE, when set)."""
         d, m = self.cfg.data, self.cfg.model
         if self.latent:
             dataset = ImageNetFeatures(d.root)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -53,7 +53,8 @@ class Text2ImageTask(DiffusionTask):
         super().__init__(cfg)
         self._empty_context: torch.Tensor | None = None
 
-    def build_dataset(self) -> MSCOCOFeatures:
+    def _read_data(self) -> MSCOCOFeatures:
+        """The "train" split of the features, checked against the model."""
         dataset = MSCOCOFeatures(self.cfg.data.root, "train")
         m = self.cfg.model
         item = dataset[0]
@@ -64,6 +65,20 @@ class Text2ImageTask(DiffusionTask):
             raise ValueError(f"features in {self.cfg.data.root} have contexts {tuple(item['context'].shape)}, but the "
                              f"model expects (num_clip_token, clip_dim) = {(m.num_clip_token, m.clip_dim)}")
         return dataset
+
+    def _test_split(self) -> Callable[[], MSCOCOFeatures] | None:
+        """The "val" split of the features (MS-COCO val2014, U-ViT's FID captions), when extracted."""
+        root = Path(self.cfg.data.root)
+        return (lambda: MSCOCOFeatures(root, "val")) if (root / "val" / "meta.json").is_file() else None
+
+    def _holdout_groups(self) -> np.ndarray:
+        """The image of each caption row: an image is held out with all its captions."""
+        return self._data().caption_image
+
+    def _validation_inputs(self, batch: dict[str, torch.Tensor],
+                           generators: list[torch.Generator]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A latent drawn from the stored moments, and the caption's features (never the empty caption's)."""
+        return self._latents(batch["x"], generators), {"encoder_hidden_states": batch["context"]}
 
     @property
     def empty_context(self) -> torch.Tensor:
@@ -108,11 +123,10 @@ class Text2ImageTask(DiffusionTask):
             embeds, empty, _ = mscoco_prompt_embeds(root, num_images, s.seed)
             return ImageConditions(num_images, prompt_embeds=embeds, negative_prompt_embeds=empty,
                                    guidance_scale=s.guidance_scale)
-        split = "val" if (root / "val" / "meta.json").is_file() else "train"
-        features = MSCOCOFeatures(root, split)
+        features = MSCOCOFeatures(root, "val" if self._test_split() is not None else "train")
         rows = np.arange(min(num_images, len(features)))
-        return ImageConditions(len(rows), prompt_embeds=features.context(rows), negative_prompt_embeds=self.empty_context,
-                               guidance_scale=s.guidance_scale)
+        return ImageConditions(len(rows), prompt_embeds=features.context(rows),
+                               negative_prompt_embeds=self.empty_context, guidance_scale=s.guidance_scale)
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """The model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`), with
