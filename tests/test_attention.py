@@ -555,6 +555,24 @@ def test_window_one_and_window_wider_than_keys():
                                        op(q, k, v, causal=True, backend=backend))
 
 
+@pytest.mark.parametrize("Lq,Lk", [(6, 9), (9, 6)])
+def test_windows_larger_than_any_index_are_unbounded(Lq, Lk):
+    """A side past every key (up to 10**30, beyond int64) keeps the keys the unbounded side keeps; the reference
+    with the side written as -1 is the expected value, and the widest side that still bounds the band on its own
+    (left Lk - 1, right Lq - 1) gives the same keys too."""
+    q, k, v, _ = make_inputs(2, 2, Lq, Lk, 8, dtype=torch.float64, seed=5)
+    kpm = torch.rand(2, Lk, generator=torch.Generator().manual_seed(3)) > 0.3
+    for op in (cog_attention, softmax_attention):
+        attention = "cog" if op is cog_attention else "softmax"
+        for huge, unbounded, widest in [((10**30, 0), (-1, 0), (Lk - 1, 0)), ((1, 2**63), (1, -1), (1, Lq - 1)),
+                                        ((10**30, 10**30), None, (Lk - 1, Lq - 1))]:  # fmt: skip
+            want = attention_ref(q, k, v, key_padding_mask=kpm, window=unbounded, attention=attention)
+            torch.testing.assert_close(attention_ref(q, k, v, key_padding_mask=kpm, window=widest,
+                                                     attention=attention), want)  # fmt: skip
+            for backend in ("reference", "torch", "auto"):
+                torch.testing.assert_close(op(q, k, v, key_padding_mask=kpm, window=huge, backend=backend), want)
+
+
 def test_softcap_keeps_signs_and_bounds_magnitudes():
     # With c small against |p|, every |p'| = c tanh(|p| / c) is close to c: the weights of kept keys become
     # nearly uniform in magnitude, and their signs stay those of p.
