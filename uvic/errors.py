@@ -43,6 +43,10 @@ class StorageError(UvicError, OSError):
     is left behind, and the message says what failed and what is still intact."""
 
 
+class MissingPackageError(UvicError, ImportError):
+    """An optional package that a requested feature needs is not installed; the message says which to install."""
+
+
 class RunLockedError(UvicError, RuntimeError):
     """The run dir is held by another live training run (its PID is in the message)."""
 
