@@ -14,6 +14,26 @@ from uvic.errors import DataError
 from uvic.io import UnsafeFileError, atomic_write, load_data_pickle, load_torch_data, read_npz, sha256_file, to_uint8
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_fsync_tree_gives_safetensors_files_the_mode_of_the_rest(tmp_path, umask):
+    """safetensors writes 0600 whatever the umask; a directory about to be renamed into place (a checkpoint, an
+    export) gets 0666 less the umask for every file, as files written with `open` have."""
+    from safetensors.torch import save_file
+
+    from uvic.io import fsync_tree
+
+    old = os.umask(umask)
+    try:
+        (tmp_path / "sub").mkdir()
+        save_file({"w": torch.zeros(2)}, str(tmp_path / "sub" / "model.safetensors"))
+        (tmp_path / "config.json").write_text("{}")
+        fsync_tree(tmp_path)
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
+    assert modes == {"model.safetensors": oct(0o666 & ~umask), "config.json": oct(0o666 & ~umask)}
+
+
 def test_sha256_file_matches_hashlib(tmp_path):
     data = os.urandom(3 << 20)  # several 1 MiB chunks
     (tmp_path / "f").write_bytes(data)

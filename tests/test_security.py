@@ -184,6 +184,18 @@ def test_pickled_weights_in_a_pipeline_dir_are_refused(trained, tmp_path, marker
                                          "than tensors")  # fmt: skip
 
 
+def test_a_run_is_readable_by_whoever_can_read_its_config(trained):
+    """Every file of a run has the mode of its config.yaml (0666 less the umask), the safetensors files included
+    (safetensors writes 0600), so a colleague who can read the run can sample from it."""
+    run = trained[0]
+    mode = (run / "config.yaml").stat().st_mode & 0o777
+    weights = sorted(run.rglob("*.safetensors"))
+    assert {p.relative_to(run).as_posix() for p in weights} >= {"pipeline/transformer/diffusion_pytorch_model.safetensors"}
+    assert any(p.parent.parent.name == "checkpoints" for p in weights)
+    assert {p.relative_to(run).as_posix(): oct(p.stat().st_mode & 0o777) for p in run.rglob("*") if p.is_file()} == {
+        p.relative_to(run).as_posix(): oct(mode) for p in run.rglob("*") if p.is_file()}
+
+
 # Configs that describe another (far larger) model than their weights: refused before anything is allocated.
 
 

@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import pickle
+import stat
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -70,15 +71,33 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def fsync_tree(root: str | os.PathLike) -> None:
-    """fsync every file and directory under `root` (a directory about to be renamed into place)."""
+    """fsync every file and directory under `root` (a directory about to be renamed into place: a checkpoint, an
+    exported pipeline), and give each file the mode a new file gets there (0666 less the umask, or the folder's
+    default ACL), as `open` creates them. safetensors writes its files 0600, which would keep the colleagues who
+    can read the rest of a shared run from sampling it."""
     root = Path(root)
+    mode = _new_file_mode(root)
     for p in sorted(root.rglob("*"), reverse=True):
         if p.is_file() and not p.is_symlink():
+            if stat.S_IMODE(p.stat().st_mode) != mode:
+                os.chmod(p, mode)
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
         elif p.is_dir() and not p.is_symlink():
             fsync_dir(p)
     fsync_dir(root)
+
+
+def _new_file_mode(folder: Path) -> int:
+    """The permission bits `open` gives a new file in `folder` (found by creating one: the umask cannot be read
+    without changing it, and a default ACL applies too)."""
+    probe = folder / f".mode-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 @contextmanager
