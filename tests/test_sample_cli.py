@@ -332,6 +332,9 @@ def test_the_out_dir_progress_bar_is_on_stderr_and_log_lines_stay_off_it(pipe_di
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_the_grid_progress_bar_and_quiet(pipe_dir, tmp_path, monkeypatch, capsys, quiet):
+    from diffusers.utils import logging as diffusers_logging
+
+    monkeypatch.setattr(diffusers_logging, "_tqdm_active", True)  # --quiet turns diffusers' bars off: restored after
     monkeypatch.setattr(sys, "argv", ["sample.py", str(pipe_dir), "--grid", str(tmp_path / "g.png"), "--num-images",
                                       "4", "--batch-size", "2", "--steps", "1", *(["--quiet"] if quiet else [])])
     runpy.run_path(str(ROOT / "sample.py"), run_name="__main__")
@@ -339,8 +342,10 @@ def test_the_grid_progress_bar_and_quiet(pipe_dir, tmp_path, monkeypatch, capsys
     assert out.strip() == str(tmp_path / "g.png")
     if quiet:
         assert _bar_updates(err) == [] and "/4" not in err
+        assert "Loading pipeline components" not in err  # diffusers' own bar, while the pipeline loads
     else:
         _check_counts(_bar_updates(err), 4, every_batch=False)
+        assert "Loading pipeline components" in err
 
 
 # The text-to-image export carries its text encoder: prompts work offline without --clip.
@@ -393,6 +398,41 @@ def test_fewer_prompts_than_images_is_said_in_one_line(t2i_export, tmp_path, run
     assert code == 0, err
     assert [line for line in err.splitlines() if "prompts for" in line][0].endswith(
         "2 prompts for 3 images: image i uses prompt i % 2")
+
+
+def test_prompts_make_an_out_dir_too(t2i_export, tmp_path, run_script, no_network):
+    """--prompt in --out-dir mode: image i from prompt i % n and seed i, as the library's `generate` makes it, and
+    captions.json says which prompt each file used."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from uvic.pipelines.sampling import generate, load_pretrained
+
+    pipeline, _ = t2i_export
+    out = tmp_path / "samples"
+    code, _, err = run_script("sample.py", pipeline, "--out-dir", out, "--prompt", "a cat", "--prompt", "a dog",
+                              "--num-images", "3", "--steps", "1", "--quiet")  # fmt: skip
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["000000.png", "000001.png", "000002.png", "captions.json"]
+    assert json.loads((out / "captions.json").read_text()) == ["a cat", "a dog", "a cat"]
+    pipe = load_pretrained(pipeline)
+    pipe.set_progress_bar_config(disable=True)
+    expect = generate(pipe, [0, 1, 2], num_inference_steps=1, prompts=["a cat", "a dog", "a cat"])
+    for i in range(3):
+        assert np.abs(np.asarray(Image.open(out / f"{i:06d}.png")).astype(int) - expect[i].astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("mode", ["--out-dir", "--grid"])
+def test_features_with_prompts_are_refused(t2i_export, tmp_path, run_script, no_network, mode):
+    pipeline, _ = t2i_export
+    target = tmp_path / ("samples" if mode == "--out-dir" else "g.png")
+    code, _, err = run_script("sample.py", pipeline, mode, target, "--features", tmp_path / "feat", "--prompt",
+                              "a cat", "--steps", "1")  # fmt: skip
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "sample.py: error: --features (random captions) and --prompt/--prompts-file both choose the captions; pass one")
+    assert not list(tmp_path.rglob("*.png"))
 
 
 # Components of another class than the pipeline takes, and --clip dirs that hold no text encoder.
