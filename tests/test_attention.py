@@ -1,6 +1,7 @@
 """uvic.attention: every CPU backend against an independent float64 implementation of the paper's formula."""
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -613,3 +614,35 @@ def test_banded_tiles_skip_keys_outside_the_band():
             computed += (hs.stop - hs.start) * (rs.stop - rs.start) * (ks.stop - ks.start)
         rows = max(rs.stop - rs.start for _, _, rs in _tiles(1, nh, Lq, Lk, 2**20, band))
         assert nh * band_area <= computed <= nh * (band_area + rows * Lk), (causal, window, computed / nh / band_area)
+
+
+def test_the_attention_compile_does_not_show_torch_cuda_home_warning(tmp_path):
+    """A CUDA build of torch on a machine without a GPU logs "No CUDA runtime is found, using CUDA_HOME=..." when
+    torch.compile's Inductor first imports torch.utils.cpp_extension; uvic's compile of the tile math is the one that
+    triggers it in a CPU user's process, and hides it. (torch.compile is replaced by what it does first, that
+    import, so the test does not wait for Inductor; the other half shows the set-up provokes the warning.)"""
+    if not (torch.cuda._is_compiled() and torch.version.cuda) or torch.cuda.is_available():
+        pytest.skip("torch logs the warning only from a CUDA build without a GPU")
+    script = textwrap.dedent("""
+        import importlib, logging, sys
+        import torch
+        from uvic.attention import tiled_cog_attention
+
+        def compile(fn, **kwargs):  # what Inductor's first compile does before anything else here
+            importlib.import_module("torch.utils.cpp_extension")
+            return fn
+
+        logging.basicConfig()
+        if sys.argv[1] == "uvic":
+            torch.compile = compile
+            q = torch.randn(1, 2, 16, 8)
+            tiled_cog_attention(q, q, q, compile=True)
+        else:
+            importlib.import_module("torch.utils.cpp_extension")
+    """)
+    env = {**os.environ, "CUDA_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    runs = {how: subprocess.run([sys.executable, "-c", script, how], env=env, capture_output=True, text=True,
+                                timeout=300) for how in ("uvic", "plain")}  # fmt: skip
+    assert runs["plain"].returncode == 0 and "No CUDA runtime is found" in runs["plain"].stderr
+    assert runs["uvic"].returncode == 0, runs["uvic"].stderr
+    assert "No CUDA runtime is found" not in runs["uvic"].stderr

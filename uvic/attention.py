@@ -541,6 +541,9 @@ def _run_tile(name: str, compiled: bool, ragged: bool, *args) -> torch.Tensor | 
     fn = _tile_forward_weights if name == "forward" else _tile_backward_weights
     if compiled:
         if name not in _compiled:
+            from uvic.errors import hide_cuda_home_warning
+
+            hide_cuda_home_warning()  # Inductor's first compile imports torch.utils.cpp_extension, which logs it
             _compiled[name] = torch.compile(fn, dynamic=None)
         if ragged:
             # Rows and keys change from tile to tile: symbolic from the first compile, so that one graph takes
