@@ -129,3 +129,37 @@ def test_to_uint8_matches_torchvision_save_image():
     assert torch.equal(to_uint8(y, (-1.0, 1.0)), to_uint8((y + 1) / 2))  # U-ViT's unpreprocess, then quantised
     with pytest.raises(ValueError, match="NaN or Inf"):
         to_uint8(torch.full((1, 3, 2, 2), float("nan")))
+
+
+class _Tied(torch.nn.Module):
+    """An embedding tied to the output head (one tensor under two names), as language models often have."""
+
+    def __init__(self, vocab=10, width=4, depth=1):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_check_weights_fit_compares_the_described_model_with_the_weights(tmp_path):
+    from safetensors.torch import save_model
+
+    from uvic.io import check_weights_fit, weight_shapes
+
+    save_model(_Tied(), str(tmp_path / "w.safetensors"))  # the tied tensor is stored once
+    shapes = weight_shapes(tmp_path / "w.safetensors")
+    assert len(shapes) == 3
+    check_weights_fit(_Tied, shapes, "m")
+    check_weights_fit(_Tied, {("old." + k if k.startswith("blocks") else k): v for k, v in shapes.items()}, "m")
+    with pytest.raises(DataError, match=r"^m: its config describes a model whose embed.weight has shape \(10, 8\), "
+                                        r"but its weights hold \(10, 4\); the config does not belong"):
+        check_weights_fit(lambda: _Tied(width=8), shapes, "m")
+    with pytest.raises(DataError, match=r"^m: its config describes a model with tensors its weights do not hold "
+                                        r"\(4, the largest blocks.\d.weight of shape \(4, 4\)\)"):
+        check_weights_fit(lambda: _Tied(depth=3), shapes, "m")
+    with pytest.raises(DataError, match=r"^m: its config describes a model of more than 1012 tensors, far more "
+                                        r"than the 3 its weights hold$"):
+        check_weights_fit(lambda: _Tied(depth=10**6), shapes, "m")
+    with pytest.raises(DataError, match=r"^m: its config does not describe a model \(RuntimeError: "):
+        check_weights_fit(lambda: _Tied(vocab=-1), shapes, "m")

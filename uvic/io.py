@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import pickle
 import stat
@@ -357,15 +358,18 @@ def check_weights_fit(build: Callable[[], torch.nn.Module], shapes: Mapping[str,
 
     `build` runs on the meta device (shapes only, no memory) and stops once it has made far more tensors than the
     weights hold, so a config that describes a model of terabytes (`embed_dim: 1000000`) or of a million layers
-    costs nothing. Every tensor of the model's state dict must be in `shapes` (under one of its names, for tied
-    tensors) with the same shape.
+    costs nothing. A tensor the model and the weights both name (under any of its names, for tied tensors) must
+    have the same shape, and the model's tensors the weights do not name must not outweigh (in elements) the
+    weights' tensors the model does not name: keys of an older layout that the loader renames balance out, extra
+    layers do not. Anything else (a renamed key that is really missing) is left to the loader's strict check.
 
     Args:
         build: makes the model the config describes (e.g. `task.build_model`).
         shapes: the weights' name -> shape (`weight_shapes`).
         what: names the model and its weights in the message, e.g. "checkpoint runs/x/checkpoints/step_000001000".
     Raises:
-        DataError: one line naming the first tensor that differs, or why the config builds no model.
+        DataError: one line naming the first tensor that differs, the largest one the weights lack, or why the
+            config builds no model.
     """
     budget = 4 * len(shapes) + 1000  # a model makes a few tensors per stored one, plus a fixed set of temporaries
     try:
@@ -382,16 +386,23 @@ def check_weights_fit(build: Callable[[], torch.nn.Module], shapes: Mapping[str,
     for name, t in model.state_dict(keep_vars=True).items():  # tied tensors: one object under several names
         names.setdefault(id(t), []).append(name)
         tensors[id(t)] = t
+    missing = []  # (numel, name, shape) of the model's tensors the weights hold under none of their names
     for key, aliases in names.items():
         shape = tuple(tensors[key].shape)
         stored = [n for n in aliases if n in shapes]
         if not stored:
-            raise DataError(f"{what}: its config describes a model with a tensor {aliases[0]} of shape {shape} "
-                            f"that its weights do not hold")  # fmt: skip
+            missing.append((math.prod(shape), aliases[0], shape))
         for n in stored:
             if tuple(shapes[n]) != shape:
                 raise DataError(f"{what}: its config describes a model whose {n} has shape {shape}, but its weights "
                                 f"hold {tuple(shapes[n])}; the config does not belong to these weights")  # fmt: skip
+    # Tensors under other names (an older layout the loader renames) balance out; a larger model does not.
+    known = {n for aliases in names.values() for n in aliases}
+    extra = sum(math.prod(shape) for n, shape in shapes.items() if n not in known)
+    if missing and sum(m[0] for m in missing) > extra:
+        numel, name, shape = max(missing)
+        raise DataError(f"{what}: its config describes a model with tensors its weights do not hold ({len(missing)}, "
+                        f"the largest {name} of shape {shape}); the config does not belong to these weights")
 
 
 # ---------------------------------------------------------------------------------------------------------
