@@ -140,8 +140,10 @@ def _log_path(plan: Plan, run: Run) -> Path:
 def _start(plan: Plan, run: Run, argv: list[str], preexec) -> _Job:
     path = _log_path(plan, run)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A killed attempt's output may end mid-line (a progress bar): the header of the next one starts a line.
+    gap = b"\n" if path.is_file() and path.stat().st_size else b""
     log = open(path, "ab")
-    log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {shell_command(argv)}\n".encode())
+    log.write(gap + f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {shell_command(argv)}\n".encode())
     log.flush()
     process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                preexec_fn=preexec)
