@@ -165,18 +165,15 @@ def test_run_killed_then_run_again_equals_the_plan_run_by_hand_and_aa_is_exact(t
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "compare.py"), "run", *map(str, args), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([*command, "--jobs", "2"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
-    seen, deadline = None, time.time() + 300
-    while seen is None:
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen, deadline = out / "a" / "seed_0", time.time() + 300  # the first run of the plan
+    while not (seen / "checkpoints" / "step_000000004" / "meta.json").is_file():
         assert first.poll() is None and time.time() < deadline, first.stderr.read().decode()[-3000:]
-        seen = next((r for r in (out / "a" / "seed_0", out / "b" / "seed_0")
-                     if (r / "checkpoints" / "step_000000004" / "meta.json").is_file()), None)
         time.sleep(0.02)
     first.send_signal(signal.SIGKILL)
     first.wait()
     first.stderr.close()
-    _wait_unlocked([out / "a" / "seed_0", out / "b" / "seed_0"])  # the trainings die with their parent
+    _wait_unlocked([seen])  # its training dies with its parent
     assert not (seen / "pipeline").exists()  # killed mid-run
     report = out / "report.json"
     assert not report.exists()

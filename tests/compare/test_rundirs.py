@@ -12,13 +12,14 @@ from uvic.compare.rundirs import latest_samples, read_attempts, read_logs, recor
 def test_training_and_validation_lines_of_one_step_are_both_kept(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         '{"step": 1, "loss": 2.0, "lr": 0.1}\n{"step": 2, "loss": 1.5, "lr": 0.1}\n{"step": 2, "val_loss": 1.7}\n'
+        '{"step": 2, "attn_neg_share": {"1": 0.25}}\n'  # a line of extras: merged into the step's validation
         # A run resumed from step 1 logs step 2 again: the latest record of each kind wins.
         '{"step": 2, "loss": 1.4, "lr": 0.1}\n{"step": 3, "loss": 1.0, "lr": 0.1}\n{"step": 3, "val_loss": 1.2, "val_'
     )  # the last line was cut short by a kill
     (tmp_path / "eval.jsonl").write_text('{"step": 3, "fid": 40.0}\n')
     logs = read_logs(tmp_path)
     assert [(r["step"], r["loss"]) for r in logs.train] == [(1, 2.0), (2, 1.4), (3, 1.0)]
-    assert logs.val == [{"step": 2, "val_loss": 1.7}]
+    assert logs.val == [{"step": 2, "val_loss": 1.7, "attn_neg_share": {"1": 0.25}}]
     assert logs.evals == [{"step": 3, "fid": 40.0}]
 
 

@@ -96,8 +96,8 @@ def curve_figure(title: str, arms: Sequence[str], data: Mapping[str, Mapping[int
             ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, lw=0)
         ax.axhline(0, color="k", lw=0.8)
         better = "below" if lower_is_better else "above"
-        ax.set(xlabel="step", ylabel=f"difference of {title}",
-               title=f"paired difference (band: 95% interval; {better} 0 is better)")
+        ax.set(xlabel="step", ylabel=f"difference ({better} 0 is better)",
+               title=f"paired difference from {arms[0]} (band: 95% interval)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -210,12 +210,14 @@ def _document(g: _Gathered, data: dict[str, Any], drawn: dict[str, Path]) -> lis
                 continue
             vs = entry["vs_baseline"][arm]
             ci = f" [{_fmt(vs['ci95'][0])}, {_fmt(vs['ci95'][1])}]" if vs["ci95"] else ""
-            rows.append(["", arm, cell, str(vs["n"]), f"{_fmt(vs['mean_diff'])}{ci}", _fmt(vs["relative"], "+.2%"),
+            relative = "n/a" if vs["relative"] is None else f"{100 * vs['relative']:+.3g}%"
+            rows.append(["", arm, cell, str(vs["n"]), f"{_fmt(vs['mean_diff'])}{ci}", relative,
                          _fmt(vs["p_value"], ".2g"), vs["verdict"]])
     if rows:
-        blocks.append(("table", ["metric", "arm", "mean ± sd over seeds", "n pairs", f"difference vs {base} "
+        blocks.append(("table", ["metric", "arm", "mean ± sd over seeds", "n", f"difference vs {base} "
                                  "(95% interval)", "relative", "p", "verdict"], rows))
-        blocks.append(("p", "Difference: the mean over seeds of (arm - baseline) of one seed, with its 95% Student-t "
+        blocks.append(("p", "n: the finished seeds of the baseline, and the seeds both arms finished (the pairs) of "
+                            "the others. Difference: the mean over those seeds of (arm - baseline), with its 95% Student-t "
                             "interval; p: the two-sided paired t-test; relative: the difference over the baseline's "
                             "mean. A verdict is `better` or `worse` when the whole interval lies on one side of 0, "
                             "else `inconclusive` (always with fewer than 2 seeds)."))

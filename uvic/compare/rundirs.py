@@ -40,10 +40,10 @@ State = Literal["finished", "unfinished", "failed", "missing", "mismatch"]
 
 @dataclass(frozen=True)
 class RunLogs:
-    """The logs of one finished run, each a list of records sorted by step (a step logged twice keeps the last).
+    """The logs of one finished run, each a list of records sorted by step (a key logged twice keeps the last).
 
-    train: `metrics.jsonl` training lines {"step", "loss", "lr"}; val: its validation lines {"step", "val_loss", ...}
-    (no "loss" key); evals: `eval.jsonl` lines {"step", "fid", ...} (FID while training).
+    train: `metrics.jsonl` training lines {"step", "loss", "lr"}; val: its other lines, the validation ones
+    {"step", "val_loss", ...extras}; evals: `eval.jsonl` lines {"step", "fid", ...} (FID while training).
     """
 
     path: Path
@@ -71,13 +71,10 @@ def read_logs(run_dir: str | Path) -> RunLogs:
     path = run_dir / "metrics.jsonl"
     train: dict[int, dict[str, Any]] = {}
     val: dict[int, dict[str, Any]] = {}
-    # Training and validation lines of one step are two records, so they are kept apart before the latest of each
-    # step wins (a run resumed from a checkpoint logs the steps after it again).
+    # Training and validation lines of one step are two records, so they are kept apart; lines of one kind and step
+    # are merged, the later winning (a run resumed from a checkpoint logs the steps after it again).
     for _, record in _records(path) if path.is_file() else []:
-        if "loss" in record:
-            train[int(record["step"])] = record
-        elif "val_loss" in record:
-            val[int(record["step"])] = record
+        (train if "loss" in record else val).setdefault(int(record["step"]), {}).update(record)
     return RunLogs(run_dir, [train[s] for s in sorted(train)], [val[s] for s in sorted(val)],
                    read_evaluations(run_dir))
 
