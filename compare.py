@@ -85,7 +85,10 @@ def main() -> None:
                 return
             # A `kill` (SIGTERM) stops the runs in training too, as Ctrl-C does.
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-            failed = run_plan(plan, jobs=args.jobs, train_script=_script("train.py"), launcher=launcher)
+            try:
+                failed = run_plan(plan, jobs=args.jobs, train_script=_script("train.py"), launcher=launcher)
+            except KeyboardInterrupt:  # Ctrl-C: the runs were stopped (run_plan says so); no traceback
+                sys.exit(130)
     with cli_errors():
         try:
             data = write_report(args.out)

@@ -32,6 +32,7 @@ def _full(plan, levels={"uvit": 0.5, "uvic": 0.48}, seeds=(0, 1, 2)):
                       fids={50: 30 + 10 * level + seed, 100: 20 + 10 * level + seed + (arm == "uvic") * 0.1})
 
 
+@pytest.mark.filterwarnings("ignore:Precision loss occurred:RuntimeWarning")  # scipy, on equal differences
 def test_report_json_has_the_documented_shape_and_the_paired_statistics(make_comparison):
     plan = make_comparison()
     _full(plan)

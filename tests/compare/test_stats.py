@@ -62,6 +62,7 @@ def test_an_aa_comparison_is_exactly_zero_and_inconclusive():
     assert math.isnan(stats.ttest_rel(BASE, BASE).pvalue)  # scipy: 0/0 as well
 
 
+@pytest.mark.filterwarnings("ignore:Precision loss occurred:RuntimeWarning")  # scipy, on equal differences
 def test_identical_nonzero_differences_give_a_point_interval():
     base = [1.0, 2.25, 3.5, 0.75]
     arm = [b + 0.5 for b in base]  # exact in binary: the differences are equal to the last bit

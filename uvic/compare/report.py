@@ -173,31 +173,47 @@ def _fmt(value: float | None, spec: str = ".4g") -> str:
 
 
 def _document(g: _Gathered, data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
-    plan, arms, base = g.plan, data["arms"], data["baseline"]
+    """The report's blocks: what was compared, the runs, the results, the figures, and how to read a verdict."""
+    return [*_header_blocks(g.plan, data), *_run_blocks(g), *_result_blocks(data, drawn),
+            *_figure_blocks(data, drawn), ("h2", "What a verdict means"), ("p", MEANING)]
+
+
+MEANING = ("The interval covers the uncertainty from the training seeds of this comparison: which initial weights, data "
+           "order and noise a run drew. It says whether the difference is larger than what another set of seeds would "
+           "plausibly give, in this setting (this config, data, steps and model size); it says nothing about other "
+           "settings. Each arm and metric is tested on its own, without a correction for testing several; with 2 or 3 "
+           "seeds only large, consistent differences can be `better` or `worse`.")
+
+
+def _header_blocks(plan: Plan, data: dict[str, Any]) -> list[tuple]:
     shared = shell_command(plan.overrides) if plan.overrides else "none"
-    blocks: list[tuple] = [
-        ("h1", f"Comparison: {' vs '.join(arms)}"),
-        ("p", f"Config `{plan.config}`, shared overrides `{shared}`; baseline `{base}`; training seeds "
+    return [
+        ("h1", f"Comparison: {' vs '.join(data['arms'])}"),
+        ("p", f"Config `{plan.config}`, shared overrides `{shared}`; baseline `{data['baseline']}`; training seeds "
               f"{', '.join(map(str, plan.seeds))}. Every run of one seed starts from the same initial weights and sees "
               f"the same data order and noise, so the arms differ only by their overrides."),
         ("table", ["arm", "overrides"], [[arm.name, f"`{shell_command(arm.overrides)}`" if arm.overrides else "none"]
                                          for arm in plan.arms]),
     ]
-    # Runs.
-    blocks.append(("h2", "Runs"))
+
+
+def _run_blocks(g: _Gathered) -> list[tuple]:
     done = [key for key, s in g.states.items() if s.state == "finished"]
     others = [(key, s) for key, s in g.states.items() if s.state != "finished"]
     if not others:
-        blocks.append(("p", f"All {len(done)} runs finished."))
-    else:
-        blocks.append(("p", f"{len(done)} of {len(g.states)} runs finished. Only finished runs are counted; these "
-                            f"are left out of the statistics and figures:"))
-        blocks.append(("list", [f"{arm} seed {seed}: {s.state}" + (f" ({s.detail})" if s.detail else "")
-                                for (arm, seed), s in others]))
-    # Results.
-    blocks.append(("h2", "Results"))
+        return [("h2", "Runs"), ("p", f"All {len(done)} runs finished.")]
+    return [("h2", "Runs"),
+            ("p", f"{len(done)} of {len(g.states)} runs finished. Only finished runs are counted; these are left out "
+                  f"of the statistics and figures:"),
+            ("list", [f"{arm} seed {seed}: {s.state}" + (f" ({s.detail})" if s.detail else "")
+                      for (arm, seed), s in others])]
+
+
+def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
+    """The table of every metric and arm with the verdicts, then each metric's per-seed values and dot plot."""
+    arms, base = data["arms"], data["baseline"]
     if not data["metrics"]:
-        blocks.append(("p", "No finished run yet: nothing to compare."))
+        return [("h2", "Results"), ("p", "No finished run yet: nothing to compare.")]
     rows = []
     for name, entry in data["metrics"].items():
         better = "lower" if entry["lower_is_better"] else "higher"
@@ -213,45 +229,40 @@ def _document(g: _Gathered, data: dict[str, Any], drawn: dict[str, Path]) -> lis
             relative = "n/a" if vs["relative"] is None else f"{100 * vs['relative']:+.3g}%"
             rows.append(["", arm, cell, str(vs["n"]), f"{_fmt(vs['mean_diff'])}{ci}", relative,
                          _fmt(vs["p_value"], ".2g"), vs["verdict"]])
-    if rows:
-        blocks.append(("table", ["metric", "arm", "mean ± sd over seeds", "n", f"difference vs {base} "
-                                 "(95% interval)", "relative", "p", "verdict"], rows))
-        blocks.append(("p", "n: the finished seeds of the baseline, and the seeds both arms finished (the pairs) of "
-                            "the others. Difference: the mean over those seeds of (arm - baseline), with its 95% Student-t "
-                            "interval; p: the two-sided paired t-test; relative: the difference over the baseline's "
-                            "mean. A verdict is `better` or `worse` when the whole interval lies on one side of 0, "
-                            "else `inconclusive` (always with fewer than 2 seeds)."))
-    metric_text = {m.name: m.description for m in METRICS}
+    blocks: list[tuple] = [
+        ("h2", "Results"),
+        ("table", ["metric", "arm", "mean ± sd over seeds", "n", f"difference vs {base} (95% interval)", "relative",
+                   "p", "verdict"], rows),
+        ("p", "n: the finished seeds of the baseline, and the seeds both arms finished (the pairs) of the others. "
+              "Difference: the mean over those seeds of (arm - baseline), with its 95% Student-t interval; p: the "
+              "two-sided paired t-test; relative: the difference over the baseline's mean. A verdict is `better` or "
+              "`worse` when the whole interval lies on one side of 0, else `inconclusive` (always with fewer than 2 "
+              "seeds)."),
+    ]
+    described = {m.name: m.description for m in METRICS}
     for name, entry in data["metrics"].items():
-        blocks.append(("h3", name))
-        blocks.append(("p", metric_text[name] + "."))
-        seeds = sorted({int(s) for v in entry["values"].values() for s in v})
-        header = ["seed", *arms, *(f"{arm} - {base}" for arm in arms[1:])]
         table = []
-        for seed in seeds:
+        for seed in sorted({int(s) for v in entry["values"].values() for s in v}):
             vals = [entry["values"][arm].get(str(seed)) for arm in arms]
             diffs = [None if v is None or vals[0] is None else v - vals[0] for v in vals[1:]]
             table.append([str(seed), *map(_fmt, vals), *map(_fmt, diffs)])
-        blocks.append(("table", header, table))
+        blocks += [("h3", name), ("p", described[name] + "."),
+                   ("table", ["seed", *arms, *(f"{arm} - {base}" for arm in arms[1:])], table)]
         if f"paired_{name}" in drawn:
             blocks.append(("figure", drawn[f"paired_{name}"], f"{name} per seed: a line joins the arms of one seed"))
-    # Curves and samples.
+    return blocks
+
+
+def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
+    blocks: list[tuple] = []
     curves = [(c, drawn[f"curve_{c.name}"]) for c in CURVES if f"curve_{c.name}" in drawn]
     if curves:
         blocks.append(("h2", "Curves"))
-        for curve, path in curves:
-            blocks.append(("figure", path, f"{curve.title}: per arm, and the paired difference from {base}"))
+        blocks += [("figure", path, f"{curve.title}: per arm, and the paired difference from {data['baseline']}")
+                   for curve, path in curves]
     if "samples" in drawn:
-        blocks.append(("h2", "Samples"))
-        blocks.append(("figure", drawn["samples"], "each run's last sample grid; every grid is drawn from the same "
-                                                   "sampling seeds"))
-    blocks.append(("h2", "What a verdict means"))
-    blocks.append(("p", "The interval covers the uncertainty from the training seeds of this comparison: which initial "
-                        "weights, data order and noise a run drew. It says whether the difference is larger than what "
-                        "another set of seeds would plausibly give, in this setting (this config, data, steps and "
-                        "model size); it says nothing about other settings. Each arm and metric is tested on its "
-                        "own, without a correction for testing several; with 2 or 3 seeds only large, consistent "
-                        "differences can be `better` or `worse`."))
+        blocks += [("h2", "Samples"), ("figure", drawn["samples"], "each run's last sample grid; every grid is drawn "
+                                                                   "from the same sampling seeds")]
     return blocks
 
 

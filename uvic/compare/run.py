@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -46,7 +46,7 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _die_with_parent_fn():
+def _die_with_parent_fn() -> Callable[[], None] | None:
     """A preexec function that has the child receive SIGTERM when this process dies (Linux), or None."""
     if not sys.platform.startswith("linux"):
         return None
@@ -137,7 +137,7 @@ def _log_path(plan: Plan, run: Run) -> Path:
     return plan.out / run.arm / f"seed_{run.seed}.log"
 
 
-def _start(plan: Plan, run: Run, argv: list[str], preexec) -> _Job:
+def _start(plan: Plan, run: Run, argv: list[str], preexec: Callable[[], None] | None) -> _Job:
     path = _log_path(plan, run)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A killed attempt's output may end mid-line (a progress bar): the header of the next one starts a line.
@@ -182,6 +182,9 @@ def _error_line(log: Path, tail_bytes: int = 20_000) -> str:
 
 def _stop(running: list[_Job]) -> None:
     """Terminate the jobs still running (compare.py is stopping), then kill those that outlast the grace time."""
+    if running:
+        logger.warning(f"stopping {', '.join(job.run.label for job in running)}: the same command continues them "
+                       f"from their last checkpoints")
     for job in running:
         job.process.terminate()
     deadline = time.time() + _GRACE_S
