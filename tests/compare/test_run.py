@@ -98,9 +98,13 @@ def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path):
 
 def test_a_run_that_exits_0_without_finishing_is_a_failure(tmp_path):
     plan, _ = _plan(tmp_path, seeds=(0,))
-    script = tmp_path / "quits.py"
-    script.write_text("import sys\nprint('something odd')\n")
-    assert len(run_plan(plan, train_script=str(script))) == 2
+    fails, quits = tmp_path / "fails.py", tmp_path / "quits.py"
+    fails.write_text("import sys\nsys.exit('error: an earlier attempt')\n")
+    quits.write_text("print('something odd')\n")
+    assert len(run_plan(plan, train_script=str(fails))) == 2
+    assert read_attempts(plan.out)["a/seed_0"]["error"] == "error: an earlier attempt"
+    assert len(run_plan(plan, train_script=str(quits))) == 2
+    # The error of the last attempt (the log holds both).
     error = read_attempts(plan.out)["a/seed_0"]["error"]
     assert error == "train.py exited with status 0 but the run is not complete (something odd)"
 

@@ -67,6 +67,16 @@ class Run:
     def label(self) -> str:
         return f"{self.arm} seed {self.seed}"
 
+    @property
+    def key(self) -> str:
+        """"<arm>/seed_<seed>": the run dir relative to the comparison directory."""
+        return f"{self.arm}/{self.run_dir.name}"
+
+    @property
+    def log_path(self) -> Path:
+        """Where `compare.py run` writes the run's output: beside its run dir, `<arm>/seed_<seed>.log`."""
+        return self.run_dir.with_name(f"{self.run_dir.name}.log")
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -96,8 +96,8 @@ def run_plan(plan: Plan, *, jobs: int = 1, train_script: str = "train.py",
             while todo and len(running) < jobs:
                 run = todo.pop(0)
                 extra = [f"train.cpu_threads={threads}"] if jobs > 1 and _threads(plan, run) == 0 else []
-                running.append(_start(plan, run, plan.command(run, launcher, train_script, extra), preexec))
-                logger.info(f"[{done + len(running)}/{total}] {run.label}: training (log: {_log_path(plan, run)})")
+                running.append(_start(run, plan.command(run, launcher, train_script, extra), preexec))
+                logger.info(f"[{done + len(running)}/{total}] {run.label}: training (log: {run.log_path})")
             time.sleep(0.2)
             for job in [j for j in running if j.process.poll() is not None]:
                 running.remove(job)
@@ -133,12 +133,8 @@ def _threads(plan: Plan, run: Run) -> int:
     return plan.configs[run.arm]["train"].get("cpu_threads", 0)
 
 
-def _log_path(plan: Plan, run: Run) -> Path:
-    return plan.out / run.arm / f"seed_{run.seed}.log"
-
-
-def _start(plan: Plan, run: Run, argv: list[str], preexec: Callable[[], None] | None) -> _Job:
-    path = _log_path(plan, run)
+def _start(run: Run, argv: list[str], preexec: Callable[[], None] | None) -> _Job:
+    path = run.log_path
     path.parent.mkdir(parents=True, exist_ok=True)
     # A killed attempt's output may end mid-line (a progress bar): the header of the next one starts a line.
     gap = b"\n" if path.is_file() and path.stat().st_size else b""
@@ -155,11 +151,11 @@ def _finish(plan: Plan, job: _Job) -> bool:
     job.log.close()
     code = job.process.returncode
     finished = run_state(plan, job.run, {}).state == "finished"
-    error = "" if finished else _error_line(_log_path(plan, job.run))
+    error = "" if finished else _error_line(job.run.log_path)
     if code == 0 and not finished:
         error = f"train.py exited with status 0 but the run is not complete ({error})"
     exit_code = 0 if finished else (code or 1)
-    record_attempt(plan.out, job.run, exit_code, error, str(_log_path(plan, job.run).relative_to(plan.out)))
+    record_attempt(plan.out, job.run, exit_code, error, str(job.run.log_path.relative_to(plan.out)))
     minutes = (time.time() - job.started) / 60
     if finished:
         logger.info(f"{job.run.label}: finished in {minutes:.1f} min")
@@ -169,13 +165,16 @@ def _finish(plan: Plan, job: _Job) -> bool:
 
 
 def _error_line(log: Path, tail_bytes: int = 20_000) -> str:
-    """The last `error:` line of a run's log (train.py's one-line errors), else its last line (a traceback's)."""
+    """The last `error:` line of the last attempt in a run's log (train.py's one-line errors), else its last line
+    (a traceback's)."""
     try:
         with open(log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
             lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
     except OSError:
         return ""
+    headers = [i for i, line in enumerate(lines) if line.startswith("=== ")]
+    lines = lines[headers[-1] + 1:] if headers else lines
     errors = [line for line in lines if line.startswith("error:")]
     return (errors or lines or [""])[-1][:500]
 

@@ -92,7 +92,7 @@ def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
     if (run_dir / "pipeline").is_dir() and max_steps in steps:
         return RunState("finished")
     progress = f"last checkpoint at step {steps[-1]} of {max_steps}" if steps else f"no checkpoint yet (of {max_steps} steps)"
-    attempt = attempts.get(attempt_key(run))
+    attempt = attempts.get(run.key)
     if attempt is not None and attempt.get("exit_code") != 0:
         return RunState("failed", f"{attempt.get('error') or 'exit status ' + str(attempt.get('exit_code'))}; {progress}")
     return RunState("unfinished", progress)
@@ -116,10 +116,6 @@ def _config_mismatch(plan: Plan, run: Run) -> str | None:
     return f"its config.yaml differs from the plan: {why}" if why else None
 
 
-def attempt_key(run: Run) -> str:
-    return f"{run.arm}/seed_{run.seed}"
-
-
 def read_attempts(out: str | Path) -> dict[str, Any]:
     """{"<arm>/seed_<seed>": {"exit_code", "error", "log"}} of the last attempt of each run under `compare.py run`."""
     path = Path(out) / ATTEMPTS_FILE
@@ -133,7 +129,7 @@ def read_attempts(out: str | Path) -> dict[str, Any]:
 def record_attempt(out: str | Path, run: Run, exit_code: int, error: str, log: str) -> None:
     """Record the outcome of an attempt at `run` in `out/attempts.json` (rewritten atomically)."""
     attempts = read_attempts(out)
-    attempts[attempt_key(run)] = {"exit_code": exit_code, "error": error, "log": log}
+    attempts[run.key] = {"exit_code": exit_code, "error": error, "log": log}
     with atomic_write(Path(out) / ATTEMPTS_FILE, "w") as f:
         json.dump(attempts, f, indent=1)
 
