@@ -31,6 +31,6 @@ torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability())"
 xdist=()
 "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
 step tests "$py" -m pytest -q -p no:cacheprovider --timeout=300 "${xdist[@]}" tests/kernels/test_triton_gpu.py tests/kernels/test_device.py
-step bench_triton "$py" -m uvic.kernels.bench_triton
-step bench "$py" -m uvic.kernels.bench --device cuda --rounds 30
+step bench_triton "$py" benchmarks/bench_triton.py
+step bench "$py" benchmarks/bench_attention.py --device cuda --rounds 30
 exit $status

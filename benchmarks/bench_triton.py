@@ -6,8 +6,8 @@ forward, halved when causal; backward 2.5x the forward). Needs a CUDA GPU and pa
 tables with it): pip install "uvic[bench]", or pip install -e ".[bench]" in a checkout. uvic never imports
 this module.
 
-    python -m uvic.kernels.bench_triton                 # all tables to stdout
-    python -m uvic.kernels.bench_triton --save-path out # also CSV + PNG per table
+    python benchmarks/bench_triton.py                 # all tables to stdout
+    python benchmarks/bench_triton.py --save-path out # also CSV + PNG per table
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from uvic.attention import ATTENTIONS
 from uvic.kernels.ops import fused_attention
 
 
-PROVIDERS = ["cog", "softmax", "sdpa-flash"]
+PROVIDERS = [*ATTENTIONS, "sdpa-flash"]  # the kernel in each of its modes, then SDPA's flash backend
 LENGTHS = [2**i for i in range(8, 15)]  # 256 .. 16384
 TOKENS = 16384  # B * L is kept at this, so short sequences still fill the GPU
 
@@ -50,10 +51,9 @@ def _configs() -> list[triton.testing.Benchmark]:
 
 
 def _attention(provider: str):
-    if provider == "cog":
-        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, attention="cog")
-    if provider == "softmax":
-        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, attention="softmax")
+    if provider in ATTENTIONS:  # the fused kernel (unchecked, as the op calls it) in Cog or softmax mode
+        cog = provider == "cog"
+        return lambda q, k, v, causal: fused_attention(q, k, v, causal=causal, cog=cog)
 
     def sdpa(q, k, v, causal):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
