@@ -28,7 +28,7 @@ def test_timed_runs_reset_the_input_grads(mode):
         return 1.0
 
     sdpa = lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    tflops = bt.bench.fn(L=32, hd=16, nh=2, causal=True, mode=mode, provider="cog", fn=sdpa, device="cpu", tokens=64,
+    tflops = bt.bench(L=32, hd=16, nh=2, causal=True, mode=mode, provider="cog", fn=sdpa, device="cpu", tokens=64,
                          do_bench=fake_do_bench)
     assert tflops == pytest.approx(4 * 2 * 2 * 32 * 32 * 16 * 0.5 * {"fwd": 1, "bwd": 2.5, "fwd+bwd": 3.5}[mode] * 1e-9)
     leaves = seen["leaves"]
@@ -37,3 +37,27 @@ def test_timed_runs_reset_the_input_grads(mode):
     if mode != "fwd":  # the timed function does write those grads
         seen["fn"]()
         assert all(t.grad is not None for t in leaves)
+
+
+def test_inputs_the_kernel_refuses_give_nan_without_timing():
+    """A point outside the kernel's envelope (here: CPU tensors) is NaN for the kernel's modes, never run; SDPA's
+    point of the same shape is timed."""
+
+    def refuse(fn, **kwargs):
+        raise AssertionError("do_bench called for inputs the kernel refuses")
+
+    for provider in bt.ATTENTIONS:
+        tflops = bt.bench(L=32, hd=72, nh=2, causal=False, mode="fwd", provider=provider, device="cpu", tokens=64,
+                          do_bench=refuse)  # fmt: skip
+        assert tflops != tflops  # NaN
+
+
+def test_time_ratios_are_the_inverse_tflops_ratios():
+    table = bt.time_ratios({"L": [4096, 16384], "cog": [300.0, 320.0], "softmax": [330.0, 320.0],
+                            "sdpa-flash": [270.0, 400.0]})  # fmt: skip
+    assert table["cog/softmax time"] == pytest.approx([1.1, 1.0])
+    assert table["cog/sdpa-flash time"] == pytest.approx([0.9, 1.25])
+    text = bt.format_table("attention-bf16-hd64-full-fwd+bwd", table).splitlines()
+    assert text[0] == "attention-bf16-hd64-full-fwd+bwd:"
+    assert text[1].split() == ["L", "cog", "softmax", "sdpa-flash", "cog/softmax", "time", "cog/sdpa-flash", "time"]
+    assert text[2].split() == ["4096", "300.000", "330.000", "270.000", "1.100", "0.900"]
