@@ -42,7 +42,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from uvic.attention import ATTENTIONS, cog_attention, softmax_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's uvic, installed or not
+from uvic.attention import ATTENTIONS, cog_attention, softmax_attention  # noqa: E402
 
 
 SHAPES = {

@@ -33,10 +33,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's uvic, installed or not
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
 
-from uvic.attention import ATTENTIONS, unsupported_reason
-from uvic.kernels.ops import fused_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's uvic, installed or not
+from uvic.attention import ATTENTIONS, unsupported_reason  # noqa: E402
+from uvic.kernels.ops import fused_attention  # noqa: E402
 
 
 PROVIDERS = [*ATTENTIONS, "sdpa-flash"]  # the kernel in each of its modes, then SDPA's flash backend
