@@ -18,6 +18,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
+from uvic.attention import check_attention_kind
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
@@ -90,8 +91,7 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
         from uvic.models.uvit import uvit_from_official
         from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
-        if attention not in ("cog", "softmax"):
-            raise ValueError(f"attention must be 'cog' or 'softmax', got {attention!r}")
+        check_attention_kind(attention)
         nnet = dict(nnet_config) if nnet_config is not None else {
             "name": "uvit_t2i", "img_size": 32, "in_chans": 4, "patch_size": 2, "embed_dim": 512, "depth": 12,
             "num_heads": 8, "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False, "clip_dim": 768,
