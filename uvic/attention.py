@@ -24,7 +24,9 @@ Backends (the same semantics in each, tested against `attention_ref` in float64)
                  mode (backend="triton") is there for like-for-like comparisons with Cog.
 
 `unsupported_reason` is the one place that says why a backend cannot run on given inputs; this module is the only
-one in uvic that imports `uvic.kernels`.
+one in uvic that imports `uvic.kernels`. The attention kinds are `ATTENTIONS`; `attention_op(kind)` is the op of a
+kind and `attention_placement` the one rule for which layers of a model keep softmax (U-ViC, Cogformer and the
+diffusers / transformers integrations).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
     Raises:
         ValueError: `attention` is not one of ATTENTIONS.
     """
-    return cog_attention if check_attention_kind(attention) == "cog" else softmax_attention
+    ops = {"cog": cog_attention, "softmax": softmax_attention}  # a new kind adds its op here
+    return ops[check_attention_kind(attention)]
 
 
 def check_softmax_count(value: object, name: str) -> int:

@@ -130,7 +130,7 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
         The names of the attention modules switched to Cog, in forward order. Warns when that is none of them
         (the model has at most 2 * keep_softmax attention blocks).
     Raises:
-        ValueError: a bad `keep_softmax`, a model without attention modules, or an attention module whose
+        ValueError: a bad `keep_softmax` or `backend`, a model without attention modules, or an attention module whose
             processor has no Cog counterpart (the message names the module, its processor and, where Cog does
             not apply, why). Nothing is changed then.
     """
@@ -186,6 +186,9 @@ def restore_cog_attention(model: torch.nn.Module) -> list[str] | None:
     Returns:
         The names of the modules switched to Cog (for a pipeline: "component.module" names), or None when nothing
         is recorded (then warns: the model runs its stock attention).
+    Raises:
+        ValueError: a recorded entry that is not what `apply_cog_attention` records (the message names the model,
+            the component and CONFIG_KEY), or what `apply_cog_attention` raises.
     """
     components = getattr(model, "components", None)
     if isinstance(components, dict):  # a DiffusionPipeline

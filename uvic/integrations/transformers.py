@@ -11,8 +11,9 @@ interface (Llama, Qwen2/3, Mistral, Gemma 2/3, ViT, CLIP, Whisper, ...) accept i
 
 The placement rule lives in the model config as `cog_keep_softmax` (saved by `save_pretrained`): in each stack of
 layers (a decoder's, an encoder's, a vision tower's), layers 0 .. k-1 and the last k keep softmax attention
-(`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention`. A config without
-the field uses DEFAULT_KEEP_SOFTMAX.
+(`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention` (the rule is
+`uvic.attention.attention_placement`; a stack of at most 2k layers keeps softmax throughout). A config without the
+field uses DEFAULT_KEEP_SOFTMAX; a model built from a config whose field is not an int >= 0 raises a ValueError.
 
 Importing this module also makes every transformers model check its attention implementation when it is built:
 one whose config records Cog attention (`cog_keep_softmax`) but runs another implementation warns, and one built
