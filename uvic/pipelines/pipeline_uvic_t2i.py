@@ -18,7 +18,6 @@ from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
-from uvic.attention import check_attention_kind
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
@@ -87,6 +86,7 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
             nnet_config: official `config.nnet` (default: U-ViT `configs/mscoco_uvit_small.py`'s, S/2).
             vae_config: AutoencoderKL kwargs (default: SD v1 KL-f8).
         """
+        from uvic.attention import check_attention_kind
         from uvic.models.autoencoder import UVIT_VAE_SCALE, load_ldm_autoencoder
         from uvic.models.uvit import uvit_from_official
         from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
