@@ -86,12 +86,12 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
             nnet_config: official `config.nnet` (default: U-ViT `configs/mscoco_uvit_small.py`'s, S/2).
             vae_config: AutoencoderKL kwargs (default: SD v1 KL-f8).
         """
+        from uvic.attention import check_attention_kind
         from uvic.models.autoencoder import UVIT_VAE_SCALE, load_ldm_autoencoder
         from uvic.models.uvit import uvit_from_official
         from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
-        if attention not in ("cog", "softmax"):
-            raise ValueError(f"attention must be 'cog' or 'softmax', got {attention!r}")
+        check_attention_kind(attention)
         nnet = dict(nnet_config) if nnet_config is not None else {
             "name": "uvit_t2i", "img_size": 32, "in_chans": 4, "patch_size": 2, "embed_dim": 512, "depth": 12,
             "num_heads": 8, "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False, "clip_dim": 768,
