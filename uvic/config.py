@@ -521,6 +521,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.img_size": _AT_LEAST_1, "model.patch_size": _AT_LEAST_1, "model.in_chans": _AT_LEAST_1,
     "model.embed_dim": _AT_LEAST_1, "model.depth": _AT_LEAST_1, "model.num_heads": _AT_LEAST_1,
     "model.mlp_ratio": _POSITIVE, "model.clip_dim": _AT_LEAST_1, "model.num_clip_token": _AT_LEAST_1,
+    # Cog placement, U-ViT and Cogformer (the models check that the two ends do not overlap)
+    "model.keep_softmax_first": _AT_LEAST_0, "model.keep_softmax_last": _AT_LEAST_0,
     "model.num_classes": _rule(lambda v: v == -1 or v >= 1, "-1 (unconditional) or >= 1"),
     # Cogformer (model.* of the lm task)
     "model.vocab_size": _AT_LEAST_1, "model.hidden_size": _AT_LEAST_1, "model.intermediate_size": _AT_LEAST_1,

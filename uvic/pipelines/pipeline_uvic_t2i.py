@@ -87,13 +87,13 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
                 "uvit-s2-mscoco").
             vae_config: AutoencoderKL kwargs (default: SD v1 KL-f8).
         """
+        from uvic.attention import check_attention_kind
         from uvic.models.autoencoder import UVIT_VAE_SCALE, load_ldm_autoencoder
         from uvic.models.uvit import uvit_from_official
         from uvic.presets import official_nnet
         from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
-        if attention not in ("cog", "softmax"):
-            raise ValueError(f"attention must be 'cog' or 'softmax', got {attention!r}")
+        check_attention_kind(attention)
         nnet = dict(nnet_config) if nnet_config is not None else official_nnet("uvit-s2-mscoco")
         nnet["np"] = attention == "cog"
         transformer = uvit_from_official(nnet, nnet_path, attention_backend=attention_backend).eval()
