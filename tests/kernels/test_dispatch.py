@@ -69,7 +69,7 @@ def test_a_replayed_launch_passes_what_the_autotuner_path_passed(case):
     """The first call builds the plans through triton's autotuner and JIT; the second replays them. Every launch of
     the second call (1 forward, 3 backward) matches the first's: compiled kernel, grid, every scalar and
     constexpr, the tensors' layouts, and the inputs themselves."""
-    shape, kw = CASES[case]
+    shape, kw = CASES[case][0], dict(CASES[case][1])
     q, k, v = _qkv(**shape)
     if kw.pop("mask", False):
         kw["key_padding_mask"] = torch.arange(k.shape[2]) < torch.tensor([[k.shape[2] - 5], [17]])
