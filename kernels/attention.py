@@ -1022,8 +1022,8 @@ def attention_backward(
     dv = torch.empty((B, nh, Lk, hd), dtype=v.dtype, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
     key = ("bwd", q.device, q.dtype, q.shape, Lk, q.stride(), k.stride(), v.stride(), q.data_ptr() % 16,
-           k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16, key_padding_mask is None, causal, scale, cog,
-           window_left, window_right, softcap)  # fmt: skip
+           k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16,
+           key_padding_mask is None, causal, scale, cog, window_left, window_right, softcap)  # fmt: skip
     if (plan := _PLANS.get(key)) is not None:
         with _on_device(q):
             plan[0](out, do, delta)
