@@ -21,8 +21,8 @@ with the Python function calls each makes (`python_calls`, the count `tests/kern
 
 CUDA (`--device cuda`): bf16 calls of B=1 nh=1 L=16 hd=64, whose GPU time is a few microseconds, enqueued
 `--calls` at a time with no synchronisation in between, so the host is what is timed: SDPA (softmax, PyTorch's
-flash kernel), `cog_attention` (the public op, its checks included) and `fused_attention` (the op unchecked), forward and
-forward + backward, in microseconds per call and as a ratio to SDPA.
+flash kernel), `cog_attention` (the public op, its checks included) and `fused_attention` (the op unchecked),
+forward and forward + backward, in microseconds per call and as a ratio to SDPA.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def stubbed_launches(capability: tuple[int, int] = (9, 0), smem: int = 232448) -
     import uvic.kernels.attention as kattn
 
     if not all(isinstance(fn, JITFunction) for fn in kattn.KERNEL_FNS.values()):
-        raise RuntimeError("stubbed_launches needs triton's JIT kernels: unset TRITON_INTERPRET before importing triton")
+        raise RuntimeError("stubbed_launches needs triton's JIT kernels: unset TRITON_INTERPRET before importing "
+                           "triton")  # fmt: skip
     launches: list[tuple] = []
 
     class StubDriver:

@@ -44,7 +44,8 @@ def _same_launch(a, b, inputs):
     for x, y in zip(args_a, args_b):
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor)
-            assert (x.shape, x.stride(), x.dtype, x.data_ptr() % 16) == (y.shape, y.stride(), y.dtype, y.data_ptr() % 16)
+            layout = lambda t: (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+            assert layout(x) == layout(y)
         else:
             assert type(x) is type(y) and x == y
     # the inputs themselves reach the kernels in both (they are not copied when no copy is needed)
