@@ -65,8 +65,8 @@ logger = logging.getLogger(__name__)
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 # Elements of one (rows x keys) score tile in the "torch" backend: 2**20 fp32 scores = 4 MiB, so a tile and its
-# few temporaries take tens of MiB whatever the sequence length. Measured on CPU (kernels/bench.py): smaller
-# tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
+# few temporaries take tens of MiB whatever the sequence length. Measured on CPU (benchmarks/bench_attention.py):
+# smaller tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
 TILE_ELEMENTS = 2**20
 
 
@@ -444,9 +444,9 @@ def _tiles(
 
 # Banded tiles take all heads of an item while that leaves at least this many query rows per tile, else fewer
 # heads. dK and dV are products summed over a tile's rows, which BLAS runs well below its peak for short sums, and
-# fewer, larger tiles mean fewer per-tile calls (measured on CPU with kernels/bench.py: 85-row blocks of all 12
-# heads cost about 0.1-0.2x of SDPA's time more than 160-row blocks of 6 heads at L=2048). The price is the masked
-# half of each block's diagonal square: about rows / Lq more scores than a causal triangle.
+# fewer, larger tiles mean fewer per-tile calls (measured on CPU with benchmarks/bench_attention.py: 85-row blocks of
+# all 12 heads cost about 0.1-0.2x of SDPA's time more than 160-row blocks of 6 heads at L=2048). The price is the
+# masked half of each block's diagonal square: about rows / Lq more scores than a causal triangle.
 BAND_MIN_ROWS = 128
 
 
@@ -828,7 +828,7 @@ def _attention(
         if backend == "triton":
             from uvic.kernels.ops import fused_attention
 
-            return fused_attention(q, k, v, attention=attention, **kw)
+            return fused_attention(q, k, v, cog=attention == "cog", **kw)
         # softmax with a softcap (which SDPA cannot apply) runs on the tiled backend's softmax mode.
         return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None, window, softcap,
                                      attention == "cog")  # fmt: skip
