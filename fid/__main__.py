@@ -4,8 +4,9 @@
     python -m uvic.fid score samples/ fid_stats_cifar10_train_pytorch.npz --expect-n 50000
     accelerate launch -m uvic.fid score samples/ ref.npz      # features gathered across processes
 
-SOURCE / SAMPLES: an image folder, an .npz of images (or of stats, for score), cifar10-train:ROOT,
-cifar10-test:ROOT, coco-val2014-256:VAL2014_DIR.
+SOURCE / SAMPLES: an image folder (RGB or grayscale), an .npz of images (or of stats, for score),
+cifar10-train:ROOT, cifar10-test:ROOT, digits:SIZE (scikit-learn's digits as data.name=digits trains on them, e.g.
+digits:8 for configs/demo_digits.yaml), coco-val2014-256:VAL2014_DIR.
 
     python -m uvic.fid make-test-weights test_inception.pth    # offline smoke tests only: random weights
     python -m uvic.fid score samples/ ref.npz --weights test_inception.pth --weights-sha256 none

@@ -646,3 +646,67 @@ def test_the_attention_compile_does_not_show_torch_cuda_home_warning(tmp_path):
     assert runs["plain"].returncode == 0 and "No CUDA runtime is found" in runs["plain"].stderr
     assert runs["uvic"].returncode == 0, runs["uvic"].stderr
     assert "No CUDA runtime is found" not in runs["uvic"].stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention kinds: the op picker and the placement rule
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_attention_op_picks_the_op_of_each_kind():
+    from uvic.attention import ATTENTIONS, attention_op
+
+    assert [attention_op(kind) for kind in ATTENTIONS] == [cog_attention, softmax_attention]
+    with pytest.raises(ValueError, match=r"attention must be one of \('cog', 'softmax'\), got 'linear'"):
+        attention_op("linear")
+
+
+@pytest.mark.parametrize(
+    "n, first, last, expected",
+    [
+        (5, 1, 1, "SCCCS"),  # U-ViC / Cogformer k = 1: softmax in the first and last layer
+        (5, 0, 0, "CCCCC"),  # Cog everywhere
+        (5, 1, 0, "SCCCC"),  # the paper's ablation: softmax in the first layer only
+        (6, 2, 2, "SSCCSS"),  # Cogformer 600M's k = 2, at a smaller depth
+        (6, 0, 4, "CCSSSS"),
+        (1, 0, 0, "C"),
+        (0, 0, 0, ""),
+    ],
+)
+def test_attention_placement(n, first, last, expected):
+    from uvic.attention import attention_placement
+
+    kinds = attention_placement(n, first, last)
+    assert "".join("C" if kind == "cog" else "S" for kind in kinds) == expected
+    assert attention_placement(n, first, last, "softmax") == ["softmax"] * n
+
+
+@pytest.mark.parametrize("bad", [-1, True, False, 1.0, 0.5, float("nan"), float("inf"), 1e6, "1", None, [1]])
+def test_placement_counts_must_be_ints_at_least_0(bad):
+    from uvic.attention import attention_placement, check_softmax_count
+
+    with pytest.raises(ValueError, match=r"^cog_keep_softmax must be an int >= 0, got "):
+        check_softmax_count(bad, "cog_keep_softmax")
+    with pytest.raises(ValueError, match=r"^keep_softmax_last must be an int >= 0"):
+        attention_placement(5, 1, bad)
+    with pytest.raises(ValueError, match=r"^n_first must be an int >= 0"):
+        attention_placement(5, bad, 1, allow_overlap=True, names=("n_first", "n_last"))
+
+
+def test_placement_overlap_is_refused_unless_allowed(recwarn):
+    from uvic.attention import attention_placement
+
+    with pytest.raises(ValueError, match=r"keep_softmax_first=3 and keep_softmax_last=3 keep softmax in 6 layers, "
+                                         r"more than the 5 there are"):  # fmt: skip
+        attention_placement(5, 3, 3)
+    # The integrations: one count for stacks of any length; a short stack keeps softmax everywhere, silently
+    # (they warn once for the whole model).
+    assert attention_placement(5, 3, 3, allow_overlap=True) == ["softmax"] * 5
+    assert attention_placement(2, 1, 1, allow_overlap=True) == ["softmax"] * 2
+    assert not recwarn.list
+    # Exactly every layer: allowed, but a Cog model without a Cog layer warns.
+    with pytest.warns(UserWarning, match=r"attention='cog' with keep_softmax_first=2 and keep_softmax_last=3 keeps all "
+                                         r"5 layers on softmax"):  # fmt: skip
+        assert attention_placement(5, 2, 3) == ["softmax"] * 5
+    attention_placement(5, 2, 3, "softmax")  # nothing to say for a softmax model
+    assert not recwarn.list

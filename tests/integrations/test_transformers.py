@@ -5,6 +5,7 @@ from the layer's own projections and transformers' rotary embedding.
 """
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -219,6 +220,23 @@ def test_save_and_load_keep_the_rule(tmp_path):
     assert fresh.config._attn_implementation == "cog" and fresh.config.cog_keep_softmax == 2
     loaded.save_pretrained(tmp_path / "again")  # a loaded model saves "cog" again
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "again").config._attn_implementation == "cog"
+
+
+def test_a_saved_placement_is_checked_on_load(tmp_path):
+    """config.json's cog_keep_softmax is checked when a model is built from it, as apply_cog_attention checks its
+    keep_softmax: before, -1 switched every layer, 0.5 half a placement, NaN / inf / 1e6 none, and "1" / null / [1]
+    failed at the forward."""
+    model = tiny("llama")
+    apply_cog_attention(model, keep_softmax=1)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for bad in (-1, 0.5, float("nan"), float("inf"), 1e6, "1", None, [1], True):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, "cog_keep_softmax": bad}))
+        for implementation in ("cog", "sdpa"):  # a damaged record is an error whichever implementation runs
+            with pytest.raises(ValueError, match=r"^LlamaConfig .*: cog_keep_softmax must be an int >= 0, got "):
+                AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
+    with pytest.raises(ValueError, match=r"^keep_softmax must be an int >= 0, got 0.5$"):  # the same check
+        apply_cog_attention(model, keep_softmax=0.5)
 
 
 def test_a_cog_config_running_another_implementation_warns(tmp_path):

@@ -11,8 +11,9 @@ interface (Llama, Qwen2/3, Mistral, Gemma 2/3, ViT, CLIP, Whisper, ...) accept i
 
 The placement rule lives in the model config as `cog_keep_softmax` (saved by `save_pretrained`): in each stack of
 layers (a decoder's, an encoder's, a vision tower's), layers 0 .. k-1 and the last k keep softmax attention
-(`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention`. A config without
-the field uses DEFAULT_KEEP_SOFTMAX.
+(`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention` (the rule is
+`uvic.attention.attention_placement`; a stack of at most 2k layers keeps softmax throughout). A config without the
+field uses DEFAULT_KEEP_SOFTMAX; a model built from a config whose field is not an int >= 0 raises a ValueError.
 
 Importing this module also makes every transformers model check its attention implementation when it is built:
 one whose config records Cog attention (`cog_keep_softmax`) but runs another implementation warns, and one built
@@ -36,7 +37,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
-from uvic.attention import Backend, cog_attention, softmax_attention
+from uvic.attention import Backend, attention_op, attention_placement, check_softmax_count
 
 
 __all__ = ["CONFIG_FIELD", "DEFAULT_KEEP_SOFTMAX", "apply_cog_attention", "cog_attention_forward", "cog_mask",
@@ -52,7 +53,8 @@ def layer_uses_cog(config, layer_idx: int, num_layers: int | None = None) -> boo
     attention (else softmax) under this config's placement."""
     keep = getattr(config, CONFIG_FIELD, DEFAULT_KEEP_SOFTMAX)
     n = config.num_hidden_layers if num_layers is None else num_layers
-    return keep <= layer_idx < n - keep
+    # One count for both ends of every stack; a stack of at most 2 * keep layers keeps softmax in all of them.
+    return attention_placement(n, keep, keep, allow_overlap=True, names=(CONFIG_FIELD, CONFIG_FIELD))[layer_idx] == "cog"
 
 
 def cog_mask(
@@ -197,7 +199,7 @@ def cog_attention_forward(
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    op = cog_attention if layer_uses_cog(module.config, *place) else softmax_attention
+    op = attention_op("cog" if layer_uses_cog(module.config, *place) else "softmax")
     out = op(query, key, value, causal=causal, key_padding_mask=attention_mask, scale=scaling, window=window,
              softcap=kwargs.get("softcap"), backend=getattr(module.config, "cog_backend", "auto"))  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
@@ -278,6 +280,13 @@ def _after_build(model: PreTrainedModel) -> None:
     """On a model just built: with "cog", record the implementation for `save_pretrained` and place the layers;
     with another implementation but a config that records Cog, warn."""
     config = model.config
+    for sub in _configs(config):  # a config.json is anyone's to edit: its placement is checked as apply's argument
+        if hasattr(sub, CONFIG_FIELD):
+            try:
+                check_softmax_count(getattr(sub, CONFIG_FIELD), CONFIG_FIELD)
+            except ValueError as e:
+                raise ValueError(f"{type(sub).__name__} {str(config.name_or_path)!r}: {e} (the config records "
+                                 "apply_cog_attention's keep_softmax there)") from None  # fmt: skip
     if config._attn_implementation == IMPLEMENTATION:
         config.attn_implementation = IMPLEMENTATION  # saved in config.json; from_pretrained reads it back
         for _, module, index, n in _attention_layers(model):
@@ -325,8 +334,7 @@ def apply_cog_attention(model: PreTrainedModel, keep_softmax: int = 1, backend: 
             transformers model, one whose attention adds a position bias to the scores (T5's relative position
             bias), or one that does not use `AttentionInterface`.
     """
-    if not isinstance(keep_softmax, int) or isinstance(keep_softmax, bool) or keep_softmax < 0:
-        raise ValueError(f"keep_softmax must be an int >= 0, got {keep_softmax!r}")
+    check_softmax_count(keep_softmax, "keep_softmax")
     layers = _attention_layers(model)
     if not isinstance(model, PreTrainedModel) or not layers:
         raise ValueError(f"{type(model).__name__} is not a transformers model with per-layer attention modules")
