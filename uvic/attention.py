@@ -632,6 +632,9 @@ def _run_tile(name: str, compiled: bool, ragged: bool, *args) -> torch.Tensor | 
     fn = _tile_forward_weights if name == "forward" else _tile_backward_weights
     if compiled:
         if name not in _compiled:
+            from uvic.errors import hide_cuda_home_warning
+
+            hide_cuda_home_warning()  # Inductor's first compile imports torch.utils.cpp_extension, which logs it
             _compiled[name] = torch.compile(fn, dynamic=None)
         if ragged:
             # Rows and keys change from tile to tile: symbolic from the first compile, so that one graph takes
@@ -777,7 +780,7 @@ def tiled_cog_attention(
     if not (isinstance(tile_elements, int) and tile_elements >= 1):
         raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window)
+    window = _normal_window(window, q.shape[2], k.shape[2])
     softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
@@ -787,11 +790,13 @@ def tiled_cog_attention(
                                      softcap, True)  # fmt: skip
 
 
-def _normal_window(window) -> tuple[int, int] | None:
-    """A valid `window` as a tuple, None when it bounds neither side."""
-    if window is None or tuple(window) == (-1, -1):
+def _normal_window(window, Lq: int, Lk: int) -> tuple[int, int] | None:
+    """A valid `window` as a tuple, None when it bounds neither side. A side of max(Lq, Lk) or more reaches past
+    every key, so it is unbounded (-1): the same keys, and no int too large for the index arithmetic."""
+    if window is None:
         return None
-    return int(window[0]), int(window[1])
+    left, right = (-1 if w >= max(Lq, Lk) else int(w) for w in window)
+    return None if (left, right) == (-1, -1) else (left, right)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -805,7 +810,7 @@ def _attention(
     """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
     _check_inputs(q, k, v, key_padding_mask, scale, backend, attention, window, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window)
+    window = _normal_window(window, q.shape[2], k.shape[2])
     softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         # Nothing to attend with or to: an empty output, or zeros (a row with no key), and zero gradients.
@@ -872,7 +877,8 @@ def cog_attention(
         key_padding_mask: (B, Lk) bool, True = the key takes part; padded keys' k and v rows are never read.
         scale: multiplies q k^T; defaults to hd ** -0.5.
         window: (left, right) sliding window, FlashAttention's `window_size`: query i keeps key j when
-            i + Lk - Lq - left <= j <= i + Lk - Lq + right; -1 leaves that side unbounded. With `causal`,
+            i + Lk - Lq - left <= j <= i + Lk - Lq + right; -1 leaves that side unbounded, as does any side
+            of max(Lq, Lk) or more (it reaches past every key, however large the int). With `causal`,
             (w - 1, -1) or (w - 1, 0) is Mistral's local attention over the last w tokens. None: no window.
         softcap: logit softcap c > 0 (Gemma 2): the scores become p' = c * tanh(p / c) before the sign and the
             magnitude, so sign(p') = sign(p) and |p'| = c * tanh(|p| / c). None: no cap.

@@ -28,6 +28,20 @@ def test_counts_out_of_range_are_refused(tmp_path, capsys, command, flag, value,
         f"python -m uvic.fid {command}: error: argument {flag}: must be >= {minimum}, got {int(value)}")
 
 
+@pytest.mark.parametrize("command", ["stats", "score"])
+@pytest.mark.parametrize("value, problem", [
+    ("1,0", "with finite LOW < HIGH (e.g. -1,1)"), ("0,0", "with finite LOW < HIGH (e.g. -1,1)"),
+    ("nan,1", "with finite LOW < HIGH (e.g. -1,1)"), ("-1,inf", "with finite LOW < HIGH (e.g. -1,1)"),
+    ("0", "(two numbers)"), ("a,b", "(two numbers)"),
+])  # fmt: skip
+def test_an_empty_or_reversed_value_range_is_refused(tmp_path, capsys, command, value, problem):
+    """A reversed range maps images to negative pixels and an empty one divides by zero: both scored silently."""
+    positional = ["src", "--out", tmp_path / "o.npz"] if command == "stats" else ["samples", "ref.npz"]
+    code, err = _cli(capsys, command, *positional, f"--value-range={value}")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"python -m uvic.fid {command}: error: argument --value-range: must be LOW,HIGH {problem}, got {value!r}")
+
+
 @pytest.mark.parametrize("where", ["out-in-file", "out-is-dir", "json-in-file"])
 def test_an_output_that_cannot_be_written_is_refused_first(tmp_path, capsys, where):
     folder = write_pngs(tmp_path / "s", smooth_images(2, size=8))

@@ -63,6 +63,31 @@ def test_cache_is_taken_under_both_names():
         model(x, past_key_values=DynamicCache(), cache=DynamicCache())
 
 
+def test_generate_logs_no_deprecation_warning():
+    """The README's generate snippet: transformers >= 5.24 names the KV cache `cache` in its outputs, and logs a
+    deprecation warning when an output is built or read under the old name `past_key_values`."""
+    import logging
+
+    import transformers
+
+    model = tiny()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")  # it does not propagate to the root logger
+    logging.Logger.warning_once.cache_clear()  # transformers logs this warning once per process
+    library.addHandler(handler)
+    try:
+        out = model.generate(torch.randint(0, 257, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=256,
+                             return_dict_in_generate=True)  # fmt: skip
+    finally:
+        library.removeHandler(handler)
+    assert [r.getMessage() for r in records if "deprecated" in r.getMessage()] == []
+    assert out.sequences.shape == (1, 8)
+    if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__:
+        assert model(torch.randint(0, 257, (1, 5)), use_cache=True).cache.get_seq_length() == 5
+
+
 @pytest.mark.parametrize("attention", ["cog", "softmax"])
 def test_greedy_generate_with_cache_equals_without(attention):
     model = tiny(attention, seed=1)

@@ -18,6 +18,8 @@ hd head dim, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -240,6 +242,11 @@ class CogformerDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+# The name transformers' output classes give the KV cache: `cache` from 5.24 on, where building or reading an output
+# under the old name `past_key_values` logs a deprecation warning; `past_key_values` before.
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
 def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
     """The KV cache under either name: `past_key_values` (transformers < 5.24) or `cache` (its new name, which
     `generate()` passes from 5.24 on)."""
@@ -342,7 +349,7 @@ class CogformerModel(CogformerPreTrainedModel):
             hidden_states.append(x)
         return BaseModelOutputWithPast(
             last_hidden_state=x,
-            past_key_values=past_key_values if use_cache else None,
+            **{_CACHE_FIELD: past_key_values if use_cache else None},
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
 
@@ -415,11 +422,10 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
                 labels[:, 1:].reshape(-1).to(logits.device),
                 ignore_index=-100,
             )
+        cache = getattr(out, _CACHE_FIELD)
         if return_dict is False:
-            return tuple(t for t in (loss, logits, out.past_key_values) if t is not None)
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states
-        )
+            return tuple(t for t in (loss, logits, cache) if t is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache}, hidden_states=out.hidden_states)
 
 
 def cogformer_config(preset: str, **overrides) -> CogformerConfig:

@@ -14,6 +14,7 @@ opens pipeline directories (`load_pretrained`), so it never imports the training
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -24,7 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, SchedulerMixin
+from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from PIL import Image
 from tqdm.auto import tqdm
 
@@ -40,6 +42,7 @@ __all__ = [
     "PIPELINE_CLASSES",
     "attach_text_encoder",
     "balanced_class_labels",
+    "check_model_dir",
     "class_labels_for",
     "random_class_labels",
     "check_grid_size",
@@ -78,6 +81,11 @@ def load_pretrained(
         text_encoder: for a text-to-image pipeline without one (training exports hold none): a
             `CLIPTextEncoder` directory, or an open_clip tag such as "openai" / a checkpoint file. Needed for
             text prompts; ignored when the pipeline has a text encoder or is not text-to-image.
+    Raises:
+        FileNotFoundError: no model_index.json. ValueError: one line for an unreadable index, another pipeline
+            class, a component of a class the pipeline does not take (checked before and after loading), a
+            component whose config describes another model than its weights (`check_model_dir`, before anything is
+            allocated), or a missing or damaged file.
     """
     from uvic.schedulers import convert_scheduler
 
@@ -85,29 +93,125 @@ def load_pretrained(
     if not is_pipeline_dir(path):
         raise FileNotFoundError(f"{path} is not a pipeline directory (no model_index.json)")
     try:
-        name = pipeline_class_name(json.loads((path / "model_index.json").read_text()))
+        index = json.loads((path / "model_index.json").read_text())
+        name = pipeline_class_name(index)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path / 'model_index.json'} is unreadable ({type(e).__name__}: {e})") from e
     if name not in PIPELINE_CLASSES:
         raise ValueError(f"{path} holds a {name!r} pipeline; expected one of {sorted(PIPELINE_CLASSES)}")
+    cls = PIPELINE_CLASSES[name]
+    # The component classes `cls.__init__` takes (diffusers reads the same annotations).
+    components = {component: wanted for component, types in cls._get_signature_types().items()
+                  if (wanted := tuple(t for t in types if isinstance(t, type)
+                                      and issubclass(t, (torch.nn.Module, SchedulerMixin))))}  # fmt: skip
+    # Before diffusers builds anything: each component is of a class the pipeline takes, and fits its weights.
+    for component, wanted in components.items():
+        if isinstance(index.get(component), list) and index[component] != [None, None]:
+            named = _component_class(path, component, index[component], cls, wanted)
+            if issubclass(named, torch.nn.Module):
+                check_model_dir(named, path / component, f"the {component} of {path}")
     try:
-        pipe = PIPELINE_CLASSES[name].from_pretrained(str(path))
+        pipe = cls.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
         raise ValueError(f"cannot load the pipeline in {path}, a file in it is missing or damaged "
                          f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
+    for component, wanted in components.items():  # and after: what diffusers built is what the pipeline takes
+        value = getattr(pipe, component, None)
+        if value is not None and not isinstance(value, wanted):
+            raise ValueError(f"the {component} of the pipeline in {path} is a {type(value).__name__}; a {cls.__name__} "
+                             f"takes a {_names(wanted)}")  # fmt: skip
     if sampler is not None:
         pipe.scheduler = convert_scheduler(pipe.scheduler, sampler)
     return attach_text_encoder(pipe, text_encoder)
 
 
+# Where diffusers' `ModelMixin.from_pretrained` finds a model's weights in its directory, in its order.
+_WEIGHTS_FILES = (SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+
+
+def _names(types: Sequence[type]) -> str:
+    return " or ".join(t.__name__ for t in types if t is not type(None))
+
+
+def _component_class(path: Path, component: str, entry: list, cls: type, wanted: tuple[type, ...]) -> type:
+    """The class model_index.json names for `component`, if it is one of `wanted` (checked before diffusers imports
+    and builds it). Only classes of diffusers, transformers and uvic are looked up; nothing else is imported."""
+    where = f"{path / 'model_index.json'} names"
+    if len(entry) != 2 or not all(isinstance(x, str) for x in entry):
+        raise ValueError(f"{where} {entry!r} as the {component}; expected [library, class name]")
+    library, class_name = entry
+    if library.split(".")[0] not in ("diffusers", "transformers", "uvic"):
+        raise ValueError(f"{where} {library}.{class_name} as the {component}; a {cls.__name__} takes a "
+                         f"{_names(wanted)}")  # fmt: skip
+    try:
+        named = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{where} {library}.{class_name} as the {component}, which does not exist ({e})") from e
+    if not (isinstance(named, type) and issubclass(named, wanted)):
+        raise ValueError(f"{where} {library}.{class_name} as the {component}; a {cls.__name__} takes a "
+                         f"{_names(wanted)}")  # fmt: skip
+    return named
+
+
+def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> None:
+    """Before `model_class.from_pretrained(folder)`: the model its config.json describes has the tensor shapes its
+    weights hold (`uvic.io.check_weights_fit`, on the meta device, so a config describing a far larger model than
+    its weights allocates nothing). A folder without weights is left to `from_pretrained` to report.
+
+    Raises:
+        ValueError (DataError): an unreadable config or weights file, or a config that does not fit the weights.
+    """
+    from uvic.errors import DataError
+    from uvic.io import check_weights_fit, weight_shapes
+
+    folder = Path(folder)
+    found = next((folder / name for name in _WEIGHTS_FILES if (folder / name).is_file()), None)
+    if found is None:
+        return
+    files = [found]
+    if found.name.endswith(".index.json"):  # sharded: the files its weight map names, inside the folder
+        try:
+            shards = set(json.loads(found.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"{what}: {found} is unreadable ({type(e).__name__}: {e})") from e
+        if not all(isinstance(f, str) and f and Path(f).name == f for f in shards):
+            raise DataError(f"{what}: {found} names weight files outside {folder}")
+        files = [folder / f for f in sorted(shards)]
+    shapes = {}
+    for file in files:
+        try:
+            shapes.update(weight_shapes(file))
+        except DataError as e:  # truncated, foreign, or pickled objects (UnsafeFileError): nothing was run
+            raise type(e)(f"{what}: {e}") from e
+    try:
+        config = model_class.load_config(folder)
+    except Exception as e:  # noqa: BLE001 - diffusers reports a missing or malformed config.json in several types
+        raise DataError(f"{what}: cannot read {folder / 'config.json'} ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]})") from e  # fmt: skip
+    check_weights_fit(lambda: model_class.from_config(config), shapes, what)
+
+
 def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> DiffusionPipeline:
     """Give a text-to-image pipeline without a text encoder the `CLIPTextEncoder` named by `text_encoder` (a
-    directory, an open_clip tag such as "openai", or a checkpoint file); any other pipeline is returned as is."""
+    directory, an open_clip tag such as "openai", or a checkpoint file); any other pipeline is returned as is.
+
+    Raises:
+        ValueError: a directory that holds no loadable `CLIPTextEncoder` (no or a damaged config or weights file,
+            pickled weights that are not plain tensors, a config that does not fit the weights).
+    """
     if text_encoder is not None and isinstance(pipe, UViCText2ImagePipeline) and pipe.text_encoder is None:
         from uvic.models.text_encoder import CLIPTextEncoder
 
-        te = (CLIPTextEncoder.from_pretrained(text_encoder) if Path(text_encoder).is_dir()
-              else CLIPTextEncoder.from_open_clip(text_encoder))
+        if Path(text_encoder).is_dir():
+            what = f"the CLIP text encoder {text_encoder}"
+            check_model_dir(CLIPTextEncoder, text_encoder, what)
+            try:
+                te = CLIPTextEncoder.from_pretrained(text_encoder)
+            except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
+                raise ValueError(f"cannot load {what}, a file in it is missing or damaged "
+                                 f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e  # fmt: skip
+        else:
+            te = CLIPTextEncoder.from_open_clip(text_encoder)
         pipe.register_modules(text_encoder=te.eval())
     return pipe
 
