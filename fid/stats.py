@@ -313,10 +313,12 @@ def load_extractor(
     sha256: str | None = WEIGHTS_SHA256_PREFIX,
     allow_download: bool = False,
     device: torch.device | str | None = None,
+    sha256_option: str = "sha256=None",
 ) -> InceptionExtractor:
-    """Build an `InceptionExtractor` on `device` (default: the accelerate process's device)."""
+    """Build an `InceptionExtractor` on `device` (default: the accelerate process's device); `sha256_option` names
+    the caller's way to skip the checksum in its error (`resolve_weights`)."""
     if device is None:
         device = process_state().device
     ext = InceptionExtractor(weights, mode=mode, dims=dims, with_logits=with_logits, sha256=sha256,
-                             allow_download=allow_download)  # fmt: skip
+                             allow_download=allow_download, sha256_option=sha256_option)  # fmt: skip
     return ext.to(device)

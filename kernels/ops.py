@@ -121,7 +121,7 @@ def fused_attention(
     scale: float | None = None,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
-    attention: str = "cog",
+    cog: bool = True,
 ) -> torch.Tensor:
     """The fused kernel as a differentiable op, unchecked: `uvic::fused_attention_fwd` under torch.compile, the
     same kernels through a plain autograd.Function in eager mode (`_EagerFusedAttention`).
@@ -133,16 +133,16 @@ def fused_attention(
         q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd); any strides, float16/bfloat16/float32.
         causal, key_padding_mask, scale, window, softcap: as `uvic.attention.cog_attention` (window (left, right),
             -1 = unbounded side; softcap c > 0 or None).
-        attention: "cog" (`sign(p) * softmax(|p|)`) or "softmax" (`softmax(p)`), from the same kernel.
+        cog: True for Cog attention (`sign(p) * softmax(|p|)`), False for softmax attention (`softmax(p)`), from
+            the same kernels. The kinds' names live in `uvic.attention` (ATTENTIONS), which maps its kind to this
+            flag: the kernel package imports nothing from the rest of uvic.
     Returns:
         (B, nh, Lq, hd) in the input dtype.
     """
-    if attention not in ("cog", "softmax"):
-        raise ValueError(f"unknown attention {attention!r}; expected 'cog' or 'softmax'")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     cap = 0.0 if softcap is None else float(softcap)
-    args = (q, k, v, key_padding_mask, bool(causal), scale, attention == "cog", left, right, cap)
+    args = (q, k, v, key_padding_mask, bool(causal), scale, bool(cog), left, right, cap)
     if torch.compiler.is_compiling():
         return _fwd_op(*args)[0]
     return _EagerFusedAttention.apply(*args)

@@ -265,6 +265,38 @@ def test_a_model_section_starts_from_its_preset_and_overrides_it(tmp_path):
         load_config(None, ["train.preset=fast"])
 
 
+def test_a_diffusion_section_names_its_schedule():
+    """`diffusion: {preset: stable-diffusion}` is Stable Diffusion's discrete schedule (the values diffusers' SD
+    configs hold), other keys override it, and the schedules' and samplers' defaults are the same presets."""
+    import torch
+    from diffusers import DDPMScheduler
+
+    from uvic.config import DiffusionConfig
+    from uvic.schedulers import DiscreteSchedule, UViTDPMSolverScheduler, VPSDEEulerMaruyamaScheduler, build_scheduler
+
+    d = load_config(None, ["task=t2i", "diffusion.preset=stable-diffusion", "diffusion.beta_end=0.02"]).diffusion
+    assert (d.schedule, d.num_train_timesteps, d.beta_schedule, d.beta_start, d.beta_end) == (
+        "discrete", 1000, "scaled_linear", 0.00085, 0.02)
+    assert (d.beta_min, d.beta_max, d.time_scale) == (0.1, 20.0, 999.0)  # the other fields keep their defaults
+    def config(scheduler):
+        return {k: v for k, v in scheduler.config.items() if not k.startswith("_")}
+
+    sd = DiffusionConfig.from_preset("stable-diffusion")
+    assert config(build_scheduler("uvit_dpm_solver", sd)) == config(UViTDPMSolverScheduler())
+    assert DiscreteSchedule().betas.equal(sd_betas := build_scheduler("uvit_dpm_solver", sd).noise_schedule.betas)
+    assert sd_betas.equal(torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2)
+    vp = DiffusionConfig.from_preset("vpsde")
+    assert vp == DiffusionConfig() and (vp.beta_min, vp.beta_max, vp.time_scale) == (0.1, 20.0, 999.0)
+    assert config(build_scheduler("euler_maruyama", vp)) == config(VPSDEEulerMaruyamaScheduler())
+    # The discrete defaults are DDPM's linear betas, diffusers' own defaults (not Stable Diffusion's).
+    ddpm = DiffusionConfig(schedule="discrete")
+    assert ddpm == DiffusionConfig.from_preset("ddpm")
+    assert (ddpm.beta_schedule, ddpm.beta_start, ddpm.beta_end) == tuple(
+        DDPMScheduler().config[k] for k in ("beta_schedule", "beta_start", "beta_end"))
+    with pytest.raises(ConfigError, match=r"^config key diffusion.preset: unknown schedule preset 'sdxl'"):
+        load_config(None, ["diffusion.preset=sdxl"])
+
+
 def test_a_new_sampler_and_preset_are_choices_in_the_config_yaml_and_clis(tmp_path, monkeypatch, capsys):
     """One entry in SAMPLER_TABLE and one in UVIT_PRESETS reach config validation, YAML files, train.py --dry-run,
     sample.py --sampler and the training task's pipeline, with no other edit."""

@@ -24,7 +24,9 @@ Backends (the same semantics in each, tested against `attention_ref` in float64)
                  mode (backend="triton") is there for like-for-like comparisons with Cog.
 
 `unsupported_reason` is the one place that says why a backend cannot run on given inputs; this module is the only
-one in uvic that imports `uvic.kernels`.
+one in uvic that imports `uvic.kernels`. The attention kinds are `ATTENTIONS`; `attention_op(kind)` is the op of a
+kind and `attention_placement` the one rule for which layers of a model keep softmax (U-ViC, Cogformer and the
+diffusers / transformers integrations).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import importlib.util
 import logging
 import math
 import os
+import warnings
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -61,9 +65,96 @@ logger = logging.getLogger(__name__)
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 # Elements of one (rows x keys) score tile in the "torch" backend: 2**20 fp32 scores = 4 MiB, so a tile and its
-# few temporaries take tens of MiB whatever the sequence length. Measured on CPU (kernels/bench.py): smaller
-# tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
+# few temporaries take tens of MiB whatever the sequence length. Measured on CPU (benchmarks/bench_attention.py):
+# smaller tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
 TILE_ELEMENTS = 2**20
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention kinds: which op, and which layers keep softmax
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_attention_kind(attention: object) -> AttentionKind:
+    """`attention` if it is one of ATTENTIONS; else a ValueError naming the kinds."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    return attention
+
+
+def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
+    """The op of an attention kind: `cog_attention` for "cog", `softmax_attention` for "softmax" (same signature).
+
+    The one place a kind becomes an op; every model and integration layer calls the op it returns.
+
+    Raises:
+        ValueError: `attention` is not one of ATTENTIONS.
+    """
+    ops = {"cog": cog_attention, "softmax": softmax_attention}  # a new kind adds its op here
+    return ops[check_attention_kind(attention)]
+
+
+def check_softmax_count(value: object, name: str) -> int:
+    """`value` if it is a count of layers kept on softmax, an int >= 0; else a ValueError naming `name`.
+
+    The one validation of the placement's counts (`attention_placement`, the models' `keep_softmax_first` /
+    `keep_softmax_last` and `num_softmax_layers`, the integrations' `keep_softmax` and what they read back from a
+    saved config). bool, float (1.0, NaN, inf), str, None and containers are refused.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def attention_placement(
+    num_layers: int,
+    keep_softmax_first: int = 1,
+    keep_softmax_last: int = 1,
+    attention: AttentionKind = "cog",
+    *,
+    allow_overlap: bool = False,
+    names: tuple[str, str] = ("keep_softmax_first", "keep_softmax_last"),
+) -> list[AttentionKind]:
+    """The attention kind of each of `num_layers` layers in execution order: the paper's Cog placement.
+
+    With attention="cog", the first `keep_softmax_first` and the last `keep_softmax_last` layers keep softmax and
+    every layer between runs Cog: 1 and 1 is U-ViC (paper Sec. 4.2), k and k a Cogformer (Sec. 4.1), 0 and 0 Cog
+    everywhere, 1 and 0 the ablation with softmax in the first layer only. With attention="softmax" every layer is
+    softmax. The one statement of the rule: U-ViT / U-ViC blocks, Cogformer layers, and the layers the diffusers
+    and transformers integrations switch all come from here.
+
+    Counts that together exceed `num_layers` make the two ends overlap. A model, whose counts describe its own
+    layers, refuses that (ValueError); the integrations pass `allow_overlap=True`, since one count applies to every
+    stack of a model whatever its length, and a stack no longer than the two ends keeps softmax in every layer.
+    Without `allow_overlap`, a Cog placement that leaves no Cog layer (first + last == num_layers) warns; the
+    integrations warn themselves when no layer of the whole model is switched.
+
+    Args:
+        num_layers: layers (blocks) in the stack, >= 0.
+        keep_softmax_first: layers kept on softmax at the start (`check_softmax_count`).
+        keep_softmax_last: layers kept on softmax at the end.
+        attention: "cog" or "softmax", the model's kind.
+        allow_overlap: accept first + last > num_layers (every layer then keeps softmax).
+        names: what the error and warning messages call the two counts.
+    Returns:
+        `num_layers` kinds, "cog" or "softmax".
+    Raises:
+        ValueError: an unknown `attention`, a count that is not an int >= 0, or (without `allow_overlap`)
+            counts that overlap.
+    """
+    check_attention_kind(attention)
+    first = check_softmax_count(keep_softmax_first, names[0])
+    last = check_softmax_count(keep_softmax_last, names[1])
+    if not allow_overlap and first + last > num_layers:
+        raise ValueError(f"{names[0]}={first} and {names[1]}={last} keep softmax in {first + last} layers, more than "
+                         f"the {num_layers} there are: the two ends would overlap")  # fmt: skip
+    kinds: list[AttentionKind] = [
+        "softmax" if attention == "softmax" or i < first or i >= num_layers - last else "cog" for i in range(num_layers)
+    ]
+    if not allow_overlap and attention == "cog" and "cog" not in kinds and num_layers:
+        warnings.warn(f"attention='cog' with {names[0]}={first} and {names[1]}={last} keeps all {num_layers} layers "
+                      "on softmax, so no layer runs Cog attention", stacklevel=2)  # fmt: skip
+    return kinds
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -353,9 +444,9 @@ def _tiles(
 
 # Banded tiles take all heads of an item while that leaves at least this many query rows per tile, else fewer
 # heads. dK and dV are products summed over a tile's rows, which BLAS runs well below its peak for short sums, and
-# fewer, larger tiles mean fewer per-tile calls (measured on CPU with kernels/bench.py: 85-row blocks of all 12
-# heads cost about 0.1-0.2x of SDPA's time more than 160-row blocks of 6 heads at L=2048). The price is the masked
-# half of each block's diagonal square: about rows / Lq more scores than a causal triangle.
+# fewer, larger tiles mean fewer per-tile calls (measured on CPU with benchmarks/bench_attention.py: 85-row blocks of
+# all 12 heads cost about 0.1-0.2x of SDPA's time more than 160-row blocks of 6 heads at L=2048). The price is the
+# masked half of each block's diagonal square: about rows / Lq more scores than a causal triangle.
 BAND_MIN_ROWS = 128
 
 
@@ -541,6 +632,9 @@ def _run_tile(name: str, compiled: bool, ragged: bool, *args) -> torch.Tensor | 
     fn = _tile_forward_weights if name == "forward" else _tile_backward_weights
     if compiled:
         if name not in _compiled:
+            from uvic.errors import hide_cuda_home_warning
+
+            hide_cuda_home_warning()  # Inductor's first compile imports torch.utils.cpp_extension, which logs it
             _compiled[name] = torch.compile(fn, dynamic=None)
         if ragged:
             # Rows and keys change from tile to tile: symbolic from the first compile, so that one graph takes
@@ -686,7 +780,7 @@ def tiled_cog_attention(
     if not (isinstance(tile_elements, int) and tile_elements >= 1):
         raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window)
+    window = _normal_window(window, q.shape[2], k.shape[2])
     softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
@@ -696,11 +790,13 @@ def tiled_cog_attention(
                                      softcap, True)  # fmt: skip
 
 
-def _normal_window(window) -> tuple[int, int] | None:
-    """A valid `window` as a tuple, None when it bounds neither side."""
-    if window is None or tuple(window) == (-1, -1):
+def _normal_window(window, Lq: int, Lk: int) -> tuple[int, int] | None:
+    """A valid `window` as a tuple, None when it bounds neither side. A side of max(Lq, Lk) or more reaches past
+    every key, so it is unbounded (-1): the same keys, and no int too large for the index arithmetic."""
+    if window is None:
         return None
-    return int(window[0]), int(window[1])
+    left, right = (-1 if w >= max(Lq, Lk) else int(w) for w in window)
+    return None if (left, right) == (-1, -1) else (left, right)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -714,7 +810,7 @@ def _attention(
     """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
     _check_inputs(q, k, v, key_padding_mask, scale, backend, attention, window, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window)
+    window = _normal_window(window, q.shape[2], k.shape[2])
     softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         # Nothing to attend with or to: an empty output, or zeros (a row with no key), and zero gradients.
@@ -737,7 +833,7 @@ def _attention(
         if backend == "triton":
             from uvic.kernels.ops import fused_attention
 
-            return fused_attention(q, k, v, attention=attention, **kw)
+            return fused_attention(q, k, v, cog=attention == "cog", **kw)
         # softmax with a softcap (which SDPA cannot apply) runs on the tiled backend's softmax mode.
         return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None, window, softcap,
                                      attention == "cog")  # fmt: skip
@@ -781,7 +877,8 @@ def cog_attention(
         key_padding_mask: (B, Lk) bool, True = the key takes part; padded keys' k and v rows are never read.
         scale: multiplies q k^T; defaults to hd ** -0.5.
         window: (left, right) sliding window, FlashAttention's `window_size`: query i keeps key j when
-            i + Lk - Lq - left <= j <= i + Lk - Lq + right; -1 leaves that side unbounded. With `causal`,
+            i + Lk - Lq - left <= j <= i + Lk - Lq + right; -1 leaves that side unbounded, as does any side
+            of max(Lq, Lk) or more (it reaches past every key, however large the int). With `causal`,
             (w - 1, -1) or (w - 1, 0) is Mistral's local attention over the last w tokens. None: no window.
         softcap: logit softcap c > 0 (Gemma 2): the scores become p' = c * tanh(p / c) before the sign and the
             magnitude, so sign(p') = sign(p) and |p'| = c * tanh(|p| / c). None: no cap.

@@ -40,27 +40,32 @@ from uvic.guidance import DEFAULT_GUIDANCE_SCALE
 from uvic.lm.data import TOKEN_DTYPES
 from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, schedule_preset
 
 
-class ModelSection:
-    """A `model` section: a frozen dataclass whose fields are a model's keyword arguments, with the types and
-    defaults of the model's own signature (`model_section` writes it from the signature; nothing is restated).
+class PresetSection:
+    """A config section that can start from a named entry of a preset table (the one place those values are
+    written): in YAML, `preset: NAME` starts the section from it and the section's other keys override it."""
 
-    In YAML, `preset: NAME` starts the section from an entry of the model family's preset table (the one place a
-    model size is written); the section's other keys override it:
-
-        model:
-          preset: uvit-s2-cifar10
-          depth: 13
-    """
-
-    # The family's one preset lookup: name -> the model's kwargs; raises ValueError for an unknown name.
+    # The table's one lookup: name -> the section's fields; raises ValueError for an unknown name.
     preset_kwargs: ClassVar[Callable[[str], dict[str, Any]]]
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> Any:
         """The section of preset `name`, with field overrides."""
         return cls(**{**cls.preset_kwargs(name), **overrides})
+
+
+class ModelSection(PresetSection):
+    """A `model` section: a frozen dataclass whose fields are a model's keyword arguments, with the types and
+    defaults of the model's own signature (`model_section` writes it from the signature; nothing is restated).
+
+    Its presets are the model family's preset table (the one place a model size is written):
+
+        model:
+          preset: uvit-s2-cifar10
+          depth: 13
+    """
 
 
 def keyword_parameters(module: str, function: str) -> list[tuple[str, Any, Any]]:
@@ -103,24 +108,33 @@ UViTConfig = model_section(
 )
 
 
+_VP, _DDPM = SCHEDULE_PRESETS["vpsde"], SCHEDULE_PRESETS["ddpm"]
+
+
 @dataclass(frozen=True)
-class DiffusionConfig:
+class DiffusionConfig(PresetSection):
     """The forward process the model is trained on; it decides the loss and which samplers apply.
 
     `schedule="vpsde"`: continuous VP-SDE, beta(t) = beta_min + t (beta_max - beta_min), t ~ U(0, 1), the
     network sees `time_scale * t` (U-ViT CIFAR-10). `schedule="discrete"`: DDPM with `num_train_timesteps`
     steps and diffusers' beta schedules; the network sees the diffusers timestep t in [0, T - 1] plus one (U-ViT's
     1-based n, as for MS-COCO). Both conversions: `uvic.schedulers.timesteps.network_timestep`.
+
+    `preset: NAME` names an entry of `uvic.schedulers.noise_schedule.SCHEDULE_PRESETS` ("vpsde", "ddpm",
+    "stable-diffusion"). The defaults are U-ViT's VP-SDE and, for the discrete fields, DDPM's linear betas
+    (diffusers' `DDPMScheduler` defaults); Stable Diffusion's betas are `preset: stable-diffusion`.
     """
 
-    schedule: Literal["vpsde", "discrete"] = "vpsde"
-    beta_min: float = 0.1
-    beta_max: float = 20.0
-    time_scale: float = 999.0
-    num_train_timesteps: int = 1000
-    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear"
-    beta_start: float = 0.0001
-    beta_end: float = 0.02
+    preset_kwargs = staticmethod(schedule_preset)
+
+    schedule: Literal["vpsde", "discrete"] = _VP["schedule"]
+    beta_min: float = _VP["beta_min"]
+    beta_max: float = _VP["beta_max"]
+    time_scale: float = _VP["time_scale"]
+    num_train_timesteps: int = _DDPM["num_train_timesteps"]
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = _DDPM["beta_schedule"]
+    beta_start: float = _DDPM["beta_start"]
+    beta_end: float = _DDPM["beta_end"]
 
 
 @dataclass(frozen=True)
@@ -472,7 +486,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Build the run config of `data["task"]` from a (possibly partial) nested dict, checking every key and type.
 
     Each section starts from the run config's default for it, or from the preset its `preset` key names (model
-    sections, `ModelSection`), and the keys given replace those values.
+    and diffusion sections, `PresetSection`), and the keys given replace those values.
     """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
     cls = task_config_class(task)
@@ -484,7 +498,7 @@ def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
     names = {f.name for f in dataclasses.fields(cls)}
-    if issubclass(cls, ModelSection):
+    if issubclass(cls, PresetSection):
         names.add("preset")
     unknown = sorted(set(data) - names)
     if unknown:
@@ -572,6 +586,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.img_size": _AT_LEAST_1, "model.patch_size": _AT_LEAST_1, "model.in_chans": _AT_LEAST_1,
     "model.embed_dim": _AT_LEAST_1, "model.depth": _AT_LEAST_1, "model.num_heads": _AT_LEAST_1,
     "model.mlp_ratio": _POSITIVE, "model.clip_dim": _AT_LEAST_1, "model.num_clip_token": _AT_LEAST_1,
+    # Cog placement, U-ViT and Cogformer (the models check that the two ends do not overlap)
+    "model.keep_softmax_first": _AT_LEAST_0, "model.keep_softmax_last": _AT_LEAST_0,
     "model.num_classes": _rule(lambda v: v == -1 or v >= 1, "-1 (unconditional) or >= 1"),
     # Cogformer (model.* of the lm task)
     "model.vocab_size": _AT_LEAST_1, "model.hidden_size": _AT_LEAST_1, "model.intermediate_size": _AT_LEAST_1,

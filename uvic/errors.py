@@ -43,6 +43,10 @@ class StorageError(UvicError, OSError):
     is left behind, and the message says what failed and what is still intact."""
 
 
+class MissingPackageError(UvicError, ImportError):
+    """An optional package that a requested feature needs is not installed; the message says which to install."""
+
+
 class RunLockedError(UvicError, RuntimeError):
     """The run dir is held by another live training run (its PID is in the message)."""
 
@@ -140,10 +144,21 @@ def finite_float(text: str) -> float:
 
 
 def configure_logging() -> None:
-    """For the scripts: INFO log lines with time and source on stderr, without torch's "No CUDA runtime is found,
-    using CUDA_HOME=..." warning, which `torch.utils.cpp_extension` logs on a machine with a CUDA toolkit and no
-    GPU when it is first imported (by torch.compile): nothing of uvic depends on it, and CPU users take it for an
-    error."""
+    """For the scripts: INFO log lines with time and source on stderr, without torch's CUDA_HOME warning
+    (`hide_cuda_home_warning`)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    logging.getLogger("torch.utils.cpp_extension").addFilter(
-        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
+    hide_cuda_home_warning()
+
+
+def _not_cuda_home(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def hide_cuda_home_warning() -> None:
+    """Drop torch's "No CUDA runtime is found, using CUDA_HOME=..." warning, which `torch.utils.cpp_extension` logs
+    on a machine with a CUDA toolkit and no GPU when it is first imported (by torch.compile's Inductor): nothing of
+    uvic depends on it, and CPU users take it for an error. Called by the scripts and before uvic's own
+    torch.compile; only that one record of that one logger is dropped."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    if _not_cuda_home not in log.filters:
+        log.addFilter(_not_cuda_home)

@@ -146,6 +146,35 @@ def find_images(root: str | Path, *, recursive: bool = True) -> list[Path]:
     return sorted(files, key=lambda p: (p.parent.as_posix(), _natural_key(p)))
 
 
+def readable_images(root: str | Path, *, recursive: bool = True, skip_bad: bool = False, remedy: str) -> list[Path]:
+    """`find_images(root)` with every file checked (`check_image`: the header, and for PNG the chunk checksums
+    through to the end of the file) before anything reads one: the one image-folder reader of training
+    (`ImageFolder`) and of the FID harness (`uvic.fid.ImageFolder`).
+
+    Args:
+        root, recursive: as `find_images`.
+        skip_bad: leave unreadable files out (each is logged) instead of raising.
+        remedy: the end of the error message (what the caller can do, or what did not happen).
+    Raises:
+        FileNotFoundError: `root` is missing or holds no (readable) images.
+        DataError: "<first unreadable file> is not a readable image (<why>)[; N more unreadable file(s) under
+            <root>]; <remedy>", when `skip_bad` is False.
+    """
+    paths = find_images(root, recursive=recursive)
+    bad = [(p, why) for p in paths if (why := check_image(p)) is not None]
+    if bad and not skip_bad:
+        (first, why), more = bad[0], len(bad) - 1
+        raise DataError(f"{first} is not a readable image ({why})" + (f"; {more} more unreadable file(s) under "
+                        f"{root}" if more else "") + f"; {remedy}")
+    for p, why in bad:
+        logger.warning("skipping unreadable image %s (%s)", p, why)
+    skipped = {p for p, _ in bad}
+    kept = [p for p in paths if p not in skipped]
+    if not kept:
+        raise FileNotFoundError(f"no readable images under {root}: all {len(paths)} were skipped")
+    return kept
+
+
 def read_rgb(path: str | Path) -> Any:
     """The image file at `path` decoded as an RGB `PIL.Image` (loaded into memory).
 
@@ -162,11 +191,11 @@ def read_rgb(path: str | Path) -> Any:
 
 
 class ImageFolder(Dataset):
-    """Every image under `root` (`find_images`: recursive, natural order), center-cropped to a square and resized.
+    """Every image under `root` (`readable_images`: recursive, natural order), center-cropped to a square and
+    resized; grayscale and RGB files alike give 3 channels (`read_rgb`).
 
-    Every file is checked when the dataset is built (`check_image`: the header, and for PNG the chunk checksums
-    through to the end of the file), so a non-image or a truncated file is reported by name before training starts
-    rather than when it comes up mid-run.
+    Every file is checked when the dataset is built, so a non-image or a truncated file is reported by name before
+    training starts rather than when it comes up mid-run.
 
     Args:
         root: folder of image files (`IMAGE_EXTENSIONS`).
@@ -180,19 +209,8 @@ class ImageFolder(Dataset):
     def __init__(self, root: str | Path, image_size: int, skip_bad: bool = False) -> None:
         from torchvision import transforms
 
-        root = Path(root)
-        paths = find_images(root, recursive=True)
-        bad = [(p, why) for p in paths if (why := check_image(p)) is not None]
-        if bad and not skip_bad:
-            (first, why), more = bad[0], len(bad) - 1
-            raise DataError(f"{first} is not a readable image ({why})" + (f"; {more} more unreadable file(s) under "
-                            f"{root}" if more else "") + "; remove them, or set data.skip_bad_images=true to skip them")
-        for p, why in bad:
-            logger.warning("skipping unreadable image %s (%s)", p, why)
-        skipped = {p for p, _ in bad}
-        self.paths = [p for p in paths if p not in skipped]
-        if not self.paths:
-            raise FileNotFoundError(f"no readable images under {root}: all {len(paths)} were skipped")
+        self.paths = readable_images(root, recursive=True, skip_bad=skip_bad,
+                                     remedy="remove them, or set data.skip_bad_images=true to skip them")
         self.transform = transforms.Compose([
             transforms.Resize(image_size),
             transforms.CenterCrop(image_size),

@@ -158,7 +158,7 @@ class Evaluator:
         sha = tc.eval_fid_weights_sha256
         sha_kw = {} if sha == "" else {"sha256": None if sha.lower() == "none" else sha}
         self.extractor = load_extractor(weights=tc.eval_fid_weights or None, dims=dims, device=state.device,
-                                        **sha_kw)
+                                        sha256_option="train.eval_fid_weights_sha256=none", **sha_kw)
         self.reference = reference or compute_stats(images, extractor=self.extractor, progress=False)
         self.conditions = task.image_conditions("fid", self.num_images)
         logger.info("FID every %d steps: fid%d (%d-d features), sampler %s with %d steps, reference %s",

@@ -3,7 +3,7 @@
 The file holds two kinds of lines, each with a "step": training log lines `{"step", "loss", "lr"}` (every
 `train.log_every` steps) and validation lines `{"step", "val_loss", ...extras}` with no "loss" key (every
 `train.val_every` steps, `uvic.training.validation`); both kinds may share a step. Read it with `read_metrics`
-(or `metrics_of_kind`), which keeps the latest record of each kind at each step.
+(or `metrics_of_kind`), which keeps the kinds apart and merges the lines of one kind and step.
 
 A kill or a full disk during an append can leave a partial last line. Readers skip it (with a warning), and the
 next append first cuts it off, so a resumed run never glues its records onto it.
@@ -68,17 +68,18 @@ KINDS = ("train", "val")
 
 
 def line_kind(record: dict[str, Any]) -> str:
-    """"val" for a validation line (it has "val_loss"), else "train"."""
-    return "val" if "val_loss" in record else "train"
+    """"train" for a training log line (it has "loss"), else "val" (a validation line has none)."""
+    return "train" if "loss" in record else "val"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records by step, a step's training line before its validation line; a step logged twice (a run resumed from
-    an earlier checkpoint) keeps the latest record of each kind."""
+    """Records by step, a step's training line before its validation line; the lines of one kind and step (a run
+    resumed from an earlier checkpoint logs the steps after it again) are merged, the later values winning."""
     path = Path(path)
-    records = _records(path) if path.is_file() else []
-    latest = {(int(rec["step"]), KINDS.index(line_kind(rec))): rec for _, rec in records}
-    return [latest[k] for k in sorted(latest)]
+    merged: dict[tuple[int, int], dict[str, Any]] = {}
+    for _, rec in _records(path) if path.is_file() else []:
+        merged.setdefault((int(rec["step"]), KINDS.index(line_kind(rec))), {}).update(rec)
+    return [merged[k] for k in sorted(merged)]
 
 
 def metrics_of_kind(path: str | Path, kind: str) -> list[dict[str, Any]]:

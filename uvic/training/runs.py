@@ -19,6 +19,7 @@ from diffusers import DiffusionPipeline
 from torch import nn
 
 from uvic.config import Config, config_from_dict
+from uvic.io import check_weights_fit, weight_shapes
 from uvic.pipelines.sampling import attach_text_encoder, is_pipeline_dir, load_pretrained
 from uvic.training.checkpoint import (
     load_model_weights,
@@ -40,6 +41,8 @@ def task_from_checkpoint(path: str | os.PathLike, weights: str = "ema") -> tuple
     def read(ckpt: Path) -> tuple[Any, nn.Module, Config]:
         cfg = config_from_dict(read_checkpoint_config(ckpt))
         task = build_task(cfg)
+        # A config that describes another model than the weights is refused before anything is allocated.
+        check_weights_fit(task.build_model, weight_shapes(ckpt / f"{weights}.safetensors"), f"checkpoint {ckpt}")
         return task, load_model_weights(task.build_model(), ckpt, weights).eval(), cfg
 
     return read_checkpoint(path, read)  # retries when a live run rotates the chosen checkpoint away

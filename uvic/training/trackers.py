@@ -45,9 +45,57 @@ def tracker_names(log_with: str | list[str] | tuple[str, ...]) -> list[str]:
 
 
 def start_trackers(accelerator: Any, names: list[str], run_dir: str | os.PathLike, config: dict[str, Any]) -> None:
-    """`accelerator.init_trackers` for `names` (the accelerator was built with `log_with=names`); main process."""
-    if names:
+    """`accelerator.init_trackers` for `names` (the accelerator was built with `log_with=names`); main process.
+
+    Raises:
+        ConfigError: wandb has no account to log to (no `wandb login`, no WANDB_API_KEY) and is not offline.
+        StorageError: the TensorBoard folder `<run_dir>/train` cannot be written (read-only, a file in the way).
+    """
+    from uvic.errors import ConfigError, check_writable
+
+    if not names:
+        return
+    if "tensorboard" in names:
+        check_writable(Path(run_dir) / "train", f"the TensorBoard logs to {Path(run_dir) / 'train'}")
+        _quiet_tensorboard_writer_threads()
+    try:
         accelerator.init_trackers("train", config=config, init_kwargs={"wandb": {"dir": str(run_dir)}})
+    except Exception as e:
+        if "wandb" in names and _is_wandb_login_error(e):
+            raise ConfigError(f"train.log_with names wandb, which has no account to log to ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())}): run `wandb login`, or set WANDB_MODE=offline to log "
+                              f"to {Path(run_dir) / 'wandb'} without an account") from None  # fmt: skip
+        raise
+
+
+def _is_wandb_login_error(e: Exception) -> bool:
+    """Whether `e` is wandb saying it has no (valid) credentials and cannot ask for them."""
+    try:
+        from wandb.errors import AuthenticationError, UsageError
+    except ImportError:
+        return False
+    return isinstance(e, (UsageError, AuthenticationError))
+
+
+def _quiet_tensorboard_writer_threads() -> None:
+    """TensorBoard writes events in a thread; when a write fails (read-only, disk full) the thread keeps the error
+    and the next write or flush of the main thread raises it, where the run reports it in one line. The thread's
+    own traceback, which Python prints as it ends, says the same thing first: it is left out (other threads'
+    exceptions are reported as before)."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "uvic_quiet_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and args.thread.exception is args.exc_value):
+            previous(args)
+
+    hook.uvic_quiet_tensorboard = True
+    threading.excepthook = hook
 
 
 def log_samples(accelerator: Any, written: str | os.PathLike | None, step: int) -> None:
