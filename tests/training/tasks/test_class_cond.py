@@ -18,8 +18,7 @@ from uvic.training import train
 from uvic.training.checkpoint import list_checkpoints
 from uvic.training.rng import ShardedRNG
 from uvic.training.runs import load_pipeline
-from uvic.training.tasks import ClassConditionalTask
-from uvic.training.tasks.class_cond import drop_labels
+from uvic.training.tasks.class_cond import ClassConditionalTask, drop_labels
 from uvic.training.validation import VALIDATION_SEED
 
 

@@ -8,7 +8,8 @@ import torch
 from uvic.config import load_config, task_class
 from uvic.errors import ConfigError
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import DiffusionTask, build_task
+from uvic.training.tasks import build_task
+from uvic.training.tasks.diffusion import DiffusionTask
 
 
 class _Spy(torch.nn.Module):

@@ -14,7 +14,7 @@ from uvic.models import build_preset
 from uvic.schedulers.timesteps import network_timestep
 from uvic.training.losses import DiscreteNoise, drop_context, text_to_image_loss
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import Text2ImageTask
+from uvic.training.tasks.text2image import Text2ImageTask
 from uvic.training.validation import VALIDATION_SEED
 
 

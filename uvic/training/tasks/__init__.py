@@ -9,18 +9,17 @@ artefacts (sample grids, the export). `cfg.task` picks it from the one task tabl
 (name -> (run-config class, task class)); a new task is one file with a class that implements `Task` and one row
 in that table (docs/where_to_change.md).
 
-    diffusion   `DiffusionTask`          images with a `UViTModel` (unconditional / class-conditional)
-    t2i         `Text2ImageTask`         MS-COCO text-to-image on extracted VAE / CLIP features
-    lm          `LMTask`                 Cogformer language modelling
-    class_cond  `ClassConditionalTask`   ImageNet class-conditional, pixels (64) or VAE features (256 / 512)
+    diffusion   `diffusion.DiffusionTask`            images with a `UViTModel` (unconditional / class-conditional)
+    t2i         `text2image.Text2ImageTask`          MS-COCO text-to-image on extracted VAE / CLIP features
+    lm          `lm.LMTask`                          Cogformer language modelling
+    class_cond  `class_cond.ClassConditionalTask`    ImageNet class-conditional, pixels (64) or VAE features
 
-The task classes are imported on first use (`build_task`, or an attribute of this package), so importing the
-protocol imports no model library.
+This package holds the protocol only; a task class is imported from its module when a run names it
+(`build_task`), so importing the protocol imports no model library.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     from uvic.training.rng import ShardedRNG
 
 
-__all__ = ["ClassConditionalTask", "DiffusionTask", "LMTask", "Task", "Text2ImageTask", "build_task", "sample_path"]
+__all__ = ["Task", "build_task", "sample_path"]
 
 
 class Task(Protocol):
@@ -119,16 +118,3 @@ def build_task(cfg: Any) -> Task:
     from uvic.config import task_class
 
     return task_class(cfg.task)(cfg)
-
-
-# The task classes, imported on first access (PEP 562) so that the protocol and `build_task` load no model code.
-_EXPORTS = {"DiffusionTask": "diffusion", "Text2ImageTask": "text2image", "LMTask": "lm",
-            "ClassConditionalTask": "class_cond"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
