@@ -307,7 +307,7 @@ def test_a_new_sampler_and_preset_are_choices_in_the_config_yaml_and_clis(tmp_pa
 
     from uvic.models import UVIT_PRESETS
     from uvic.schedulers import SAMPLER_TABLE, VPSDEEulerMaruyamaScheduler
-    from uvic.training.tasks import DiffusionTask
+    from uvic.training.tasks.diffusion import DiffusionTask
 
     root = Path(__file__).resolve().parents[1]
     with pytest.raises(ConfigError, match="sample.sampler: 'dummy' is not one of"):

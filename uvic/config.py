@@ -3,7 +3,8 @@
     cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
     model = UViTModel(**dataclasses.asdict(cfg.model))
 
-Every config dataclass of the project lives here. A run config's class depends on `task`:
+Every config dataclass of the built-in tasks lives here. A run config's class depends on `task`, through the one
+task table `TASKS` (task name -> (run-config class, training-task class)):
 
     task          class                  sections
     "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import math
 import types
 import typing
@@ -34,6 +36,7 @@ from uvic.attention import ATTENTIONS, BACKENDS
 from uvic.data.imagenet import LATENT_SCALE as IMAGENET_LATENT_SCALE
 from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
+from uvic.guidance import DEFAULT_GUIDANCE_SCALE
 from uvic.lm.data import TOKEN_DTYPES
 from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
@@ -147,6 +150,9 @@ class DataConfig:
     num_workers: int = 2
     # image_folder: leave out files that are not readable images (logged) instead of stopping with their name.
     skip_bad_images: bool = False
+    # With train.val_every > 0, the share of a dataset without a test split (image_folder, digits) held out for
+    # the validation loss, chosen by a fixed seed; CIFAR-10 validates on its test batch and trains on all 50,000.
+    val_fraction: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,9 @@ class Text2ImageDataConfig:
     # The CLIP text encoder the exported pipeline carries (a CLIPTextEncoder dir, an open_clip tag or checkpoint
     # file); "" takes the one the features' meta.json records. It must reproduce the stored features.
     text_encoder: str = ""
+    # With train.val_every > 0 and no "val" split under root: the share of the training images (with all their
+    # captions) held out for the validation loss.
+    val_fraction: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -212,6 +221,15 @@ class TrainConfig:
     eval_fid_weights: str = ""
     eval_fid_weights_sha256: str = ""
     eval_fid_dims: int = 2048
+    # Held-out validation loss (uvic.training.validation): every val_every steps and at the last step (0 = off),
+    # the mean loss of the sampling weights over the first val_examples (0: all) examples of the held-out set (the
+    # data's test split, else data.val_fraction of the data, which training then never sees), in batches of
+    # val_batch_size examples; a diffusion task scores each example at val_timesteps times spanning the schedule.
+    # The same weights give the same value in any run, seed or process count (metrics.jsonl: {"step", "val_loss"}).
+    val_every: int = 0
+    val_examples: int = 10_000
+    val_batch_size: int = 64
+    val_timesteps: int = 8
 
 
 @dataclass(frozen=True)
@@ -225,15 +243,16 @@ class SampleConfig:
     num_inference_steps: int = 50
     # Text-to-image and class-conditional runs with a null class; diffusers' convention (1 + the official scale:
     # MS-COCO's 1.0 is 2.0, ImageNet 256's 0.4 is 1.4).
-    guidance_scale: float = 2.0
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE
     num_images: int = 64
     seed: int = 0
     # Images per pipeline call for the grids (the images do not depend on it).
     batch_size: int = 64
 
 
-class _RunConfig:
-    """Serialisation shared by the run configs."""
+class BaseRunConfig:
+    """Serialisation shared by the run configs. A run config is a frozen dataclass deriving from this with a `task`
+    field (its row of `TASKS`), a `train` section (`TrainConfig`) and a `data` section with `num_workers`."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (tuples become lists), the form stored in run dirs and checkpoints."""
@@ -244,7 +263,7 @@ class _RunConfig:
 
 
 @dataclass(frozen=True)
-class Config(_RunConfig):
+class Config(BaseRunConfig):
     """Everything one diffusion run needs. `task` picks the training task (see `uvic.training.tasks`)."""
 
     task: str = "diffusion"
@@ -284,6 +303,9 @@ class ImageNetDataConfig:
     # Features only: the autoencoder for sample grids and the exported pipeline (U-ViT's autoencoder_kl.pth or a dir).
     vae: str = ""
     num_workers: int = 8
+    # With train.val_every > 0: the share of the training images (12,812 of ILSVRC-2012's; features: both flips of
+    # each) held out for the validation loss.
+    val_fraction: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -318,6 +340,9 @@ class LMDataConfig:
     token_dtype: str = "uint16"  # element type of a .bin file
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
     num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
+    # With train.val_every > 0: the share of the tokens, at the end of the data, held out for the validation loss
+    # (whole blocks of block_size).
+    val_fraction: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -338,10 +363,12 @@ class LMTrainConfig(TrainConfig):
     min_lr_ratio: float = 0.04
     grad_clip: float = 1.0
     ema_decay: float = 0.0
+    val_examples: int = 1024  # held-out blocks: 2M tokens at block_size 2048
+    val_batch_size: int = 8  # blocks; their logits are (8, block_size, vocab_size) floats
 
 
 @dataclass(frozen=True)
-class LMRunConfig(_RunConfig):
+class LMRunConfig(BaseRunConfig):
     """A Cogformer language-model run (`task: lm`)."""
 
     task: str = "lm"
@@ -350,10 +377,48 @@ class LMRunConfig(_RunConfig):
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
 
-# The config class of each task (any other task name uses `Config`).
-CONFIG_CLASSES: dict[str, type] = {"diffusion": Config, "t2i": Text2ImageRunConfig, "lm": LMRunConfig,
-                                   "class_cond": ClassCondRunConfig}
 RunConfig = Config | Text2ImageRunConfig | LMRunConfig | ClassCondRunConfig
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The task table
+# ---------------------------------------------------------------------------------------------------------
+
+# `task` in a config -> (its run-config class, its training task: a `uvic.training.tasks.Task` class). Either entry
+# may be written "module:Class" and is then imported on first use (`task_config_class`, `task_class`), as
+# `uvic.schedulers.SAMPLER_TABLE` names its schedulers: loading a config imports no task or model code. A new task
+# is one row here and one file (its task class, and its config class when its sections differ); the config's
+# `task` key, `train.py`, the loop, the validation and FID while training all read this table.
+TASKS: dict[str, tuple[type | str, type | str]] = {
+    "diffusion": (Config, "uvic.training.tasks.diffusion:DiffusionTask"),
+    "t2i": (Text2ImageRunConfig, "uvic.training.tasks.text2image:Text2ImageTask"),
+    "class_cond": (ClassCondRunConfig, "uvic.training.tasks.class_cond:ClassConditionalTask"),
+    "lm": (LMRunConfig, "uvic.training.tasks.lm:LMTask"),
+}
+
+
+def _task_row(task: Any) -> tuple[type | str, type | str]:
+    if not isinstance(task, str) or task not in TASKS:
+        raise ConfigError(f"config key task: {task!r} is not one of {list(TASKS)}")
+    return TASKS[task]
+
+
+def _resolve(entry: type | str) -> type:
+    """A class, or the class a "module:Class" entry names (imported now)."""
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return entry
+
+
+def task_config_class(task: str) -> type:
+    """The run-config class of `task`. Raises ConfigError for a name `TASKS` does not hold."""
+    return _resolve(_task_row(task)[0])
+
+
+def task_class(task: str) -> type:
+    """The training-task class of `task` (imported now). Raises ConfigError for a name `TASKS` does not hold."""
+    return _resolve(_task_row(task)[1])
 
 
 def _plain(obj: Any) -> Any:
@@ -424,7 +489,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     and diffusion sections, `PresetSection`), and the keys given replace those values.
     """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
-    cls = CONFIG_CLASSES.get(task, Config)
+    cls = task_config_class(task)
     return validate_ranges(_build(cls, data, prefix="", base=cls()))
 
 
@@ -536,6 +601,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     # data (images, MS-COCO features, LM tokens)
     "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
     "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1, "data.num_classes": _AT_LEAST_1,
+    "data.val_fraction": _OPEN_FRACTION,
     # train
     "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
     "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,
@@ -544,7 +610,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.ema_decay": _FRACTION, "train.cpu_threads": _AT_LEAST_0, "train.log_every": _AT_LEAST_1,
     "train.sample_every": _AT_LEAST_0, "train.save_every": _AT_LEAST_0, "train.keep_checkpoints": _AT_LEAST_0,
     "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
-    "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1,
+    "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1, "train.val_every": _AT_LEAST_0,
+    "train.val_examples": _AT_LEAST_0, "train.val_batch_size": _AT_LEAST_1, "train.val_timesteps": _AT_LEAST_1,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
@@ -576,6 +643,7 @@ def _numeric_hint(hint: Any) -> bool:
 # The allowed values of string fields with a fixed set of names, by dotted key. Each is read from its table when
 # a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention kind) is a valid value at once.
 CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+    "task": lambda: tuple(TASKS),
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
     "data.name": lambda: tuple(DATASETS),

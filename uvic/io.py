@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 import os
 import pickle
@@ -408,6 +409,46 @@ def check_weights_fit(build: Callable[[], torch.nn.Module], shapes: Mapping[str,
 # ---------------------------------------------------------------------------------------------------------
 # Image quantisation
 # ---------------------------------------------------------------------------------------------------------
+
+
+def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> None:
+    """Before `model_class.from_pretrained(folder)` (a diffusers `ModelMixin` / `ConfigMixin` class): the model its
+    config.json describes has the tensor shapes its weights hold (`check_weights_fit`, on the meta device, so a
+    config describing a far larger model than its weights allocates nothing). A folder without weights is left to
+    `from_pretrained` to report.
+
+    Raises:
+        ValueError (DataError): an unreadable config or weights file, or a config that does not fit the weights.
+    """
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    folder = Path(folder)
+    # Where diffusers' `ModelMixin.from_pretrained` finds a model's weights in its directory, in its order.
+    names = (SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    found = next((folder / name for name in names if (folder / name).is_file()), None)
+    if found is None:
+        return
+    files = [found]
+    if found.name.endswith(".index.json"):  # sharded: the files its weight map names, inside the folder
+        try:
+            shards = set(json.loads(found.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"{what}: {found} is unreadable ({type(e).__name__}: {e})") from e
+        if not all(isinstance(f, str) and f and Path(f).name == f for f in shards):
+            raise DataError(f"{what}: {found} names weight files outside {folder}")
+        files = [folder / f for f in sorted(shards)]
+    shapes = {}
+    for file in files:
+        try:
+            shapes.update(weight_shapes(file))
+        except DataError as e:  # truncated, foreign, or pickled objects (UnsafeFileError): nothing was run
+            raise type(e)(f"{what}: {e}") from e
+    try:
+        config = model_class.load_config(folder)
+    except Exception as e:  # noqa: BLE001 - diffusers reports a missing or malformed config.json in several types
+        raise DataError(f"{what}: cannot read {folder / 'config.json'} ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]})") from e  # fmt: skip
+    check_weights_fit(lambda: model_class.from_config(config), shapes, what)
 
 
 def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = (0.0, 1.0)) -> Any:

@@ -1,4 +1,5 @@
-"""metrics.jsonl after an interrupted write: readers skip a partial last line, the next append cuts it off."""
+"""metrics.jsonl: training and validation lines side by side, and after an interrupted write: readers skip a partial
+last line, the next append cuts it off."""
 
 import json
 
@@ -6,7 +7,7 @@ import pytest
 
 from uvic.config import load_config
 from uvic.training import train
-from uvic.training.logs import append_metrics, move_metrics_after, read_metrics
+from uvic.training.logs import append_metrics, metrics_of_kind, move_metrics_after, plot_loss_curve, read_metrics
 
 
 def _write(path, records, partial):
@@ -48,3 +49,25 @@ def test_resume_after_a_write_cut_short(tmp_path, image_dir, tiny_overrides):
     train(load_config(None, tiny_overrides(run, image_dir, **{"train.max_steps": 4, "train.resume": "latest"})))
     assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines())] == [1, 2, 3, 4]
     assert (run / "loss_curve.png").is_file()
+
+
+def test_training_and_validation_lines_of_one_step_are_both_kept(tmp_path):
+    """A validation line {"step", "val_loss", ...} shares its step with the training line; a step logged again (a
+    resumed run) replaces the line of its own kind only; moving and dropping take both kinds."""
+    path = tmp_path / "metrics.jsonl"
+    _write(path, [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.5, "lr": 0.1},
+                  {"step": 2, "val_loss": 1.9, "val_ppl": 6.7}, {"step": 3, "loss": 1.2, "lr": 0.1},
+                  {"step": 2, "loss": 1.4, "lr": 0.1}], "")  # fmt: skip
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.4, "lr": 0.1},
+                                  {"step": 2, "val_loss": 1.9, "val_ppl": 6.7}, {"step": 3, "loss": 1.2, "lr": 0.1}]
+    assert metrics_of_kind(path, "val") == [{"step": 2, "val_loss": 1.9, "val_ppl": 6.7}]
+    assert [r["step"] for r in metrics_of_kind(path, "train")] == [1, 2, 3]
+    assert plot_loss_curve(path, tmp_path / "curve.png") == tmp_path / "curve.png"
+    only_val = tmp_path / "val.jsonl"
+    _write(only_val, [{"step": 5, "val_loss": 1.0}], "")
+    assert plot_loss_curve(only_val, tmp_path / "val.png") == tmp_path / "val.png"
+    assert move_metrics_after(path, 1, tmp_path / "abandoned.jsonl") == 4
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0, "lr": 0.1}]
+    assert len(read_metrics(tmp_path / "abandoned.jsonl")) == 3  # steps 2 (both kinds, latest) and 3
+    _write(path, [{"step": 1, "loss": 2.0}, {"step": 2, "val_loss": 1.0}], "")
+    assert move_metrics_after(path, 1, None) == 1 and read_metrics(path) == [{"step": 1, "loss": 2.0}]

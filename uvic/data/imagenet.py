@@ -43,7 +43,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from uvic.data.features import extraction_device, fill_pending, load_vae_spec, open_or_create_npy, pending
+from uvic.data.features import extraction_device, fill_pending, open_or_create_npy, pending
 from uvic.errors import DataError
 from uvic.io import atomic_write
 
@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
 
     from uvic.errors import cli_errors
+    from uvic.models.autoencoder import load_vae
 
     p = argparse.ArgumentParser(
         prog="python -m uvic.data.imagenet",
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
 
     state = Accelerator()
     with cli_errors():
-        vae = load_vae_spec(args.vae, LATENT_SCALE)
+        vae = load_vae(args.vae, LATENT_SCALE)
         out = extract_features(args.root, args.out, vae, resolution=args.resolution, num_classes=args.num_classes,
                                batch_size=args.batch_size, num_workers=args.num_workers, device=state.device,
                                process_index=state.process_index, num_processes=state.num_processes,

@@ -47,18 +47,22 @@ class _TensorImages(Dataset):
 
 
 class Cifar10(_TensorImages):
-    """The CIFAR-10 training split (50,000 32x32 RGB images), read from the python-pickle batches.
+    """A CIFAR-10 split, read from the python-pickle batches: "train" (50,000 32x32 RGB images) or "test"
+    (10,000, the held-out set of the validation loss).
 
     Args:
-        root: folder that holds (or will hold) `cifar-10-batches-py/data_batch_{1..5}`.
+        root: folder that holds (or will hold) `cifar-10-batches-py/data_batch_{1..5}` and `test_batch`.
         download: fetch the archive with torchvision when the batches are missing.
+        split: "train" or "test".
     Raises:
         FileNotFoundError: the batches are missing and could not be downloaded; the message says where to put them.
     """
 
-    def __init__(self, root: str | Path, download: bool = True) -> None:
+    def __init__(self, root: str | Path, download: bool = True, split: str = "train") -> None:
+        if split not in ("train", "test"):
+            raise ValueError(f"CIFAR-10 split {split!r}: expected 'train' or 'test'")
         folder = Path(root) / _CIFAR_DIR
-        files = [folder / f"data_batch_{i}" for i in range(1, 6)]
+        files = [folder / f"data_batch_{i}" for i in range(1, 6)] if split == "train" else [folder / "test_batch"]
         if not all(f.is_file() for f in files) and download:
             _download_cifar10(Path(root))
         missing = [f.name for f in files if not f.is_file()]
@@ -257,6 +261,13 @@ DATASETS: dict[str, Callable[[Any], Dataset]] = {
     "cifar10": lambda data: Cifar10(data.root, download=data.download),
     "image_folder": lambda data: ImageFolder(data.root, data.image_size, skip_bad=data.skip_bad_images),
     "digits": lambda data: DigitsDataset(data.image_size),
+}
+
+
+# The datasets of DATASETS that have a test split: the held-out set of the validation loss (the others hold out
+# `data.val_fraction` of their images).
+TEST_SPLITS: dict[str, Callable[[Any], Dataset]] = {
+    "cifar10": lambda data: Cifar10(data.root, download=data.download, split="test"),
 }
 
 

@@ -25,6 +25,7 @@ from diffusers.utils.torch_utils import randn_tensor
 # that are already imported (it will not import a module named in a config file). This module imports the other
 # one that holds uvic's scheduler classes, `scheduling_vpsde`.
 import uvic.schedulers.scheduling_dpmsolver_uvit  # noqa: F401
+from uvic.guidance import official_to_guidance_scale
 from uvic.models import UViTModel
 from uvic.pipelines.export import ExportedPipelineMixin
 from uvic.presets import official_nnet
@@ -220,7 +221,7 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
         scheduler = build_scheduler("uvit_dpm_solver", DiffusionConfig.from_preset(spec["diffusion"]))
         return cls(transformer=transformer, scheduler=scheduler, vae=vae, null_class=latent,
                    label_dropout=spec["p_uncond"], class_counts=class_counts,
-                   default_guidance_scale=1.0 + spec["scale"])
+                   default_guidance_scale=official_to_guidance_scale(spec["scale"]))
 
     @torch.no_grad()
     def __call__(

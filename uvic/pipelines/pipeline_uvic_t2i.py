@@ -18,6 +18,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
+from uvic.guidance import DEFAULT_GUIDANCE_SCALE, official_to_guidance_scale
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
@@ -25,11 +26,6 @@ from uvic.pipelines.pipeline_uvic import denoise, guided_epsilon, postprocess_im
 
 
 __all__ = ["UViCText2ImagePipeline", "guided_epsilon", "official_to_guidance_scale"]
-
-
-def official_to_guidance_scale(scale: float) -> float:
-    """U-ViT `config.sample.scale` -> diffusers `guidance_scale` (1.0 -> 2.0)."""
-    return 1.0 + scale
 
 
 class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
@@ -138,7 +134,7 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
         prompt_embeds: torch.Tensor | None = None,
         negative_prompt: str | list[str] | None = None,
         negative_prompt_embeds: torch.Tensor | None = None,
-        guidance_scale: float = 2.0,
+        guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
         num_inference_steps: int = 50,
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,

@@ -20,17 +20,17 @@ import logging
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from diffusers import DiffusionPipeline, SchedulerMixin
-from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from PIL import Image
 from tqdm.auto import tqdm
 
-from uvic.io import atomic_write, to_uint8
+from uvic.io import atomic_write, check_model_dir, to_uint8
 from uvic.pipelines.export import pipeline_class_name
 from uvic.pipelines.pipeline_uvic import UViCPipeline
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "PIPELINE_CLASSES",
+    "ImageConditions",
     "attach_text_encoder",
     "balanced_class_labels",
     "check_model_dir",
@@ -125,10 +126,6 @@ def load_pretrained(
     return attach_text_encoder(pipe, text_encoder)
 
 
-# Where diffusers' `ModelMixin.from_pretrained` finds a model's weights in its directory, in its order.
-_WEIGHTS_FILES = (SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
-
-
 def _names(types: Sequence[type]) -> str:
     return " or ".join(t.__name__ for t in types if t is not type(None))
 
@@ -153,44 +150,6 @@ def _component_class(path: Path, component: str, entry: list, cls: type, wanted:
     return named
 
 
-def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> None:
-    """Before `model_class.from_pretrained(folder)`: the model its config.json describes has the tensor shapes its
-    weights hold (`uvic.io.check_weights_fit`, on the meta device, so a config describing a far larger model than
-    its weights allocates nothing). A folder without weights is left to `from_pretrained` to report.
-
-    Raises:
-        ValueError (DataError): an unreadable config or weights file, or a config that does not fit the weights.
-    """
-    from uvic.errors import DataError
-    from uvic.io import check_weights_fit, weight_shapes
-
-    folder = Path(folder)
-    found = next((folder / name for name in _WEIGHTS_FILES if (folder / name).is_file()), None)
-    if found is None:
-        return
-    files = [found]
-    if found.name.endswith(".index.json"):  # sharded: the files its weight map names, inside the folder
-        try:
-            shards = set(json.loads(found.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"{what}: {found} is unreadable ({type(e).__name__}: {e})") from e
-        if not all(isinstance(f, str) and f and Path(f).name == f for f in shards):
-            raise DataError(f"{what}: {found} names weight files outside {folder}")
-        files = [folder / f for f in sorted(shards)]
-    shapes = {}
-    for file in files:
-        try:
-            shapes.update(weight_shapes(file))
-        except DataError as e:  # truncated, foreign, or pickled objects (UnsafeFileError): nothing was run
-            raise type(e)(f"{what}: {e}") from e
-    try:
-        config = model_class.load_config(folder)
-    except Exception as e:  # noqa: BLE001 - diffusers reports a missing or malformed config.json in several types
-        raise DataError(f"{what}: cannot read {folder / 'config.json'} ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:300]})") from e  # fmt: skip
-    check_weights_fit(lambda: model_class.from_config(config), shapes, what)
-
-
 def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> DiffusionPipeline:
     """Give a text-to-image pipeline without a text encoder the `CLIPTextEncoder` named by `text_encoder` (a
     directory, an open_clip tag such as "openai", or a checkpoint file); any other pipeline is returned as is.
@@ -202,25 +161,48 @@ def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> Di
     if text_encoder is not None and isinstance(pipe, UViCText2ImagePipeline) and pipe.text_encoder is None:
         from uvic.models.text_encoder import CLIPTextEncoder
 
-        if Path(text_encoder).is_dir():
-            what = f"the CLIP text encoder {text_encoder}"
-            check_model_dir(CLIPTextEncoder, text_encoder, what)
-            try:
-                te = CLIPTextEncoder.from_pretrained(text_encoder)
-            except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
-                raise ValueError(f"cannot load {what}, a file in it is missing or damaged "
-                                 f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e  # fmt: skip
-        else:
-            te = CLIPTextEncoder.from_open_clip(text_encoder)
-        pipe.register_modules(text_encoder=te.eval())
+        pipe.register_modules(text_encoder=CLIPTextEncoder.from_spec(text_encoder))
     return pipe
 
 
-def balanced_class_labels(pipe: DiffusionPipeline, indices: Sequence[int]) -> list[int] | None:
-    """Class i % K for image i (a balanced set; K = `pipe.num_labels`, no null class) for a class-conditional
-    `UViCPipeline`, else None."""
-    k = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
-    return [i % k for i in indices] if k > 0 else None
+def balanced_class_labels(num_labels: int, indices: Sequence[int]) -> list[int] | None:
+    """Class i % K for image i (a balanced set; K = `num_labels`, the classes without the null class, as
+    `UViCPipeline.num_labels` counts them); None for K <= 0 (an unconditional model)."""
+    return [i % num_labels for i in indices] if num_labels > 0 else None
+
+
+@dataclass(frozen=True)
+class ImageConditions:
+    """The conditions of images 0..num_images-1 of one job (a training task's sample grid or FID set), as
+    `generate` takes them: `kwargs(indices)` for the images `indices`.
+
+    Attributes:
+        num_images: N.
+        class_labels: (N,) class ids, or None.
+        prompt_embeds: caption features indexable by an index array -> (n, L, D) (a tensor, or the stored rows of
+            `mscoco_prompt_embeds`), or None.
+        negative_prompt_embeds: (L, D) unconditional features, with `prompt_embeds`.
+        guidance_scale: diffusers' convention; None: the pipeline's default (a class-conditional model's own).
+    """
+
+    num_images: int
+    class_labels: Sequence[int] | None = None
+    prompt_embeds: Any = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    guidance_scale: float | None = None
+
+    def kwargs(self, indices: Sequence[int]) -> dict[str, Any]:
+        """`generate`'s condition arguments for images `indices` (taken modulo N, so a process's padded share
+        past the last image is valid)."""
+        idx = np.asarray(indices, dtype=np.int64) % self.num_images
+        out: dict[str, Any] = {}
+        if self.class_labels is not None:
+            out["class_labels"] = [self.class_labels[i] for i in idx]
+        if self.prompt_embeds is not None:
+            out.update(prompt_embeds=self.prompt_embeds[idx], negative_prompt_embeds=self.negative_prompt_embeds)
+        if self.guidance_scale is not None:
+            out["guidance_scale"] = self.guidance_scale
+        return out
 
 
 def random_class_labels(pipe: UViCPipeline, num_images: int, seed: int = 0) -> list[int]:
@@ -264,7 +246,7 @@ def class_labels_for(pipe: DiffusionPipeline, num_images: int, class_labels: Seq
         raise ValueError(f"--guidance-scale {guidance_scale} needs a class-conditional model with a null class; "
                          f"{source} has none (use --guidance-scale 1)")
     if not class_labels:
-        return balanced_class_labels(pipe, range(num_images))
+        return balanced_class_labels(pipe.num_labels, range(num_images))
     if pipe.num_labels <= 0:
         raise ValueError(f"{source} is not class-conditional; --class-labels does not apply")
     if list(class_labels) == ["random"]:
@@ -394,7 +376,8 @@ def sample_to_folder(
     _remove_stale_temporaries(out_dir, set(mine))
     todo = [i for i in mine if not _is_complete_png(out_dir / f"{i:06d}.png")]
     if class_labels is None and not isinstance(pipe, UViCText2ImagePipeline):
-        class_labels = balanced_class_labels(pipe, range(num_images))
+        num_labels = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
+        class_labels = balanced_class_labels(num_labels, range(num_images))
     with _progress_bar(len(mine), f"sampling to {out_dir}", not progress, initial=len(mine) - len(todo)) as bar:
         for k in range(0, len(todo), batch_size):
             chunk = todo[k : k + batch_size]

@@ -82,6 +82,12 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """The directory of the checkpoint of `step`: `run_dir/checkpoints/step_{step:09d}` (`run_dir="."`: the name
+    relative to a run dir, as eval.jsonl records it)."""
+    return checkpoints_dir(run_dir) / f"step_{step:09d}"
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints of a run as (step, path), oldest first. Temporary and partial dirs are ignored."""
     root = checkpoints_dir(run_dir)
@@ -245,7 +251,7 @@ def save_checkpoint(
     *,
     state: TrainingState | None = None,
 ) -> Path:
-    """Save `state`, the RNG states and `extra_models` atomically as `checkpoints/step_{step:09d}`; keep the last
+    """Save `state`, the RNG states and `extra_models` atomically as `checkpoint_dir(run_dir, step)`; keep the last
     `keep`.
 
     Call on every process (each writes its own RNG states). Returns the checkpoint path.
@@ -257,7 +263,7 @@ def save_checkpoint(
     from accelerate.utils import broadcast_object_list
 
     root = checkpoints_dir(run_dir)
-    final = root / f"step_{step:09d}"
+    final = checkpoint_dir(run_dir, step)
     # One name per launch: the main process's PID, the same on every process of the launch.
     pid = broadcast_object_list([os.getpid()])[0] if accelerator.num_processes > 1 else os.getpid()
     tmp = root / f".tmp-{final.name}-{pid}"

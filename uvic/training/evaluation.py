@@ -1,8 +1,9 @@
 """FID while training: `train.eval_every` steps, a FID of the sampling (EMA) weights, the best checkpoint.
 
 Each evaluation generates `train.eval_num_images` images with the harness's protocol (`sample.py --out-dir`:
-image i from seed `sample.seed + i`, class i % num_classes, for t2i a random caption of the stored validation
-features), split across processes, and scores them with `uvic.fid.compute_fid` against `train.eval_reference`.
+image i from seed `sample.seed + i` with the conditions the task gives it, `Task.image_conditions("fid")`: class
+i % num_classes, or for t2i a random caption of the stored validation features), split across processes, and
+scores them with `uvic.fid.compute_fid` against `train.eval_reference`.
 The number is a training monitor (U-ViT's fid10k with the training sampler), not a paper's FID-50k.
 
 On disk, in the run dir:
@@ -25,7 +26,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -105,11 +105,12 @@ class Evaluator:
     run at once with one line.
 
     Args:
-        cfg: the run config (`train.eval_*`, `sample.*`; task "diffusion" or "t2i").
-        task: the run's task, which makes the pipeline (`task.pipeline(model, sampler=...)`).
+        cfg: the run config (`train.eval_*`, `sample.*`).
+        task: the run's task: its autoencoder, its pipeline and the conditions of each image.
         state: the run's `Accelerator` (processes, device).
     Raises:
-        ConfigError: FID for a task without images, or no `train.eval_reference`.
+        ConfigError: FID for a task without images, no `train.eval_reference`, or a latent model without its
+            autoencoder.
         FileNotFoundError / ValueError: the reference or the weights cannot be used (the message says why).
     """
 
@@ -119,7 +120,7 @@ class Evaluator:
         from uvic.fid.stats import is_stats_file
 
         tc = cfg.train
-        if not hasattr(cfg.model, "img_size"):
+        if not task.makes_images:
             raise ConfigError(f"train.eval_every: a {cfg.task!r} run makes no images to compute a FID of")
         if not tc.eval_reference:
             raise ConfigError("train.eval_every needs train.eval_reference (FID statistics .npz, an image folder or "
@@ -131,7 +132,10 @@ class Evaluator:
         self.num_images, self.dims = tc.eval_num_images, tc.eval_fid_dims
         self.sampler = tc.eval_sampler or cfg.sample.sampler
         self.steps = tc.eval_steps or cfg.sample.num_inference_steps
-        self.vae = task.load_vae() if hasattr(task, "load_vae") else None
+        try:
+            self.vae = task.load_vae()
+        except ValueError as e:
+            raise ConfigError(f"train.eval_every: {e}") from None
         # The reference first (cheap), then the weights, then the reference's statistics.
         ref, dims = tc.eval_reference, self.dims
         reference = None
@@ -156,11 +160,7 @@ class Evaluator:
         self.extractor = load_extractor(weights=tc.eval_fid_weights or None, dims=dims, device=state.device,
                                         sha256_option="train.eval_fid_weights_sha256=none", **sha_kw)
         self.reference = reference or compute_stats(images, extractor=self.extractor, progress=False)
-        self._captions = None
-        if cfg.task == "t2i":  # U-ViT's protocol: random captions of the stored validation features
-            from uvic.pipelines.sampling import mscoco_prompt_embeds
-
-            self._captions = mscoco_prompt_embeds(cfg.data.root, self.num_images, cfg.sample.seed)
+        self.conditions = task.image_conditions("fid", self.num_images)
         logger.info("FID every %d steps: fid%d (%d-d features), sampler %s with %d steps, reference %s",
                     tc.eval_every, self.num_images, self.dims, self.sampler, self.steps, ref)
 
@@ -173,14 +173,11 @@ class Evaluator:
         side = m.img_size * 2 ** (len(self.vae.config.block_out_channels) - 1)
         return side, side, self.vae.config.out_channels
 
-    def due(self, step: int) -> bool:
-        """Whether `step` is an evaluation step (every `eval_every` steps, and the last step)."""
-        every = self.cfg.train.eval_every
-        return every > 0 and (step % every == 0 or step == self.cfg.train.max_steps)
-
-    def pending(self, run_dir: str | os.PathLike, step: int) -> bool:
-        """Whether the evaluation of `step` (a resumed checkpoint) is missing: a kill interrupted it."""
-        return self.due(step) and all(r["step"] != step for r in read_evaluations(run_dir))
+    @staticmethod
+    def recorded(run_dir: str | os.PathLike, step: int) -> bool:
+        """Whether eval.jsonl holds the evaluation of `step` (False for a resumed checkpoint whose evaluation a kill
+        interrupted)."""
+        return any(r["step"] == step for r in read_evaluations(run_dir))
 
     def evaluate(self, model: nn.Module, step: int, run_dir: str | os.PathLike, checkpoint: str) -> float:
         """The FID of `model` (the sampling weights, eval mode; every process calls this); the main process records
@@ -205,26 +202,20 @@ class Evaluator:
         ceil(N / processes); the gather keeps the first N, so the set does not depend on the process count."""
         from tqdm.auto import tqdm
 
-        from uvic.pipelines.sampling import balanced_class_labels, generate
+        from uvic.pipelines.sampling import generate
 
         s, n = self.cfg.sample, self.num_images
         per = math.ceil(n / self.state.num_processes)
         first = self.state.process_index * per
-        pipe = (self.task.pipeline(model, vae=self.vae.to(self.state.device), sampler=self.sampler)
-                if self.vae is not None else self.task.pipeline(model, sampler=self.sampler))
+        pipe = self.task.pipeline(model, vae=self.vae, sampler=self.sampler)
+        pipe.to(self.state.device)
         pipe.set_progress_bar_config(disable=True)
         with tqdm(total=per, unit="img", desc=f"fid{n} at step {step}", leave=False,
                   disable=not self.state.is_local_main_process) as bar:  # fmt: skip
             for k in range(first, first + per, s.batch_size):
                 idx = list(range(k, min(k + s.batch_size, first + per)))
-                if self._captions is not None:
-                    embeds, empty, _ = self._captions
-                    cond = {"prompt_embeds": embeds[np.asarray(idx) % n], "negative_prompt_embeds": empty,
-                            "guidance_scale": s.guidance_scale}
-                else:
-                    cond = {"class_labels": balanced_class_labels(pipe, idx)}
                 images = generate(pipe, [s.seed + i for i in idx], batch_size=s.batch_size,
-                                  num_inference_steps=self.steps, progress=bar, **cond)
+                                  num_inference_steps=self.steps, progress=bar, **self.conditions.kwargs(idx))
                 if images.shape[-1] == 1:  # grey images: the FID network takes RGB
                     images = images.repeat(3, axis=-1)
                 yield torch.from_numpy(images)

@@ -1,5 +1,10 @@
 """Run metrics on disk (`metrics.jsonl`) and the loss-curve plot drawn from them.
 
+The file holds two kinds of lines, each with a "step": training log lines `{"step", "loss", "lr"}` (every
+`train.log_every` steps) and validation lines `{"step", "val_loss", ...extras}` with no "loss" key (every
+`train.val_every` steps, `uvic.training.validation`); both kinds may share a step. Read it with `read_metrics`
+(or `metrics_of_kind`), which keeps the kinds apart and merges the lines of one kind and step.
+
 A kill or a full disk during an append can leave a partial last line. Readers skip it (with a warning), and the
 next append first cuts it off, so a resumed run never glues its records onto it.
 """
@@ -58,16 +63,34 @@ def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+# The kinds of metrics lines, in the order `read_metrics` gives them at one step.
+KINDS = ("train", "val")
+
+
+def line_kind(record: dict[str, Any]) -> str:
+    """"train" for a training log line (it has "loss"), else "val" (a validation line has none)."""
+    return "train" if "loss" in record else "val"
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records by step; a step logged twice (a run resumed from an earlier checkpoint) keeps the latest record."""
+    """Records by step, a step's training line before its validation line; the lines of one kind and step (a run
+    resumed from an earlier checkpoint logs the steps after it again) are merged, the later values winning."""
     path = Path(path)
-    by_step = {int(rec["step"]): rec for _, rec in _records(path)} if path.is_file() else {}
-    return [by_step[k] for k in sorted(by_step)]
+    merged: dict[tuple[int, int], dict[str, Any]] = {}
+    for _, rec in _records(path) if path.is_file() else []:
+        merged.setdefault((int(rec["step"]), KINDS.index(line_kind(rec))), {}).update(rec)
+    return [merged[k] for k in sorted(merged)]
 
 
-def move_metrics_after(path: str | Path, step: int, dest: str | Path) -> int:
-    """Move the records of `path` logged after `step` to the end of `dest` (a run resumed from `step` abandons
-    them with its newer checkpoints); returns how many moved."""
+def metrics_of_kind(path: str | Path, kind: str) -> list[dict[str, Any]]:
+    """`read_metrics` lines of one kind ("train" or "val"), by step."""
+    return [r for r in read_metrics(path) if line_kind(r) == kind]
+
+
+def move_metrics_after(path: str | Path, step: int, dest: str | Path | None) -> int:
+    """Move the records of `path` logged after `step`, of both kinds, to the end of `dest` (a run resumed from
+    `step` abandons them with its newer checkpoints), or drop them when `dest` is None (a run resumed from its
+    latest checkpoint logs those steps again); returns how many moved."""
     path = Path(path)
     if not path.is_file():
         return 0
@@ -75,27 +98,32 @@ def move_metrics_after(path: str | Path, step: int, dest: str | Path) -> int:
     for line, record in _records(path):
         (moved if int(record["step"]) > step else keep).append(line + "\n")
     if moved:
-        with open(dest, "a") as f:
-            f.writelines(moved)
+        if dest is not None:
+            with open(dest, "a") as f:
+                f.writelines(moved)
         with atomic_write(path, "w") as f:
             f.write("".join(keep))
     return len(moved)
 
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = "training loss") -> Path | None:
-    """Plot `loss` against `step` (log-scale y) to `out_png`; returns None when there is nothing to plot."""
-    records = [r for r in read_metrics(metrics_path) if "loss" in r]
-    if not records:
+    """Plot the training `loss` and, when validated, `val_loss` against `step` (log-scale y) to `out_png`; returns
+    None when there is nothing to plot."""
+    records = read_metrics(metrics_path)
+    curves = {name: [(r["step"], r[name]) for r in records if name in r] for name in ("loss", "val_loss")}
+    if not curves["loss"] and not curves["val_loss"]:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
-    losses = [r["loss"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ax.plot(steps, losses, lw=1)
+    for points, label, style in zip(curves.values(), ("training", "validation (held out)"), ("-", "o-")):
+        if points:
+            ax.plot(*zip(*points), style, lw=1, ms=3, label=label)
+    if curves["val_loss"]:
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_yscale("log")

@@ -1,5 +1,5 @@
-"""The class_cond task: label dropout statistics, latents from stored moments, config checks, and ImageNet pixel and
-latent runs in the training loop (with an exact resume)."""
+"""The class_cond task: label dropout statistics, latents from stored moments, config checks, ImageNet pixel and
+latent runs in the training loop (with an exact resume), and the held-out validation."""
 
 from types import SimpleNamespace
 
@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from tiny_imagenet import make_imagenet
 from tiny_models import VAE_TINY
 
-from uvic.config import load_config
+from uvic.config import load_config, task_class
 from uvic.data.imagenet import extract_features
 from uvic.models.autoencoder import build_vae
 from uvic.pipelines import UViCPipeline
@@ -18,8 +18,8 @@ from uvic.training import train
 from uvic.training.checkpoint import list_checkpoints
 from uvic.training.rng import ShardedRNG
 from uvic.training.runs import load_pipeline
-from uvic.training.tasks import TASKS, ClassConditionalTask
-from uvic.training.tasks.class_cond import drop_labels
+from uvic.training.tasks.class_cond import ClassConditionalTask, drop_labels
+from uvic.training.validation import VALIDATION_SEED
 
 
 def _pixels(run_dir, root, **extra):
@@ -96,7 +96,7 @@ def test_config_errors_are_named(tmp_path):
 
 
 def test_imagenet_pixel_run_resumes_exactly_and_exports(tmp_path):
-    assert TASKS["class_cond"] is ClassConditionalTask
+    assert task_class("class_cond") is ClassConditionalTask
     root = make_imagenet(tmp_path / "imagenet")
     full, part = tmp_path / "full", tmp_path / "part"
     train(load_config(None, _pixels(full, root, **{"train.sample_every": 4})))
@@ -153,3 +153,37 @@ def test_on_sample_returns_its_grid_for_the_trackers(tmp_path):
     task = ClassConditionalTask(load_config(None, _pixels(tmp_path, tmp_path)))
     path = task.on_sample(task.build_model().eval(), 7, tmp_path)
     assert path == tmp_path / "samples" / "step_0000007.png" and path.is_file()
+
+
+def test_validation_holds_out_whole_images_and_feeds_their_labels(tmp_path):
+    """Features hold every image as is and flipped: both are held out together. A held-out example is scored with
+    its own label (no dropout to the null class) on a latent drawn from its moments by its own generator."""
+    root = make_imagenet(tmp_path / "imagenet")
+    torch.manual_seed(0)
+    vae = build_vae(scaling_factor=0.18215, **VAE_TINY).eval()
+    feats = extract_features(root, tmp_path / "features", vae, resolution=16, num_classes=3, batch_size=4,
+                             num_workers=0, device="cpu")
+    cfg = load_config(None, _pixels(tmp_path / "run", feats, **{
+        "model.in_chans": 4, "model.num_classes": 4, "data.source": "features", "data.random_flip": False,
+        "data.p_uncond": 0.15, "data.val_fraction": 0.34, "train.val_every": 2, "train.val_timesteps": 1,
+        "diffusion.schedule": "discrete", "diffusion.beta_schedule": "scaled_linear", "diffusion.beta_start": 0.00085,
+        "diffusion.beta_end": 0.012}))
+    task = ClassConditionalTask(cfg)
+    trained, held = task.build_dataset(), task.validation_set()
+    image = np.arange(18) % 9  # item j is image j % 9
+    assert len(held) == 6 and len(trained) == 12 and set(image[held.indices]).isdisjoint(image[trained.indices])
+    assert [image[j] for j in held.indices[::2]] == [image[j] for j in held.indices[1::2]]  # as is, then flipped
+    spy = _Spy()
+    items = [held[i] for i in range(6)]
+    batch = {"x": torch.stack([it["x"] for it in items]), "label": torch.stack([it["label"] for it in items])}
+    task.validation_losses(spy, batch, torch.arange(6))
+    x_t, n, labels = spy.calls[0]
+    assert torch.equal(labels, batch["label"]) and (labels < 3).all()
+    g = torch.Generator().manual_seed(VALIDATION_SEED + 4)
+    mean, logvar = batch["x"][4].chunk(2)
+    z0 = 0.18215 * (mean + torch.exp(0.5 * logvar.clamp(-30, 20)) * torch.randn(4, 8, 8, generator=g))
+    u, eps = torch.rand(1, generator=g), torch.randn(4, 8, 8, generator=g)
+    t = int(u * 1000)
+    abar = task.noise.alphas_cumprod[t].float()
+    assert n[4] == t + 1
+    torch.testing.assert_close(x_t[4], abar.sqrt() * z0 + (1 - abar).sqrt() * eps, rtol=1e-5, atol=1e-5)
