@@ -93,7 +93,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 def test_a_directory_or_binary_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path)
-    assert str(e.value) == f"config file {tmp_path} is a directory, not a YAML file"
+    assert str(e.value) == f"config file {tmp_path} is a directory, not a YAML file or a run dir (no config.yaml in it)"
     binary = tmp_path / "weights.yaml"
     binary.write_bytes(b"\x8d\x00\xff binary")
     with pytest.raises(ConfigError) as e:

@@ -213,6 +213,8 @@ class TrainConfig:
     # harness's lookup and checksum unless eval_fid_weights / eval_fid_weights_sha256 ("none": no check) are set.
     # eval_fid_dims: the FID-Inception feature layer (`python -m uvic.fid --dims`): 2048, pool3, is the standard FID;
     # 64, 192 and 768 are quicker (a 64-d covariance instead of a 2048-d one) but give numbers of another scale.
+    # eval_fid_mode: the FID pipeline (`python -m uvic.fid --mode`), "pytorch-fid" (U-ViT's numbers) or "tf"; a
+    # statistics reference must have been computed in it.
     eval_every: int = 0
     eval_num_images: int = 10_000
     eval_reference: str = ""
@@ -221,6 +223,7 @@ class TrainConfig:
     eval_fid_weights: str = ""
     eval_fid_weights_sha256: str = ""
     eval_fid_dims: int = 2048
+    eval_fid_mode: str = "pytorch-fid"
     # Held-out validation loss (uvic.training.validation): every val_every steps and at the last step (0 = off),
     # the mean loss of the sampling weights over the first val_examples (0: all) examples of the held-out set (the
     # data's test split, else data.val_fraction of the data, which training then never sees), in batches of
@@ -437,12 +440,22 @@ def _plain(obj: Any) -> Any:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML deltas at `path`, then dotted `key=value` overrides (values parsed as YAML).
 
+    `path` may also be a training run dir: its `config.yaml` (the run's resolved config) is read, with
+    `train.run_dir` set to that dir (wherever the run was started from or moved to) and `train.resume` to "" (pass
+    `train.resume=latest`, `train.py --resume`, to continue it).
+
     Raises:
         FileNotFoundError: `path` does not exist.
-        ConfigError (a ValueError): `path` is a directory or not UTF-8 text, a YAML syntax error, an unknown key,
-            a value of the wrong type or out of range, or a malformed override.
+        ConfigError (a ValueError): `path` is a directory without `config.yaml` or not UTF-8 text, a YAML syntax
+            error, an unknown key, a value of the wrong type or out of range, or a malformed override.
     """
     data: dict[str, Any] = {}
+    run_dir = None
+    if path is not None and Path(path).is_dir():
+        run_dir, path = Path(path), Path(path) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(f"config file {run_dir} is a directory, not a YAML file or a run dir (no config.yaml "
+                              f"in it)")
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -457,6 +470,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
+    if run_dir is not None and isinstance(data.get("train", {}), dict):
+        data["train"] = {**data.get("train", {}), "run_dir": str(run_dir), "resume": ""}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -640,9 +655,10 @@ def _numeric_hint(hint: Any) -> bool:
     return hint in (int, float) or any(_numeric_hint(a) for a in typing.get_args(hint))
 
 
-# The allowed values of string fields with a fixed set of names, by dotted key. Each is read from its table when
-# a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention kind) is a valid value at once.
-CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+# The allowed values of fields with a fixed set of values (names, the FID network's feature layers), by dotted key.
+# Each is read from its table when a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention
+# kind) is a valid value at once.
+CHOICES: dict[str, Callable[[], tuple[Any, ...]]] = {
     "task": lambda: tuple(TASKS),
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
@@ -650,6 +666,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "data.token_dtype": lambda: TOKEN_DTYPES,
     "sample.sampler": sampler_names,
     "train.eval_sampler": lambda: ("", *sampler_names()),
+    "train.eval_fid_dims": lambda: importlib.import_module("uvic.fid.inception").DIMS,
+    "train.eval_fid_mode": lambda: importlib.import_module("uvic.fid.inception").MODES,
 }
 
 

@@ -299,9 +299,9 @@ def save_checkpoint(
     # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal. The
     # checkpoint with the best FID so far (best.json, `uvic.training.evaluation`) is kept whatever its age.
     if main:
-        best = best_checkpoint(run_dir)
+        best = best_checkpoint(run_dir)  # a path inside the run dir (checked)
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            if best is not None and old.name == best.name:
+            if best is not None and old.resolve() == best.resolve():
                 continue
             try:
                 remove_dir(old)
