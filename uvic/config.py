@@ -264,6 +264,11 @@ class BaseRunConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """This config with the values that follow others unless the config sets them (`given`: the nested dict it
+        was built from); none here (see `ClassCondRunConfig`)."""
+        return self
+
 
 @dataclass(frozen=True)
 class Config(BaseRunConfig):
@@ -295,7 +300,8 @@ class ImageNetDataConfig:
     source: Literal["pixels", "features"] = "pixels"
     root: str = "data/imagenet"
     image_size: int = 64
-    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class).
+    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class),
+    # and follows it unless the config sets model.num_classes: + 1 exactly when p_uncond > 0 trains the null class.
     num_classes: int = 1000
     # Pixels only (the features hold each image as is and flipped).
     random_flip: bool = True
@@ -317,6 +323,16 @@ class ClassCondRunConfig(Config):
 
     task: str = "class_cond"
     data: ImageNetDataConfig = field(default_factory=ImageNetDataConfig)
+
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """`model.num_classes` follows the data unless `given` sets it: `data.num_classes`, plus the null class
+        when labels are dropped to it (`data.p_uncond` > 0), so that a run on fewer classes changes one key (a
+        preset's own value, such as ImageNet 256's 1001, is replaced too)."""
+        model = given.get("model")
+        if isinstance(model, dict) and "num_classes" in model:
+            return self
+        num_classes = self.data.num_classes + (1 if self.data.p_uncond > 0 else 0)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, num_classes=num_classes))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -505,7 +521,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
     cls = task_config_class(task)
-    return validate_ranges(_build(cls, data, prefix="", base=cls()))
+    return validate_ranges(_build(cls, data, prefix="", base=cls()).with_derived(data))
 
 
 def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:

@@ -57,6 +57,8 @@ def test_fid_on_a_language_model_exits_2_and_writes_nothing(tmp_path, run_script
                                                      "has none: set model.num_classes=4"),
     ({"model.num_classes": 3, "sample.guidance_scale": 1.4}, "sample.guidance_scale=1.4 needs a null class, and the "
                                                              "model has none"),
+    ({"sample.guidance_scale": 1.4}, "sample.guidance_scale=1.4 needs a null class, and the model has none: set "
+                                     "sample.guidance_scale=1, or data.p_uncond > 0 to train one"),
 ])  # fmt: skip
 def test_class_conditional_mismatches_exit_2_and_write_nothing(tmp_path, run_script, extra, message):
     config = tmp_path / "class_cond.yaml"
