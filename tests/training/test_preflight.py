@@ -8,7 +8,6 @@ import pytest
 
 from uvic.config import load_config
 from uvic.errors import ConfigError
-from uvic.training.preflight import check_run_config
 
 
 _HEADS = "config section model: embed_dim=16 is not divisible by num_heads=3"
@@ -92,6 +91,8 @@ def test_wandb_without_an_account_exits_2_and_writes_nothing(tmp_path, image_dir
         f"WANDB_API_KEY): run `wandb login`, or set WANDB_MODE=offline to log to {run / 'wandb'} without an account")
     assert not run.exists()
     # Offline, the same config passes the check (wandb then logs to run_dir/wandb).
+    from uvic.training.preflight import check_run_config
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     check_run_config(load_config("configs/cifar10_uvic_s2.yaml", tiny_overrides(run, image_dir,
                                                                                 **{"train.log_with": "wandb"})))
