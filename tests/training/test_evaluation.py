@@ -499,6 +499,13 @@ def test_image_reference_statistics_show_progress_and_are_cached_in_the_run_dir(
     again = compute_stats(ref, dims=DIMS, weights=data["weights"], weights_sha256=None, device="cpu", progress=False)
     assert np.array_equal(load_stats(run / "eval_reference.npz").mu, again.mu)
 
+    # A damaged cache is only a cache: computed again, with a warning.
+    (run / "eval_reference.npz").write_bytes(b"PK\x03\x04 not a zip")
+    code, _, err = run_script("train.py", defaults, *overrides, "train.max_steps=8", "--resume")
+    assert code == 0, err[-3000:]
+    assert f"{run / 'eval_reference.npz'} cannot be read (" in err and "computing the statistics of its 3" in err
+    assert np.array_equal(load_stats(run / "eval_reference.npz").mu, again.mu)
+
 
 def test_export_best_from_the_run_dir_says_what_it_exported(fid_run, tmp_path, run_script):
     """`train.py RUN_DIR --export best`: a run dir stands for its config; the log line names the step, the FID and

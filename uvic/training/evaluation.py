@@ -336,7 +336,11 @@ class Evaluator:
             "weights_sha256": self.extractor.weights_sha256,
         }).encode()).hexdigest()  # fmt: skip
         cache = Path(tc.run_dir) / REFERENCE_CACHE
-        stats = load_stats(cache) if is_stats_file(cache) else None
+        try:
+            stats = load_stats(cache) if is_stats_file(cache) else None
+        except (OSError, ValueError) as e:  # a cache, made again: never a reason to stop
+            logger.warning("%s cannot be read (%s): computing the reference statistics again", cache, e)
+            stats = None
         if stats is not None and stats.meta.get("reference_key") == key:
             size = tuple(stats.meta["image_size"])
             logger.info("train.eval_reference %s: its statistics from %s (the same files and FID network)", ref, cache)
