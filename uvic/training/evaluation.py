@@ -37,6 +37,7 @@ from torch import nn
 
 from uvic.errors import ConfigError, RunRecordError
 from uvic.io import atomic_write
+from uvic.training.checkpoint import META
 
 
 logger = logging.getLogger(__name__)
@@ -157,9 +158,7 @@ def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def _exists(run_dir: Path, record: dict[str, Any]) -> bool:
-    """Whether the checkpoint a record names is complete on disk (`uvic.training.checkpoint`'s meta.json)."""
-    from uvic.training.checkpoint import META
-
+    """Whether the checkpoint a record names is complete on disk (its meta.json is written last)."""
     return (run_dir / record["checkpoint"] / META).is_file()
 
 

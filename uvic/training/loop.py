@@ -41,7 +41,14 @@ from uvic.training.checkpoint import (
 )
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
-from uvic.training.evaluation import Evaluator, abandon_evaluations_after, read_best, read_evaluations, refresh_best
+from uvic.training.evaluation import (
+    Evaluator,
+    abandon_evaluations_after,
+    best_checkpoint,
+    read_best,
+    read_evaluations,
+    refresh_best,
+)
 from uvic.training.lock import hold_run_dir
 from uvic.training.logs import append_metrics, check_metrics, move_metrics_after, plot_loss_curve
 from uvic.training.preflight import check_run_config
@@ -302,7 +309,7 @@ def _resume(run: _Run) -> None:
             else:  # the lines a killed run wrote after its last checkpoint: this run logs those steps again
                 move_metrics_after(run.metrics_path, run.step, None)
     if accelerator.is_main_process:
-        refresh_best(run.run_dir)  # a best checkpoint deleted by hand is said, and best.json names one that exists
+        refresh_best(run.run_dir)  # a best checkpoint deleted by hand is reported; best.json names one that exists
     accelerator.wait_for_everyone()
     run.last_good = latest_checkpoint(run.run_dir)
     if accelerator.is_main_process:
@@ -436,8 +443,10 @@ def _evaluate(run: _Run) -> None:
 
 def _save(run: _Run) -> None:
     """A checkpoint of this step (every process takes part), rotated to `train.keep_checkpoints`."""
+    # The best FID's checkpoint (best.json, a checked path inside the run dir) survives rotation whatever its age.
     run.last_good = save_checkpoint(run.accelerator, run.run_dir, run.step, run.cfg.to_dict(),
-                                    run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state)
+                                    run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state,
+                                    keep_also=best_checkpoint(run.run_dir))
     logger.info(f"saved checkpoint {run.last_good}")
 
 
