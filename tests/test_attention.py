@@ -16,6 +16,7 @@ from uvic.attention import (
     COMPILE_MIN_SCORES,
     attention_ref,
     cog_attention,
+    kept_by_mask,
     softmax_attention,
     tiled_cog_attention,
     unsupported_reason,
@@ -473,6 +474,20 @@ def test_bad_inputs(op):
             with pytest.raises(ValueError, match=None) as info:
                 op(*args, **{"backend": backend, **kw})
             assert msg in str(info.value), (msg, backend, str(info.value))
+
+
+def test_kept_by_mask_reads_bool_and_additive_masks():
+    keep = torch.tensor([[True, False, True]])
+    assert kept_by_mask(keep) is keep
+    additive = torch.tensor([[0.0, float("-inf"), -1e4, 0.0]])
+    assert kept_by_mask(additive, -1e4).tolist() == [[True, False, False, True]]
+    assert kept_by_mask(additive, -2e4) is None  # -1e4 is then a bias, not a removed key
+    assert kept_by_mask(torch.tensor([[0.0, 0.5]]), -1e4) is None
+    # The default: half the dtype's lowest value, where masks built from finfo.min sit (and -inf).
+    low = torch.finfo(torch.float16).min
+    assert kept_by_mask(torch.tensor([0.0, low, low / 2, float("-inf")], dtype=torch.float16)).tolist() == [
+        True, False, False, False]  # fmt: skip
+    assert kept_by_mask(torch.tensor([0.0, low / 4], dtype=torch.float16)) is None
 
 
 def test_triton_backend_on_cpu_is_a_clear_error():

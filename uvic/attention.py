@@ -323,6 +323,28 @@ def _keep_mask(
     return keep
 
 
+def kept_by_mask(mask: torch.Tensor, removed_at_most: float | None = None) -> torch.Tensor | None:
+    """Where another library's attention mask keeps a score (bool, True = attend), or None when it does more than
+    remove keys; the integrations read their libraries' masks with it.
+
+    A bool mask keeps where it is True (SDPA's reading). An additive (float) mask keeps where it is 0 and removes
+    where it is -inf or at most `removed_at_most` (None: half the dtype's lowest value, as masks built from
+    `torch.finfo(dtype).min`); any other entry is a bias on the scores, which no key padding or band can express.
+
+    Args:
+        mask: a bool or float mask of any shape.
+        removed_at_most: the largest additive entry that still removes its key.
+    Returns:
+        A bool tensor of `mask`'s shape, or None.
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    if removed_at_most is None:
+        removed_at_most = torch.finfo(mask.dtype).min / 2
+    keep = mask == 0
+    return keep if bool((keep | (mask <= removed_at_most)).all()) else None
+
+
 def _drop_padded_keys(
     k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
