@@ -282,14 +282,18 @@ def _band(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
     return int(left), int(right)
 
 
-def _check_inputs(q, k, v, key_padding_mask, scale, backend: str, window=None, softcap=None) -> None:
-    """Raise a ValueError that names the problem for anything the op does not accept."""
+def _checked_args(q, k, v, key_padding_mask, scale, backend: str, window, softcap):
+    """The op's arguments checked (a ValueError that names the problem for anything the op does not accept) and
+    returned as the backends take them: (scale, window, softcap), with the default scale hd ** -0.5, the window as
+    `_normal_window` and floats."""
     # "auto" checks what every backend needs; it falls back from the kernel rather than fail.
     problem = unsupported_reason(q, k, v, key_padding_mask, backend=backend, window=window, softcap=softcap)
     if problem is not None:
         raise ValueError(problem if backend != "triton" else f"backend='triton' cannot run on these inputs: {problem}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return scale, _normal_window(window, q.shape[2], k.shape[2]), None if softcap is None else float(softcap)
 
 
 def _band_keep(rows: torch.Tensor, cols: torch.Tensor, d: int, band: tuple[int, int]) -> torch.Tensor | None:
@@ -378,6 +382,13 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Math in float32 for 16/32-bit inputs; float64 stays float64 (gradcheck).
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _compute_inputs(q, k, v, key_padding_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the compute dtype (views when already in it), the padded keys' rows zeroed (`_drop_padded_keys`):
+    what the torch backend's forward and backward multiply."""
+    ct = _compute_dtype(q.dtype)
+    return (q.to(ct), *_drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -734,9 +745,8 @@ class _AttentionTorch(torch.autograd.Function):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         band = _band(causal, window)
-        ct = _compute_dtype(q.dtype)
-        qc = q.to(ct)  # a view when already in the compute dtype
-        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
+        qc, kc, vc = _compute_inputs(q, k, v, key_padding_mask)
+        ct = qc.dtype
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         ml = torch.empty(B, nh, Lq, 2, dtype=ct, device=q.device)  # per row: m, l
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
@@ -767,9 +777,9 @@ class _AttentionTorch(torch.autograd.Function):
         band, scale = ctx.band, ctx.scale
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
-        ct = _compute_dtype(q.dtype)
-        qc, do = q.to(ct), dout.to(ct)
-        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
+        qc, kc, vc = _compute_inputs(q, k, v, key_padding_mask)
+        ct = qc.dtype
+        do = dout.to(ct)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
         # Per row: m, 1/l (0 on rows with no kept key) and D, (B, nh, Lq, 3).
         rowstats = torch.cat([ml[..., :1], _safe_reciprocal(ml[..., 1:]), D], -1)
@@ -833,12 +843,9 @@ def tiled_cog_attention(
     Returns:
         (B, nh, Lq, hd) in the input dtype.
     """
-    _check_inputs(q, k, v, key_padding_mask, scale, "torch", window, softcap)
+    scale, window, softcap = _checked_args(q, k, v, key_padding_mask, scale, "torch", window, softcap)
     if not (isinstance(tile_elements, int) and tile_elements >= 1):
         raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window, q.shape[2], k.shape[2])
-    softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
                              softcap=softcap)  # fmt: skip
@@ -865,17 +872,14 @@ def _attention(
     q, k, v, causal: bool, key_padding_mask, scale, window, softcap, backend: str, attention: str
 ) -> torch.Tensor:  # fmt: skip
     """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
-    _check_inputs(q, k, v, key_padding_mask, scale, backend, window, softcap)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window, q.shape[2], k.shape[2])
-    softcap = None if softcap is None else float(softcap)
+    scale, window, softcap = _checked_args(q, k, v, key_padding_mask, scale, backend, window, softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         # Nothing to attend with or to: an empty output, or zeros (a row with no key), and zero gradients.
         backend = "reference"
     elif backend == "auto":
         # cog: the kernel for 16-bit CUDA inputs inside its envelope (fp32 runs on the kernel only with small IEEE
         # tiles, so "auto" gives it to the torch backend). softmax: SDPA, PyTorch's fastest kernels.
-        # The inputs passed `_check_inputs`, so only the kernel's envelope is left to ask.
+        # The inputs passed `_checked_args`, so only the kernel's envelope is left to ask.
         use_kernel = attention == "cog" and q.is_cuda and q.dtype != torch.float32 and _kernel_problem(q, k) is None
         backend = "triton" if use_kernel else "torch"
     if backend == "torch" and attention == "softmax" and softcap is None:
