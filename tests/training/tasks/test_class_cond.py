@@ -2,14 +2,13 @@
 latent runs in the training loop (with an exact resume), and the held-out validation."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_imagenet import make_imagenet
-from tiny_models import VAE_TINY
+from tiny_models import VAE_TINY, SpyDenoiser
 
 from uvic.config import load_config, task_class
 from uvic.data.imagenet import extract_features
@@ -38,17 +37,6 @@ def _pixels(run_dir, root, **extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
-class _Spy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(()))
-        self.calls = []
-
-    def forward(self, x, t, class_labels=None):
-        self.calls.append((x, t, class_labels))
-        return SimpleNamespace(sample=x * self.w)
-
-
 def test_drop_labels():
     labels = torch.tensor([3, 1, 4, 1, 5])
     drop = torch.tensor([True, False, False, True, False])
@@ -64,7 +52,7 @@ def test_label_dropout_statistics_and_latents(p_uncond, tmp_path):
         "data.p_uncond": p_uncond, "diffusion.schedule": "discrete", "diffusion.beta_schedule": "scaled_linear",
         "diffusion.beta_start": 0.00085, "diffusion.beta_end": 0.012}))
     task = ClassConditionalTask(cfg)
-    spy, B = _Spy(), 20_000
+    spy, B = SpyDenoiser("class_labels"), 20_000
     labels = torch.arange(B) % 3
     moments = torch.cat([torch.full((B, 4, 2, 2), 2.0), torch.full((B, 4, 2, 2), -30.0)], dim=1)  # z = 0.18215 * 2
     task.loss(spy, {"x": moments, "label": labels}, ShardedRNG(0, 0, 1, "cpu"))
@@ -205,7 +193,7 @@ def test_validation_holds_out_whole_images_and_feeds_their_labels(tmp_path):
     image = np.arange(18) % 9  # item j is image j % 9
     assert len(held) == 6 and len(trained) == 12 and set(image[held.indices]).isdisjoint(image[trained.indices])
     assert [image[j] for j in held.indices[::2]] == [image[j] for j in held.indices[1::2]]  # as is, then flipped
-    spy = _Spy()
+    spy = SpyDenoiser("class_labels")
     items = [held[i] for i in range(6)]
     batch = {"x": torch.stack([it["x"] for it in items]), "label": torch.stack([it["label"] for it in items])}
     task.validation_losses(spy, batch, torch.arange(6))
