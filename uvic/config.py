@@ -213,6 +213,8 @@ class TrainConfig:
     # harness's lookup and checksum unless eval_fid_weights / eval_fid_weights_sha256 ("none": no check) are set.
     # eval_fid_dims: the FID-Inception feature layer (`python -m uvic.fid --dims`): 2048, pool3, is the standard FID;
     # 64, 192 and 768 are quicker (a 64-d covariance instead of a 2048-d one) but give numbers of another scale.
+    # eval_fid_mode: the FID pipeline (`python -m uvic.fid --mode`), "pytorch-fid" (U-ViT's numbers) or "tf"; a
+    # statistics reference must have been computed in it.
     eval_every: int = 0
     eval_num_images: int = 10_000
     eval_reference: str = ""
@@ -221,6 +223,7 @@ class TrainConfig:
     eval_fid_weights: str = ""
     eval_fid_weights_sha256: str = ""
     eval_fid_dims: int = 2048
+    eval_fid_mode: str = "pytorch-fid"
     # Held-out validation loss (uvic.training.validation): every val_every steps and at the last step (0 = off),
     # the mean loss of the sampling weights over the first val_examples (0: all) examples of the held-out set (the
     # data's test split, else data.val_fraction of the data, which training then never sees), in batches of
@@ -261,6 +264,11 @@ class BaseRunConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """This config with the values that follow others unless the config sets them (`given`: the nested dict it
+        was built from); none here (see `ClassCondRunConfig`)."""
+        return self
+
 
 @dataclass(frozen=True)
 class Config(BaseRunConfig):
@@ -292,7 +300,8 @@ class ImageNetDataConfig:
     source: Literal["pixels", "features"] = "pixels"
     root: str = "data/imagenet"
     image_size: int = 64
-    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class).
+    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class),
+    # and follows it unless the config sets model.num_classes: + 1 exactly when p_uncond > 0 trains the null class.
     num_classes: int = 1000
     # Pixels only (the features hold each image as is and flipped).
     random_flip: bool = True
@@ -314,6 +323,16 @@ class ClassCondRunConfig(Config):
 
     task: str = "class_cond"
     data: ImageNetDataConfig = field(default_factory=ImageNetDataConfig)
+
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """`model.num_classes` follows the data unless `given` sets it: `data.num_classes`, plus the null class
+        when labels are dropped to it (`data.p_uncond` > 0), so that a run on fewer classes changes one key (a
+        preset's own value, such as ImageNet 256's 1001, is replaced too)."""
+        model = given.get("model")
+        if isinstance(model, dict) and "num_classes" in model:
+            return self
+        num_classes = self.data.num_classes + (1 if self.data.p_uncond > 0 else 0)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, num_classes=num_classes))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -437,12 +456,22 @@ def _plain(obj: Any) -> Any:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML deltas at `path`, then dotted `key=value` overrides (values parsed as YAML).
 
+    `path` may also be a training run dir: its `config.yaml` (the run's resolved config) is read, with
+    `train.run_dir` set to that dir (wherever the run was started from or moved to) and `train.resume` to "" (pass
+    `train.resume=latest`, `train.py --resume`, to continue it).
+
     Raises:
         FileNotFoundError: `path` does not exist.
-        ConfigError (a ValueError): `path` is a directory or not UTF-8 text, a YAML syntax error, an unknown key,
-            a value of the wrong type or out of range, or a malformed override.
+        ConfigError (a ValueError): `path` is a directory without `config.yaml` or not UTF-8 text, a YAML syntax
+            error, an unknown key, a value of the wrong type or out of range, or a malformed override.
     """
     data: dict[str, Any] = {}
+    run_dir = None
+    if path is not None and Path(path).is_dir():
+        run_dir, path = Path(path), Path(path) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(f"config file {run_dir} is a directory, not a YAML file or a run dir (no config.yaml "
+                              f"in it)")
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -457,6 +486,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
+    if run_dir is not None and isinstance(data.get("train", {}), dict):
+        data["train"] = {**data.get("train", {}), "run_dir": str(run_dir), "resume": ""}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -490,7 +521,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
     cls = task_config_class(task)
-    return validate_ranges(_build(cls, data, prefix="", base=cls()))
+    return validate_ranges(_build(cls, data, prefix="", base=cls()).with_derived(data))
 
 
 def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
@@ -640,9 +671,10 @@ def _numeric_hint(hint: Any) -> bool:
     return hint in (int, float) or any(_numeric_hint(a) for a in typing.get_args(hint))
 
 
-# The allowed values of string fields with a fixed set of names, by dotted key. Each is read from its table when
-# a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention kind) is a valid value at once.
-CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+# The allowed values of fields with a fixed set of values (names, the FID network's feature layers), by dotted key.
+# Each is read from its table when a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention
+# kind) is a valid value at once.
+CHOICES: dict[str, Callable[[], tuple[Any, ...]]] = {
     "task": lambda: tuple(TASKS),
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
@@ -650,6 +682,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "data.token_dtype": lambda: TOKEN_DTYPES,
     "sample.sampler": sampler_names,
     "train.eval_sampler": lambda: ("", *sampler_names()),
+    "train.eval_fid_dims": lambda: importlib.import_module("uvic.fid.inception").DIMS,
+    "train.eval_fid_mode": lambda: importlib.import_module("uvic.fid.inception").MODES,
 }
 
 

@@ -1,6 +1,7 @@
 """The class_cond task: label dropout statistics, latents from stored moments, config checks, ImageNet pixel and
 latent runs in the training loop (with an exact resume), and the held-out validation."""
 
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,6 +82,37 @@ def test_config_errors_are_named(tmp_path):
     with pytest.raises(ValueError, match="random_flip"):
         task(**{"data.source": "features", "model.num_classes": 4})
     assert task(**{"model.num_classes": 4, "data.p_uncond": 0.1}).null_class
+
+
+def test_model_num_classes_follows_the_data_unless_set():
+    """A run on fewer classes changes data.num_classes only: the model has those classes, plus the null class when
+    label dropout trains one; a preset's own count (ImageNet 256's 1001) follows too; a value the config sets wins."""
+    configs = Path(__file__).resolve().parents[3] / "configs"
+    assert load_config(configs / "imagenet256_uvic_l2.yaml").model.num_classes == 1001  # the official runs as before
+    assert load_config(configs / "imagenet64_uvic_m4.yaml").model.num_classes == 1000
+    assert load_config(configs / "imagenet256_uvic_l2.yaml", ["data.num_classes=10"]).model.num_classes == 11
+    assert load_config(configs / "imagenet64_uvic_m4.yaml", ["data.num_classes=10"]).model.num_classes == 10
+    small = configs / "class_cond_small.yaml"
+    assert load_config(small).model.num_classes == 11
+    assert load_config(small, ["data.num_classes=3", "data.p_uncond=0", "sample.guidance_scale=1"]).model.num_classes == 3
+    assert load_config(small, ["data.num_classes=3", "model.num_classes=5"]).model.num_classes == 5  # set: kept
+    assert load_config(small, ["model.preset=uvic-tiny-class", "data.num_classes=3"]).model.num_classes == 4
+
+
+def test_the_small_class_conditional_config_trains_on_a_few_classes(tmp_path, run_script):
+    """configs/class_cond_small.yaml on a 3-class folder (as the README shows it), shrunk to a tiny model: no
+    model.num_classes to keep in step by hand; the export has the 3 classes and the null class of guidance."""
+    root = make_imagenet(tmp_path / "classes")
+    run = tmp_path / "run"
+    code, _, err = run_script(
+        "train.py", "configs/class_cond_small.yaml", f"data.root={root}", "data.num_classes=3",
+        "model.preset=uvic-tiny-class", "data.image_size=8", "data.num_workers=0", f"train.run_dir={run}",
+        "train.max_steps=2", "train.batch_size=4", "train.log_with=none", "train.sample_every=0", "train.cpu_threads=1",
+        "sample.num_inference_steps=2")  # fmt: skip
+    assert code == 0, err[-3000:]
+    pipe = UViCPipeline.from_pretrained(run / "pipeline")
+    assert pipe.transformer.config.num_classes == 4 and pipe.config.null_class and pipe.num_labels == 3
+    assert pipe.config.default_guidance_scale == pytest.approx(1.4)
 
 
 def test_imagenet_pixel_run_resumes_exactly_and_exports(tmp_path):
