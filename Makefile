@@ -33,7 +33,7 @@ demo: install
 	$(BIN)/python sample.py runs/demo_digits/pipeline --grid runs/demo_digits/grid.png --num-images 64 --grid-scale 4
 
 bench: install
-	$(BIN)/python -m uvic.kernels.bench
+	$(BIN)/python benchmarks/bench_attention.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -7,14 +7,18 @@
         --prompt "A red bus on a city street."                       # text-to-image: prompts
     accelerate launch sample.py runs/mscoco_uvic_s2/pipeline --out-dir samples/mscoco --num-images 30000 \\
         --features data/coco256_features --sampler uvit_dpm_solver    # text-to-image FID: random val captions
+    python sample.py runs/mscoco_uvic_s2/pipeline --out-dir samples/bus --num-images 100 \\
+        --prompt "A red bus on a city street."                       # many images of a prompt, one PNG each
     accelerate launch sample.py pipelines/imagenet256_uvit_huge --out-dir samples/in256 --num-images 50000 \\
         --class-labels random --batch-size 50                        # class-conditional FID: U-ViT's labels
 
 Image i is generated from seed `--seed + i` (and, for a class-conditional model, class i % num_classes, or the
-i-th of --class-labels, or label i of one draw from --seed with `--class-labels random`), so the
+i-th of --class-labels, or label i of one draw from --seed with `--class-labels random`; for a text-to-image
+model, prompt i % (number of prompts), in both modes, or a random caption of --features), so the
 images do not depend on --batch-size or the number of processes; in --out-dir mode it is saved as {i:06d}.png,
 the work is split across processes, and files that already exist are skipped (re-run to finish an interrupted job).
-A progress bar on stderr shows images done / total, images/s and the time left (--quiet hides it).
+A progress bar on stderr shows images done / total, images/s and the time left (--quiet hides it, and
+diffusers' pipeline-loading bar).
 """
 
 import argparse
@@ -75,11 +79,12 @@ def main() -> None:
     p.add_argument("--seed", type=int_at_least(0), default=0, help="image i uses seed + i")
     p.add_argument("--batch-size", type=int_at_least(1), default=64)
     p.add_argument("--grid-scale", type=int_at_least(1), default=1, help="enlarge each grid image this many times (tiny images)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (sampling, loading the pipeline)")
     t2i = p.add_argument_group("text-to-image pipelines")
-    t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); grid mode")
-    t2i.add_argument("--prompts-file", help="one prompt per line; grid mode")
-    t2i.add_argument("--features", help="MS-COCO features root (python -m uvic.data.mscoco); --out-dir mode")
+    t2i.add_argument("--prompt", action="append", help="a prompt (repeat for several); image i gets prompt i %% n")
+    t2i.add_argument("--prompts-file", help="one prompt per line, as --prompt")
+    t2i.add_argument("--features", help="MS-COCO features root (python -m uvic.data.mscoco): random val captions "
+                                        "instead of prompts; --out-dir mode (FID)")
     t2i.add_argument("--guidance-scale", type=finite_float, default=None,
                      help="diffusers convention: 1 + official scale (text-to-image and class-conditional pipelines); "
                           "default: the pipeline's (2.0 for text-to-image, the official one for ImageNet)")
@@ -89,24 +94,31 @@ def main() -> None:
                     "`random`: U-ViT's FID labels (uniform for latent models, training-class frequencies for pixels)")
     args = p.parse_args()
     configure_logging()
+    if args.quiet:  # diffusers' "Loading pipeline components" bar too, not only sample.py's own
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
 
     state = Accelerator()  # reads `accelerate launch` settings (processes, --cpu)
     try:  # everything that can be checked is checked before any sampling starts
         prompts = read_prompts(args)
         if args.num_images is None:
-            args.num_images = len(prompts) if args.grid and prompts else 64
+            args.num_images = len(prompts) if prompts else 64
         if args.seed + args.num_images > 2**64:  # torch generators take seeds < 2**64
             raise ValueError(f"--seed {args.seed} + --num-images {args.num_images} exceeds the largest seed, 2**64 - 1")
         check_output(grid=args.grid, out_dir=args.out_dir, num_images=args.num_images)
         # A text encoder is only needed (and attached, if the pipeline has none) for prompts.
-        pipe = load_pipeline(args.source, args.sampler, text_encoder=args.clip if args.grid and prompts else None)
+        pipe = load_pipeline(args.source, args.sampler, text_encoder=args.clip if prompts else None)
     except (FileNotFoundError, ValueError, StorageError) as e:
         p.error(str(e))
     text = isinstance(pipe, UViCText2ImagePipeline)
     if text and args.grid and not prompts:
         p.error("a text-to-image pipeline needs --prompt or --prompts-file for a grid")
-    if text and args.out_dir and not args.features:
-        p.error("a text-to-image pipeline needs --features (extracted MS-COCO captions) for --out-dir")
+    if text and args.out_dir and not (args.features or prompts):
+        p.error("a text-to-image pipeline needs --prompt/--prompts-file or --features (extracted MS-COCO captions) "
+                "for --out-dir")
+    if args.features and prompts:
+        p.error("--features (random captions) and --prompt/--prompts-file both choose the captions; pass one")
     if not text and (prompts or args.features):
         p.error(f"{args.source} is not a text-to-image pipeline; --prompt/--prompts-file/--features do not apply")
     try:
@@ -119,7 +131,7 @@ def main() -> None:
             check_grid_size(pipe, args.num_images, args.grid_scale)
         except ValueError as e:
             p.error(str(e))
-    if text and args.grid and args.num_images > len(prompts):
+    if text and prompts and args.num_images > len(prompts):
         logging.warning("%d prompts for %d images: image i uses prompt i %% %d", len(prompts), args.num_images,
                         len(prompts))
     pipe.to(state.device)
@@ -148,7 +160,14 @@ def main() -> None:
                 Path(args.out_dir).mkdir(parents=True, exist_ok=True)
                 with atomic_write(Path(args.out_dir) / "class_labels.json", "w") as f:
                     json.dump(labels, f)
-            if text:
+            if text and prompts:  # image i: prompt i % len(prompts), as in a grid
+                captions = [prompts[i % len(prompts)] for i in range(args.num_images)]
+                conditions = {"prompts": captions}
+                if state.is_main_process:  # which caption each file used
+                    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+                    with atomic_write(Path(args.out_dir) / "captions.json", "w") as f:
+                        json.dump(captions, f)
+            elif text:
                 embeds, empty, captions = mscoco_prompt_embeds(args.features, args.num_images, args.seed)
                 conditions = {"prompt_embeds": embeds, "negative_prompt_embeds": empty}
                 if state.is_main_process:  # which caption each file used

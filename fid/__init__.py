@@ -18,7 +18,7 @@ CLI: ``python -m uvic.fid stats SOURCE --out ref.npz`` and ``python -m uvic.fid 
 """
 
 from .inception import MODES, WEIGHTS_ENV, WEIGHTS_NAME, WEIGHTS_URL, InceptionExtractor, resolve_weights
-from .inputs import CocoVal2014, GeneratorSource, ImageArray, ImageFolder, cifar10, open_source, to_uint8
+from .inputs import CocoVal2014, GeneratorSource, ImageArray, ImageFolder, cifar10, digits, open_source, to_uint8
 from .metric import (
     FIDResult,
     compute_fid,
@@ -47,6 +47,7 @@ __all__ = [
     "cifar10",
     "compute_fid",
     "compute_stats",
+    "digits",
     "extract_features",
     "fid_from_stats",
     "frechet_distance",

@@ -4,8 +4,12 @@
     python -m uvic.fid score samples/ fid_stats_cifar10_train_pytorch.npz --expect-n 50000
     accelerate launch -m uvic.fid score samples/ ref.npz      # features gathered across processes
 
-SOURCE / SAMPLES: an image folder, an .npz of images (or of stats, for score), cifar10-train:ROOT,
-cifar10-test:ROOT, coco-val2014-256:VAL2014_DIR.
+SOURCE / SAMPLES: an image folder (RGB or grayscale), an .npz of images (or of stats, for score),
+cifar10-train:ROOT, cifar10-test:ROOT, digits:SIZE (scikit-learn's digits as data.name=digits trains on them, e.g.
+digits:8 for configs/demo_digits.yaml), coco-val2014-256:VAL2014_DIR.
+
+    python -m uvic.fid make-test-weights test_inception.pth    # offline smoke tests only: random weights
+    python -m uvic.fid score samples/ ref.npz --weights test_inception.pth --weights-sha256 none
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -21,14 +26,29 @@ from pathlib import Path
 from uvic.errors import StorageError, check_writable, cli_errors, int_at_least, storage_errors
 from uvic.io import atomic_write
 
-from .inception import DIMS, MODES, WEIGHTS_ENV, WEIGHTS_NAME, WEIGHTS_SHA256_PREFIX
-from .inputs import open_source
+from .inception import (
+    DEFAULT_DIMS,
+    DEFAULT_MODE,
+    DIMS,
+    MODES,
+    WEIGHTS_ENV,
+    WEIGHTS_NAME,
+    WEIGHTS_SHA256_PREFIX,
+    make_test_weights,
+)
+from .inputs import DEFAULT_VALUE_RANGE, open_source
 from .metric import compute_fid, fid_from_stats
-from .stats import compute_stats, is_stats_file, load_extractor, load_stats, process_state, save_stats
+from .stats import BATCH_SIZE, compute_stats, is_stats_file, load_extractor, load_stats, process_state, save_stats
 
 
 def _value_range(text: str) -> tuple[float, float]:
-    lo, hi = (float(v) for v in text.split(","))
+    """LOW,HIGH: the float range mapped to [0, 255]; an empty or reversed range would score nonsense silently."""
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH (two numbers), got {text!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH with finite LOW < HIGH (e.g. -1,1), got {text!r}")
     return lo, hi
 
 
@@ -45,19 +65,19 @@ def default_num_workers() -> int:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--mode", choices=MODES, default="pytorch-fid",
+    common.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
                         help="pytorch-fid: U-ViT-comparable (default); tf: torch-fidelity / TTUR pipeline")
     common.add_argument("--dims", type=int, choices=DIMS, default=None,
-                        help="Inception feature layer (default: the reference statistics' layer, else 2048)")
+                        help=f"Inception feature layer (default: the reference statistics' layer, else {DEFAULT_DIMS})")
     common.add_argument("--weights", help=f"path to {WEIGHTS_NAME} (default: ${WEIGHTS_ENV}, then the torch.hub cache)")
     common.add_argument("--weights-sha256", default=WEIGHTS_SHA256_PREFIX,
                         help="expected SHA-256 (prefix) of the weights; 'none' skips the check")
     common.add_argument("--download", action="store_true", help="allow downloading the weights if not found")
-    common.add_argument("--batch-size", type=int_at_least(1), default=50)
+    common.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE)
     common.add_argument("--num-workers", type=int_at_least(0), default=None,
                         help="image decoding workers (default: one per usable CPU core but one, at most 8)")
     common.add_argument("--num-samples", type=int_at_least(1), help="use only the first N images")
-    common.add_argument("--value-range", type=_value_range, default=(0.0, 1.0),
+    common.add_argument("--value-range", type=_value_range, default=DEFAULT_VALUE_RANGE,
                         help="range of float .npz images, e.g. -1,1 (default 0,1)")
     common.add_argument("--recursive", action="store_true", help="read image sub-folders too")
     common.add_argument("--md5-check", action="store_true", help="check the md5 of the CIFAR-10 batch files")
@@ -80,14 +100,29 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--kid-subset-size", type=int_at_least(1), default=1000)
     c.add_argument("--prc", action="store_true", help="also precision/recall on Inception features")
     c.add_argument("--json", help="write the result as JSON to this file")
+    t = sub.add_parser("make-test-weights", help="write random-init FID-Inception weights for offline smoke tests "
+                                                 "(NOT the FID network: the scores are not FIDs to report)")
+    t.add_argument("out", help="output .pth")
+    t.add_argument("--seed", type=int_at_least(0), default=0)
     return p
 
 
 def _run(args: argparse.Namespace) -> str:
+    if args.command == "make-test-weights":
+        out = Path(args.out)
+        if out.is_dir():
+            raise StorageError(f"cannot write {out}: it is a directory")
+        check_writable(out.parent, str(out))
+        make_test_weights(out, seed=args.seed)
+        return (f"wrote {out}: random-init FID-Inception weights (seed {args.seed}) for offline smoke tests. They are "
+                "NOT the FID Inception network: scores computed with them are not FIDs to report. Use them with "
+                f"--weights {out} --weights-sha256 none (train.py: train.eval_fid_weights={out} "
+                "train.eval_fid_weights_sha256=none)")
     sha = None if args.weights_sha256.lower() == "none" else args.weights_sha256
     if args.num_workers is None:
         args.num_workers = default_num_workers()
-    weights = {"weights": args.weights, "sha256": sha, "allow_download": args.download, "device": args.device}
+    weights = {"weights": args.weights, "sha256": sha, "allow_download": args.download, "device": args.device,
+               "sha256_option": "--weights-sha256 none"}
     opts = {"batch_size": args.batch_size, "num_workers": args.num_workers, "value_range": args.value_range,
             "progress": not args.no_progress}  # fmt: skip
 
@@ -101,7 +136,7 @@ def _run(args: argparse.Namespace) -> str:
             check_writable(Path(out).parent, str(out))
     if args.command == "stats":
         src = source(args.source)  # checks every image before the network is loaded
-        ext = load_extractor(mode=args.mode, dims=args.dims or 2048, **weights)
+        ext = load_extractor(mode=args.mode, dims=args.dims or DEFAULT_DIMS, **weights)
         stats = compute_stats(src, extractor=ext, num_samples=args.num_samples, **opts)
         save_stats(stats, args.out)
         return f"wrote {args.out}: n={stats.n} dims={stats.dims} mode={stats.mode} source={stats.name}"
@@ -122,7 +157,7 @@ def _run(args: argparse.Namespace) -> str:
         samples = source(args.samples)
         if args.expect_n is not None and hasattr(samples, "__len__"):
             _check_n(min(len(samples), args.num_samples or len(samples)), args.expect_n)
-        dims = getattr(ref, "dims", None) or args.dims or 2048
+        dims = getattr(ref, "dims", None) or args.dims or DEFAULT_DIMS
         if args.dims is not None and dims != args.dims:  # before loading the network
             raise ValueError(f"reference {ref.name!r} holds {dims}-dim statistics, so --dims {args.dims} cannot be "
                              f"compared with it; drop --dims, or compute the reference with --dims {args.dims}")

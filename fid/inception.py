@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["pytorch-fid", "tf"]
 MODES: tuple[str, ...] = ("pytorch-fid", "tf")
+# The defaults of every entry point (the extractor, `compute_stats`, `compute_fid`, the CLI): the U-ViT-comparable
+# pipeline and pool3, the feature layer of the standard FID.
+DEFAULT_MODE: Mode = "pytorch-fid"
+DEFAULT_DIMS = 2048
 # Feature layers the FID-Inception provides (pytorch-fid's --dims); "logits_unbiased" is for the Inception Score.
 DIMS: tuple[int, ...] = (64, 192, 768, 2048)
 
@@ -43,6 +47,9 @@ WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_wei
 TORCH_FIDELITY_WEIGHTS_NAME = "weights-inception-2015-12-05-6726825d.pth"
 # torch.hub naming convention: the suffix of the file name is the start of the file's SHA-256.
 WEIGHTS_SHA256_PREFIX = "6726825d"
+# How a caller of `resolve_weights`, `InceptionExtractor` or `load_extractor` skips the checksum, as the checksum
+# error names it; callers that spell it otherwise pass their own (`sha256_option`).
+SHA256_OPTION = "sha256=None"
 
 _INPUT_SIZE = 299
 _TRUNK = (
@@ -72,6 +79,7 @@ def resolve_weights(
     *,
     sha256: str | None = WEIGHTS_SHA256_PREFIX,
     allow_download: bool = False,
+    sha256_option: str = SHA256_OPTION,
 ) -> tuple[Path, str]:
     """Find the FID-Inception weights file and check its SHA-256.
 
@@ -85,6 +93,8 @@ def resolve_weights(
         sha256: expected SHA-256 (a prefix is enough, as in torch.hub); None skips the check (e.g. for
             self-converted weights).
         allow_download: fetch ``WEIGHTS_URL`` into the torch.hub cache if no local file is found.
+        sha256_option: how the caller's user skips the check, named in the checksum error (the CLI:
+            "--weights-sha256 none"; training: "train.eval_fid_weights_sha256=none").
     Returns:
         (path, full hex SHA-256 of the file).
     """
@@ -123,10 +133,54 @@ def resolve_weights(
     if sha256 is not None and not digest.startswith(sha256.lower()):
         raise ValueError(
             f"SHA-256 of {str(path)!r} is {digest}, expected it to start with {sha256!r} ({WEIGHTS_NAME}). "
-            "The file is corrupt or not the FID Inception weights; pass sha256=None / --weights-sha256 none "
-            "only for weights you converted yourself."
+            f"The file is corrupt or not the FID Inception weights; pass {sha256_option} only for weights you "
+            "converted yourself (or made with `python -m uvic.fid make-test-weights`, for smoke tests)."
         )
     return path, digest
+
+
+def make_test_weights(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write random-init weights in the FID-Inception layout (torchvision `Inception3(1008)`, the 566 keys of
+    `WEIGHTS_NAME`, ~96 MB) to `path`, for offline smoke tests of the FID code paths: convolutions He-normal,
+    the classifier 1/sqrt(fan-in), batch norms the identity (running mean 0, variance 1), biases 0.
+
+    They are NOT the FID Inception network: scores computed with them compare with nothing and are not FIDs to
+    report. Their SHA-256 is not `WEIGHTS_SHA256_PREFIX`, so using them needs the checksum off
+    (`--weights-sha256 none`), and an `InceptionExtractor` warns that they were never trained.
+
+    Returns:
+        `path` (written atomically: a failed write leaves no partial file).
+    """
+    import math
+
+    import torchvision
+
+    from uvic.io import atomic_write
+
+    g = torch.Generator().manual_seed(seed)
+    model = torchvision.models.inception.Inception3(num_classes=1008, aux_logits=False, init_weights=False)
+
+    def init(key: str, v: torch.Tensor) -> torch.Tensor:
+        if key.endswith("conv.weight"):
+            return torch.randn(v.shape, generator=g) * math.sqrt(2 / v[0].numel())
+        if key.endswith(("bn.weight", "running_var")):
+            return torch.ones_like(v)
+        if key == "fc.weight":
+            return torch.randn(v.shape, generator=g) / math.sqrt(v.shape[1])
+        return torch.zeros_like(v) if v.is_floating_point() else v.clone()
+
+    state = {k: init(k, v) for k, v in model.state_dict().items()}
+    with atomic_write(path) as f:
+        torch.save(state, f)
+    return Path(path)
+
+
+def _untrained(state: dict[str, torch.Tensor]) -> bool:
+    """Whether the batch norms of a FID-Inception state dict hold their initial statistics (as `make_test_weights`
+    writes them): the trained network's running means and variances are not all 0 and 1."""
+    means = [v for k, v in state.items() if k.endswith("running_mean")]
+    variances = [v for k, v in state.items() if k.endswith("running_var")]
+    return bool(means) and all(bool((m == 0).all()) for m in means) and all(bool((v == 1).all()) for v in variances)
 
 
 @contextlib.contextmanager
@@ -159,18 +213,19 @@ class InceptionExtractor(nn.Module):
         dims: pooled feature layer, one of 64, 192, 768, 2048 (2048 = pool3, the standard FID).
         with_logits: also return the 1008 unbiased logits (needed for the Inception Score).
         sha256: expected SHA-256 prefix of the weights file, None to skip the check.
-        allow_download: see `resolve_weights`.
+        allow_download, sha256_option: see `resolve_weights`.
     """
 
     def __init__(
         self,
         weights: str | os.PathLike | None = None,
         *,
-        mode: Mode = "pytorch-fid",
-        dims: int = 2048,
+        mode: Mode = DEFAULT_MODE,
+        dims: int = DEFAULT_DIMS,
         with_logits: bool = False,
         sha256: str | None = WEIGHTS_SHA256_PREFIX,
         allow_download: bool = False,
+        sha256_option: str = SHA256_OPTION,
     ) -> None:
         super().__init__()
         from torch_fidelity import FeatureExtractorInceptionV3
@@ -179,7 +234,8 @@ class InceptionExtractor(nn.Module):
         if dims not in DIMS:
             raise ValueError(f"dims must be one of {DIMS}, got {dims!r}")
         self.dims, self.with_logits = dims, with_logits
-        path, self.weights_sha256 = resolve_weights(weights, sha256=sha256, allow_download=allow_download)
+        path, self.weights_sha256 = resolve_weights(weights, sha256=sha256, allow_download=allow_download,
+                                                    sha256_option=sha256_option)  # fmt: skip
         self.weights_path = str(path)
         features = [str(dims)] + (["logits_unbiased"] if with_logits else [])
         # The weights are read here with torch.load(weights_only=True), whatever the checksum setting, and handed
@@ -188,6 +244,10 @@ class InceptionExtractor(nn.Module):
             state = load_torch_data(path, what="FID Inception weights")
             if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
                 raise TypeError(f"a {type(state).__name__}, not a state dict of tensors")
+            if _untrained(state):
+                logger.warning("the FID Inception weights %s were never trained (every batch-norm running mean is 0 "
+                               "and every variance 1), e.g. `python -m uvic.fid make-test-weights`: the scores they "
+                               "give are for smoke tests only, not FIDs to report", path)  # fmt: skip
             buffer = io.BytesIO()
             torch.save(state, buffer)
             buffer.seek(0)

@@ -1,11 +1,14 @@
-"""Image sources for FID: folders, `.npz` image arrays, in-memory generators, CIFAR-10 pickles, COCO val2014-256.
+"""Image sources for FID: folders, `.npz` image arrays, in-memory generators, CIFAR-10 pickles, scikit-learn's
+digits, COCO val2014-256.
 
-Every source yields uint8 RGB images (3, H, W). Float images are quantised exactly like
-`torchvision.utils.save_image` (``x * 255 + 0.5``, clamped, truncated), so an in-memory generator gives the same
-features as the PNGs U-ViT writes and reads back.
+Every source yields uint8 RGB images (3, H, W). Grayscale images (1 channel, PNG mode "L") have their channel
+repeated, as pytorch-fid's `convert("RGB")` does. Float images are quantised exactly like
+`torchvision.utils.save_image` (``x * 255 + 0.5``, clamped, truncated; `uvic.io.to_uint8`), so an in-memory
+generator gives the same features as the PNGs U-ViT writes and reads back.
 
-Map-style sources (`ImageFolder`, `ImageArray`, `cifar10`, `CocoVal2014`) are `torch.utils.data.Dataset`s that
-can be sharded across processes; `GeneratorSource` wraps a callable ``fn(n) -> batch`` or an iterable of batches.
+Map-style sources (`ImageFolder`, `ImageArray`, `cifar10`, `digits`, `CocoVal2014`) are `torch.utils.data.Dataset`s
+that can be sharded across processes; `GeneratorSource` wraps a callable ``fn(n) -> batch`` or an iterable of
+batches. Folders and datasets are read by the training readers (`uvic.data.images`, `uvic.data.mscoco`).
 """
 
 from __future__ import annotations
@@ -23,25 +26,31 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from uvic.data.images import check_image, find_images, read_cifar10_batches, read_rgb
+from uvic.data.images import read_cifar10_batches, read_rgb, readable_images
+from uvic.data.mscoco import center_crop_resize
 from uvic.errors import DataError
-from uvic.io import read_npz
+from uvic.io import IMAGE_RANGE, read_npz
 from uvic.io import to_uint8 as _quantize
 
 
 logger = logging.getLogger(__name__)
 
 LOSSY_EXTENSIONS = (".jpg", ".jpeg", ".webp")
+# PIL modes of the image files FID takes: RGB, and 8-bit grayscale (repeated to RGB).
+IMAGE_MODES = ("RGB", "L")
 ValueRange = tuple[float, float]
+# The (low, high) of float images unless a caller says otherwise: [0, 1], as `uvic.io.to_uint8` takes them.
+DEFAULT_VALUE_RANGE: ValueRange = IMAGE_RANGE
 Batch = Union[torch.Tensor, np.ndarray]
 
 
-def to_uint8(images: Batch, value_range: ValueRange = (0.0, 1.0)) -> torch.Tensor:
-    """Convert a batch to (B, 3, H, W) uint8, quantising floats like `torchvision.utils.save_image`.
+def to_uint8(images: Batch, value_range: ValueRange = DEFAULT_VALUE_RANGE) -> torch.Tensor:
+    """Convert a batch to (B, 3, H, W) uint8 RGB, quantising floats like `torchvision.utils.save_image`
+    (`uvic.io.to_uint8`, the one quantisation) and repeating the channel of grayscale images.
 
     Args:
-        images: (B, 3, H, W) or (B, H, W, 3), torch or numpy; uint8 is taken as is, floats are mapped from
-            `value_range` to [0, 1] (U-ViT's ``unpreprocess`` for (-1, 1)) and then quantised.
+        images: (B, C, H, W) or (B, H, W, C) with C = 3 (RGB) or 1 (grayscale), torch or numpy; uint8 is taken as
+            is, floats are mapped from `value_range` to [0, 1] (U-ViT's ``unpreprocess`` for (-1, 1)) and quantised.
         value_range: (low, high) of float inputs.
     Returns:
         (B, 3, H, W) uint8 tensor on the input's device (CPU for numpy).
@@ -49,18 +58,20 @@ def to_uint8(images: Batch, value_range: ValueRange = (0.0, 1.0)) -> torch.Tenso
     x = torch.from_numpy(np.ascontiguousarray(images)) if isinstance(images, np.ndarray) else images
     if not torch.is_tensor(x) or x.dim() != 4:
         raise ValueError(f"expected a 4-D image batch, got {getattr(x, 'shape', type(x))}")
-    if x.shape[1] != 3:
-        if x.shape[-1] != 3:
-            raise ValueError(f"expected (B, 3, H, W) or (B, H, W, 3) RGB images, got shape {tuple(x.shape)}")
+    if x.shape[1] not in (1, 3):
+        if x.shape[-1] not in (1, 3):
+            raise ValueError(f"expected (B, 3, H, W) or (B, H, W, 3) RGB images, or (B, 1, H, W) or (B, H, W, 1) "
+                             f"grayscale ones, got shape {tuple(x.shape)}")
         x = x.permute(0, 3, 1, 2)
-    return _quantize(x, value_range).contiguous()
+    return _quantize(x, value_range).expand(-1, 3, -1, -1).contiguous()  # grayscale: R = G = B
 
 
 class ImageFolder(Dataset):
-    """Images in a folder (U-ViT's ``{idx}.png`` sample dirs), in natural sort order (`uvic.data.images.find_images`,
-    the reader training uses too).
+    """Images in a folder (U-ViT's ``{idx}.png`` sample dirs), in natural sort order, every file checked before
+    anything is computed (`uvic.data.images.readable_images`, the reader training uses too).
 
-    All images must have one size and exactly 3 channels (RGB); the first offending file is named.
+    All images must have one size and be RGB or grayscale (`IMAGE_MODES`; grayscale is repeated to RGB); the first
+    offending file is named.
 
     Args:
         root: folder to read.
@@ -69,7 +80,7 @@ class ImageFolder(Dataset):
 
     def __init__(self, root: str | os.PathLike, *, recursive: bool = False) -> None:
         self.root = Path(root)
-        self.files = find_images(self.root, recursive=recursive)
+        self.files = readable_images(self.root, recursive=recursive, remedy="nothing was computed")
         self.name = str(self.root)
         self._check()
 
@@ -79,14 +90,12 @@ class ImageFolder(Dataset):
             warnings.warn(f"{len(lossy)} lossy-compressed images in {self.name} (e.g. {lossy[0].name}); "
                           "JPEG artefacts change FID, prefer PNG samples", stacklevel=3)  # fmt: skip
         first = None
-        for p in self.files:  # The header, and for PNG the chunks to the end: a truncated file fails here.
-            if (why := check_image(p)) is not None:
-                raise DataError(f"{p} is not a readable image ({why}); nothing was computed")
+        for p in self.files:
             with Image.open(p) as im:
                 size, mode = im.size, im.mode
-            if mode != "RGB":
+            if mode not in IMAGE_MODES:
                 raise ValueError(f"image {str(p)!r} has mode {mode!r} ({Image.getmodebands(mode)} channels); "
-                                 "FID needs 3-channel RGB images")  # fmt: skip
+                                 "FID takes RGB or 8-bit grayscale (L) images")  # fmt: skip
             if first is None:
                 first = (p, size)
             elif size != first[1]:
@@ -97,12 +106,13 @@ class ImageFolder(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        """(3, H, W) uint8."""
+        """(3, H, W) uint8 (a grayscale file's channel repeated, by PIL's `convert("RGB")`)."""
         return torch.from_numpy(np.array(read_rgb(self.files[i]))).permute(2, 0, 1)
 
 
 class ImageArray(Dataset):
-    """Images held in an array: (N, H, W, 3) or (N, 3, H, W), uint8 or float in `value_range`.
+    """Images held in an array: (N, H, W, C) or (N, C, H, W) with C = 3 or 1 (grayscale, repeated to RGB), uint8 or
+    float in `value_range`.
 
     Args:
         images: the array (numpy or torch).
@@ -110,14 +120,15 @@ class ImageArray(Dataset):
         name: label recorded in the stats.
     """
 
-    def __init__(self, images: Batch, *, value_range: ValueRange = (0.0, 1.0), name: str = "array") -> None:
-        if images.ndim != 4 or 3 not in (images.shape[1], images.shape[-1]):
-            raise ValueError(f"{name}: expected (N, H, W, 3) or (N, 3, H, W) images, got shape {tuple(images.shape)}")
+    def __init__(self, images: Batch, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, name: str = "array") -> None:
+        if images.ndim != 4 or not {1, 3} & {images.shape[1], images.shape[-1]}:
+            raise ValueError(f"{name}: expected (N, H, W, C) or (N, C, H, W) images with C = 3 (RGB) or 1 "
+                             f"(grayscale), got shape {tuple(images.shape)}")
         self.images, self.value_range, self.name = images, value_range, name
 
     @classmethod
     def from_npz(cls, path: str | os.PathLike, *, key: str | None = None,
-                 value_range: ValueRange = (0.0, 1.0)) -> "ImageArray":  # fmt: skip
+                 value_range: ValueRange = DEFAULT_VALUE_RANGE) -> "ImageArray":  # fmt: skip
         """Read an `.npz` of images (``arr_0`` as written by ``np.savez(path, images)``, or the only array)."""
         path = Path(path)
         if not path.is_file():
@@ -179,19 +190,27 @@ def cifar10(root: str | os.PathLike, split: str = "train", *, md5_check: bool = 
     return ImageArray(images, name=f"cifar10-{split}")
 
 
-def center_crop_lanczos(image: np.ndarray, resolution: int) -> np.ndarray:
-    """U-ViT's MS-COCO preprocessing (`datasets.center_crop`): centre square crop, then PIL Lanczos resize.
+def digits(image_size: int = 8) -> ImageArray:
+    """scikit-learn's 1,797 handwritten digits (shipped with it, no download) as training reads them
+    (`uvic.data.DigitsDataset`, data.name "digits": gray levels 0..16 to [-1, 1], resized bilinearly to
+    `image_size`), quantised like the samples of a model trained on them; grayscale, repeated to RGB.
 
     Args:
-        image: (H, W, 3) uint8.
+        image_size: the side of the samples (the config's `data.image_size`; 8, the digits' own, for the demo).
     Returns:
-        (resolution, resolution, 3) uint8.
+        `ImageArray` of (1797, 1, image_size, image_size) float images named ``digits:<image_size>``.
     """
-    h, w = image.shape[:2]
-    c = min(h, w)
-    image = image[(h - c) // 2 : (h + c) // 2, (w - c) // 2 : (w + c) // 2]
-    resized = Image.fromarray(image, "RGB").resize((resolution, resolution), Image.LANCZOS)
-    return np.asarray(resized).astype(np.uint8)
+    from uvic.data.images import DigitsDataset
+
+    if image_size < 1:
+        raise ValueError(f"digits image size must be >= 1, got {image_size}")
+    return ImageArray(DigitsDataset(image_size).images, value_range=(-1.0, 1.0), name=f"digits:{image_size}")
+
+
+def center_crop_lanczos(image: np.ndarray, resolution: int) -> np.ndarray:
+    """U-ViT's MS-COCO preprocessing of an (H, W, 3) uint8 image (`uvic.data.mscoco.center_crop_resize`, which
+    extracting the training features uses): centre square crop, then PIL Lanczos resize. Returns (R, R, 3) uint8."""
+    return center_crop_resize(Image.fromarray(image, "RGB"), resolution)
 
 
 class CocoVal2014(Dataset):
@@ -218,8 +237,7 @@ class CocoVal2014(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         """(3, resolution, resolution) uint8."""
         with Image.open(self.files[i]) as im:
-            image = np.asarray(im.convert("RGB"))
-        return torch.from_numpy(center_crop_lanczos(image, self.resolution)).permute(2, 0, 1)
+            return torch.from_numpy(center_crop_resize(im, self.resolution).copy()).permute(2, 0, 1)
 
 
 class GeneratorSource:
@@ -235,7 +253,7 @@ class GeneratorSource:
     """
 
     def __init__(self, source: Callable[[int], Batch] | Iterable[Batch], *, num_samples: int | None = None,
-                 value_range: ValueRange = (0.0, 1.0), name: str = "generator") -> None:  # fmt: skip
+                 value_range: ValueRange = DEFAULT_VALUE_RANGE, name: str = "generator") -> None:  # fmt: skip
         if callable(source) and not isinstance(source, Iterable):
             if num_samples is None:
                 raise ValueError("num_samples is required when the source is a callable fn(n) -> images")
@@ -272,11 +290,12 @@ class GeneratorSource:
 Source = Union[str, os.PathLike, Dataset, GeneratorSource, Callable[[int], Batch], Iterable[Batch]]
 
 
-def open_source(spec: Source, *, value_range: ValueRange = (0.0, 1.0), num_samples: int | None = None,
+def open_source(spec: Source, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, num_samples: int | None = None,
                 recursive: bool = False, md5_check: bool = False) -> Dataset | GeneratorSource:  # fmt: skip
     """Turn a source spec into a map-style dataset or a `GeneratorSource`.
 
     String specs: a folder of images; an ``.npz`` of images; ``cifar10-train:ROOT`` / ``cifar10-test:ROOT``;
+    ``digits:SIZE`` (scikit-learn's digits at side SIZE, as `data.name: digits` trains on them);
     ``coco-val2014-256:VAL2014_DIR`` (any resolution in place of 256). Datasets and `GeneratorSource`s pass
     through; other callables and iterables become a `GeneratorSource`.
     """
@@ -286,6 +305,8 @@ def open_source(spec: Source, *, value_range: ValueRange = (0.0, 1.0), num_sampl
         text = os.fspath(spec)
         if m := re.fullmatch(r"cifar10-(train|test):(.+)", text):
             return cifar10(m[2], m[1], md5_check=md5_check)
+        if m := re.fullmatch(r"digits:(\d+)", text):
+            return digits(int(m[1]))
         if m := re.fullmatch(r"coco-val2014-(\d+):(.+)", text):
             return CocoVal2014(m[2], int(m[1]))
         path = Path(text)
@@ -293,8 +314,8 @@ def open_source(spec: Source, *, value_range: ValueRange = (0.0, 1.0), num_sampl
             return ImageFolder(path, recursive=recursive)
         if path.suffix == ".npz":
             return ImageArray.from_npz(path, value_range=value_range)
-        raise FileNotFoundError(f"image source {text!r} is not a folder, an .npz file, cifar10-<split>:ROOT "
-                                "or coco-val2014-<res>:DIR")  # fmt: skip
+        raise FileNotFoundError(f"image source {text!r} is not a folder, an .npz file, cifar10-<split>:ROOT, "
+                                "digits:SIZE or coco-val2014-<res>:DIR")  # fmt: skip
     if callable(spec) or isinstance(spec, Iterable):
         return GeneratorSource(spec, num_samples=num_samples, value_range=value_range)
     raise ValueError(f"unsupported image source {type(spec)}")

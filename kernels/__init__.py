@@ -4,7 +4,10 @@ Importing this package does not import triton: it holds the kernel's envelope (t
 `uvic.attention.unsupported_reason` checks) and the device query, so `import uvic.kernels` works on any machine.
 The op itself, `fused_attention`, is in `uvic.kernels.ops` (which imports triton). This package imports nothing
 from its submodules or from `uvic.attention`, so no import circle runs through it; the checked entry point is
-`uvic.attention.cog_attention(..., backend="triton")`.
+`uvic.attention.cog_attention(..., backend="triton")`. No module of the package imports the rest of uvic (the
+benchmarks that compare the kernel with uvic's models live in benchmarks/), except the build tool
+`uvic.kernels.aot`, which the op never imports and which writes its files with `uvic.io.atomic_write`
+(tests/test_imports.py).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from uvic.io import atomic_write  # the one home of atomic writes; this tool alone in uvic.kernels imports uvic
 from uvic.kernels.configs import (
     ARCHS,
     DTYPES,
@@ -239,9 +240,8 @@ def _memo_path(ptx: str, arch: int) -> Path:
 
 def _write_memo(memo: Path, usage: tuple[int, int, int]) -> None:
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp_file = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp_file.write_text(json.dumps(usage))
-    tmp_file.replace(memo)
+    with atomic_write(memo, "w") as f:  # parallel workers may write the same memo: each replaces it whole
+        json.dump(usage, f)
 
 
 def _compile(spec: Spec, log: io.StringIO | None = None):
@@ -490,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("%d kernels compiled by triton %s in %.0f s; %d spill or exceed shared memory", len(results),
                 triton.__version__, time.perf_counter() - t0, len(bad))  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps([{**asdict(r), "config": str(r.spec.config)} for r in results], indent=1))
+        with atomic_write(args.json, "w") as f:
+            json.dump([{**asdict(r), "config": str(r.spec.config)} for r in results], f, indent=1)
     return 1 if bad else 0
 
 
@@ -510,8 +511,9 @@ def _main_sass_mix(args: argparse.Namespace) -> int:
     logger.info("targets: total cog/softmax <= %s, %s counts equal; %d misses%s", SASS_RATIO_TARGET,
                 "/".join(SASS_EQUAL_CLASSES), len(bad), "".join("\n  " + b for b in bad))  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps([{**asdict(m.spec), "config": str(m.spec.config), "counts": m.counts(),
-                                          "opcodes": m.opcodes} for m in mixes], indent=1))  # fmt: skip
+        with atomic_write(args.json, "w") as f:
+            json.dump([{**asdict(m.spec), "config": str(m.spec.config), "counts": m.counts(), "opcodes": m.opcodes}
+                       for m in mixes], f, indent=1)  # fmt: skip
     return 1 if bad else 0
 
 

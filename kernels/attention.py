@@ -73,6 +73,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from packaging.version import Version
 
 from uvic.kernels import cuda_device_info
 from uvic.kernels.configs import (
@@ -1053,16 +1054,68 @@ def _autotuned(kernel: str, arch: int):
 
 
 def _launch(kernel: str, device: torch.device, grid_rows: int, grid_blocks_of: str, bh: int, args: tuple, consts: dict):
-    """Launch one kernel: a fixed config under the interpreter, else the autotuned wrapper for this GPU."""
+    """Launch one kernel: a fixed config under the interpreter, else the autotuned wrapper for this GPU. Returns the
+    launch as a replay for `_PLANS` (None under the interpreter, or where triton's launcher is not known)."""
     if _interpreting():
         c = INTERPRET_CONFIGS[kernel]
         block = c.block_n if grid_blocks_of == "BLOCK_N" else c.block_m
         KERNEL_FNS[kernel][(triton.cdiv(grid_rows, block), bh)](
             *args, **consts, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages
         )
-        return
+        return None
     fn = _autotuned(kernel, _arch(device))
-    fn[lambda meta: (triton.cdiv(grid_rows, meta[grid_blocks_of]), bh)](*args, **consts)
+    compiled = fn[lambda meta: (triton.cdiv(grid_rows, meta[grid_blocks_of]), bh)](*args, **consts)
+    return _replay(kernel, compiled, fn.best_config, device, (grid_rows, grid_blocks_of, bh), args, consts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch plans: a call's host work done once per shape
+# ---------------------------------------------------------------------------------------------------------
+
+# A small call (a U-ViT layer, B=8 nh=8 L=257) runs for tens of microseconds on a GPU, less than the host work of
+# launching it through triton's autotuner and JIT (argument binding, specialization keys, the config lookup, per
+# launch). Everything that work decides depends only on the call's shapes, strides, dtypes, flags and scalars and
+# on the inputs' 16-byte alignment (what triton specializes on): the config, the compiled kernel, the grid and
+# every argument but the tensors. `attention_forward` and `attention_backward` key their launches on exactly
+# these, and after the first call with a key they launch the compiled kernels directly (`_replay`). The key holds
+# the scale and the softcap by value (a model uses one of each), and at most `_MAX_PLANS` keys are kept.
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 4096
+# Triton 3.3 and newer pass every kernel parameter to a compiled kernel's launcher, the constexprs included (older
+# versions passed the others only). The replays are built for that convention; older triton launches every call
+# through the autotuner.
+_REPLAY_LAUNCHES = Version(triton.__version__) >= Version("3.3")
+
+
+def _replay(kernel: str, compiled, config: triton.Config, device: torch.device, grid: tuple[int, str, int],
+            args: tuple, consts: dict):  # fmt: skip
+    """`compiled` (the kernel the autotuner launched with `args` on `device`) as a function of the call's tensors
+    alone: `replay(*tensors)` launches it on the device's current stream with the other arguments, the constexprs
+    and the grid of this launch. `args` must start with the tensors and hold no other tensor; the kernel takes
+    its constexprs after the other parameters. None where triton's launcher is not the one this is built for."""
+    from triton.compiler import CompiledKernel
+
+    if not _REPLAY_LAUNCHES or not isinstance(compiled, CompiledKernel):
+        return None
+    n_tensors = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+    params = KERNEL_FNS[kernel].params
+    if any(p.is_constexpr for p in params[: len(args)]) or not all(p.is_constexpr for p in params[len(args) :]):
+        raise RuntimeError(f"kernel {kernel}: the launch plans need the constexpr parameters last")
+    values = {**consts, **config.kwargs}
+    constexprs = tuple(values[p.name] if p.name in values else p.default for p in params[len(args) :])
+    grid_rows, grid_blocks_of, bh = grid
+    runner = compiled[(triton.cdiv(grid_rows, config.kwargs[grid_blocks_of]), bh, 1)]
+    fixed = (*args[n_tensors:], *constexprs)
+    stream_of, index = triton.runtime.driver.active.get_current_stream, device.index  # torch's current stream
+    return lambda *tensors: runner(*tensors, *fixed, stream=stream_of(index))
+
+
+def _save_plan(key: tuple, *replays) -> None:
+    """Keep the replays of one call's launches under `key` (nothing when a launch has no replay)."""
+    if all(r is not None for r in replays):
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = replays
 
 
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -1107,9 +1160,14 @@ def _qkv_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tup
     return tuple(x // unit if i < 3 else x for t in (q, k, v) for i, x in enumerate(t.stride())), unit
 
 
+_NO_KPM: dict[torch.device, torch.Tensor] = {}
+
+
 def _kpm_arg(q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     if key_padding_mask is None:
-        return q.new_empty(1, dtype=torch.int8), 0  # never read (HAS_KPM=False)
+        if (none := _NO_KPM.get(q.device)) is None:
+            none = _NO_KPM[q.device] = q.new_empty(1, dtype=torch.int8)  # never read (HAS_KPM=False)
+        return none, 0
     kpm = key_padding_mask.to(torch.int8).contiguous()
     return kpm, kpm.stride(0)
 
@@ -1173,10 +1231,17 @@ def attention_forward(
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
     q, scale, _ = _cog_scale(q, scale, cog)
-    q, k, v = (_int32_addressable(t) for t in (q, k, v))
+    q, k, v = _int32_addressable(q), _int32_addressable(k), _int32_addressable(v)
     out = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
     lse = torch.empty(row_stats_shape(q), dtype=torch.float32, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
+    key = ("fwd", q.device, q.dtype, q.shape, Lk, q.stride(), k.stride(), v.stride(), q.data_ptr() % 16,
+           k.data_ptr() % 16, v.data_ptr() % 16, key_padding_mask is None, causal, scale, cog, window_left,
+           window_right, softcap)  # fmt: skip
+    if (plan := _PLANS.get(key)) is not None:
+        with _on_device(q):
+            plan[0](q, k, v, out, lse, kpm)
+        return out, lse
     causal, window, win_lo, win_hi = band_args(Lq, Lk, causal, window_left, window_right)
     qkv_strides, unit = _qkv_strides(q, k, v)
     args = (q, k, v, out, lse, kpm, float(scale), *qkv_strides, stride_kpmb, nh, Lq, Lk,
@@ -1185,7 +1250,7 @@ def attention_forward(
               "DOT_PREC": _dot_prec(q.dtype), "SIGN_PTX": _sign_ptx(q), "WINDOW": window, "SOFTCAP": softcap > 0,
               "STRIDE_UNIT": unit}  # fmt: skip
     with _on_device(q):
-        _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts)
+        _save_plan(key, _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts))
     return out, lse
 
 
@@ -1209,7 +1274,7 @@ def attention_backward(
     B, nh, Lq, hd = q.shape
     Lk = k.shape[2]
     q, scale, q_sign = _cog_scale(q, scale, cog)
-    q, k, v = (_int32_addressable(t) for t in (q, k, v))
+    q, k, v = _int32_addressable(q), _int32_addressable(k), _int32_addressable(v)
     # The kernels index dO, O and LSE as contiguous (B*nh, Lq[, hd]) arrays.
     if q.dtype == torch.float32:
         # The kernels rebuild exp2(score - m) / l as exp2(score - m) with dO / l in place of dO: D = rowsum(dO O)
@@ -1222,22 +1287,35 @@ def attention_backward(
     out = out.contiguous()
     lse = lse.contiguous()
     delta = torch.empty((B, nh, Lq), dtype=torch.float32, device=q.device)
-    bucket = length_bucket(max(Lq, Lk))
     dq = torch.empty((B, nh, Lq, hd), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, nh, Lk, hd), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, nh, Lk, hd), dtype=v.dtype, device=q.device)
     kpm, stride_kpmb = _kpm_arg(q, key_padding_mask)
-    causal, window, win_lo, win_hi = band_args(Lq, Lk, causal, window_left, window_right)
-    qkv_strides, unit = _qkv_strides(q, k, v)
-    strides = (*qkv_strides, stride_kpmb, nh, Lq, Lk, bucket, win_lo, win_hi, float(softcap))
-    consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog,
-              "DOT_PREC": _dot_prec(q.dtype), "WINDOW": window, "SOFTCAP": softcap > 0, "STRIDE_UNIT": unit}  # fmt: skip
-    with _on_device(q):
-        _launch("bwd_pre", q.device, Lq, "BLOCK_M", B * nh, (out, do, delta, Lq, length_bucket(Lq)), {"HEAD_DIM": hd})
-        _launch("bwd_dkdv", q.device, Lk, "BLOCK_N", B * nh,
-                (q, k, v, do, dk, dv, lse, delta, kpm, float(scale), *strides), consts)  # fmt: skip
-        _launch("bwd_dq", q.device, Lq, "BLOCK_M", B * nh, (q, k, v, do, dq, lse, delta, kpm, float(scale), *strides),
-                consts)  # fmt: skip
+    key = ("bwd", q.device, q.dtype, q.shape, Lk, q.stride(), k.stride(), v.stride(), q.data_ptr() % 16,
+           k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16,
+           key_padding_mask is None, causal, scale, cog, window_left, window_right, softcap)  # fmt: skip
+    if (plan := _PLANS.get(key)) is not None:
+        with _on_device(q):
+            plan[0](out, do, delta)
+            plan[1](q, k, v, do, dk, dv, lse, delta, kpm)
+            plan[2](q, k, v, do, dq, lse, delta, kpm)
+    else:
+        causal, window, win_lo, win_hi = band_args(Lq, Lk, causal, window_left, window_right)
+        qkv_strides, unit = _qkv_strides(q, k, v)
+        strides = (*qkv_strides, stride_kpmb, nh, Lq, Lk, length_bucket(max(Lq, Lk)),
+                   win_lo, win_hi, float(softcap))  # fmt: skip
+        consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog,
+                  "DOT_PREC": _dot_prec(q.dtype), "WINDOW": window, "SOFTCAP": softcap > 0, "STRIDE_UNIT": unit}  # fmt: skip
+        with _on_device(q):
+            _save_plan(
+                key,
+                _launch("bwd_pre", q.device, Lq, "BLOCK_M", B * nh, (out, do, delta, Lq, length_bucket(Lq)),
+                        {"HEAD_DIM": hd}),  # fmt: skip
+                _launch("bwd_dkdv", q.device, Lk, "BLOCK_N", B * nh,
+                        (q, k, v, do, dk, dv, lse, delta, kpm, float(scale), *strides), consts),  # fmt: skip
+                _launch("bwd_dq", q.device, Lq, "BLOCK_M", B * nh,
+                        (q, k, v, do, dq, lse, delta, kpm, float(scale), *strides), consts),  # fmt: skip
+            )
     if q_sign != 1.0:
         dq = dq * q_sign
     return dq, dk, dv

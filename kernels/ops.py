@@ -65,20 +65,30 @@ def _(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog, window_left=-
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def _save_context(ctx, inputs: tuple, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """What the backward needs of a forward call (`inputs`: the forward's arguments, in order), for both paths."""
     q, k, v, key_padding_mask, causal, scale, cog, window_left, window_right, softcap = inputs
-    out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
     ctx.causal, ctx.scale, ctx.cog = causal, scale, cog
     ctx.window, ctx.softcap = (window_left, window_right), softcap
-    ctx.mark_non_differentiable(lse)
+
+
+def _gradients(ctx, dout: torch.Tensor, backward) -> tuple:
+    """The forward arguments' gradients (dq, dk, dv, then None for the rest) from `backward`: the backward op
+    (compiled graphs) or the kernels' own function (eager)."""
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = backward(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale, ctx.cog, *ctx.window,
+                          ctx.softcap)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _setup_context(ctx, inputs, output):
+    _save_context(ctx, inputs, *output)
+    ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale, ctx.cog, *ctx.window,
-                         ctx.softcap)  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return _gradients(ctx, dout, _bwd_op)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -95,20 +105,14 @@ class _EagerFusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, scale, cog, window_left, window_right, softcap):
-        out, lse = _kernels.attention_forward(q, k, v, key_padding_mask, causal, scale, cog, window_left,
-                                              window_right, softcap)  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.causal, ctx.scale, ctx.cog = causal, scale, cog
-        ctx.window, ctx.softcap = (window_left, window_right), softcap
+    def forward(ctx, *inputs):  # the arguments of `_fwd_op`, all given
+        out, lse = _kernels.attention_forward(*inputs)
+        _save_context(ctx, inputs, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = _kernels.attention_backward(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale,
-                                                 ctx.cog, *ctx.window, ctx.softcap)  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return _gradients(ctx, dout, _kernels.attention_backward)
 
 
 def fused_attention(
@@ -121,7 +125,7 @@ def fused_attention(
     scale: float | None = None,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
-    attention: str = "cog",
+    cog: bool = True,
 ) -> torch.Tensor:
     """The fused kernel as a differentiable op, unchecked: `uvic::fused_attention_fwd` under torch.compile, the
     same kernels through a plain autograd.Function in eager mode (`_EagerFusedAttention`).
@@ -133,16 +137,16 @@ def fused_attention(
         q: (B, nh, Lq, hd); k, v: (B, nh, Lk, hd); any strides, float16/bfloat16/float32.
         causal, key_padding_mask, scale, window, softcap: as `uvic.attention.cog_attention` (window (left, right),
             -1 = unbounded side; softcap c > 0 or None).
-        attention: "cog" (`sign(p) * softmax(|p|)`) or "softmax" (`softmax(p)`), from the same kernel.
+        cog: True for Cog attention (`sign(p) * softmax(|p|)`), False for softmax attention (`softmax(p)`), from
+            the same kernels. The kinds' names live in `uvic.attention` (ATTENTIONS), which maps its kind to this
+            flag: the kernel package imports nothing from the rest of uvic.
     Returns:
         (B, nh, Lq, hd) in the input dtype.
     """
-    if attention not in ("cog", "softmax"):
-        raise ValueError(f"unknown attention {attention!r}; expected 'cog' or 'softmax'")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     cap = 0.0 if softcap is None else float(softcap)
-    args = (q, k, v, key_padding_mask, bool(causal), scale, attention == "cog", left, right, cap)
+    args = (q, k, v, key_padding_mask, bool(causal), scale, bool(cog), left, right, cap)
     if torch.compiler.is_compiling():
         return _fwd_op(*args)[0]
     return _EagerFusedAttention.apply(*args)

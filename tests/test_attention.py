@@ -1,9 +1,12 @@
 """uvic.attention: every CPU backend against an independent float64 implementation of the paper's formula."""
 
+import collections
 import math
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from uvic.attention import (
     COMPILE_MIN_SCORES,
     attention_ref,
     cog_attention,
+    kept_by_mask,
     softmax_attention,
     tiled_cog_attention,
     unsupported_reason,
@@ -472,6 +476,20 @@ def test_bad_inputs(op):
             assert msg in str(info.value), (msg, backend, str(info.value))
 
 
+def test_kept_by_mask_reads_bool_and_additive_masks():
+    keep = torch.tensor([[True, False, True]])
+    assert kept_by_mask(keep) is keep
+    additive = torch.tensor([[0.0, float("-inf"), -1e4, 0.0]])
+    assert kept_by_mask(additive, -1e4).tolist() == [[True, False, False, True]]
+    assert kept_by_mask(additive, -2e4) is None  # -1e4 is then a bias, not a removed key
+    assert kept_by_mask(torch.tensor([[0.0, 0.5]]), -1e4) is None
+    # The default: half the dtype's lowest value, where masks built from finfo.min sit (and -inf).
+    low = torch.finfo(torch.float16).min
+    assert kept_by_mask(torch.tensor([0.0, low, low / 2, float("-inf")], dtype=torch.float16)).tolist() == [
+        True, False, False, False]  # fmt: skip
+    assert kept_by_mask(torch.tensor([0.0, low / 4], dtype=torch.float16)) is None
+
+
 def test_triton_backend_on_cpu_is_a_clear_error():
     q, k, v, _ = make_inputs(1, 1, 4, 4, 16)
     why = unsupported_reason(q, k, v, backend="triton")
@@ -483,6 +501,56 @@ def test_triton_backend_on_cpu_is_a_clear_error():
     assert "unknown attention backend" in unsupported_reason(q, k, v, backend="flash")
     # "auto" falls back to the torch backend on CPU.
     torch.testing.assert_close(cog_attention(q, k, v), cog_attention(q, k, v, backend="torch"))
+
+
+def _frames(fn) -> collections.Counter:
+    """The Python functions one call of `fn` enters, by name (frames counted with sys.setprofile)."""
+    entered = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            entered[frame.f_code.co_name] += 1
+            entered[Path(frame.f_code.co_filename).name] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def _host_work(op, q, k, v) -> collections.Counter:
+    with torch.no_grad():
+        op(q, k, v)  # first-call work out of the way
+        return _frames(lambda: op(q, k, v))
+
+
+@pytest.mark.parametrize("op", [cog_attention, softmax_attention])
+def test_host_work_per_call_on_cpu(op):
+    """The Python a call runs before its math: the input checks once, and no autocast context while autocast is
+    off (entering `torch.autocast` cost several microseconds, as much as the checks; under autocast one is entered,
+    the op's math being float32). softmax_attention's whole call is a few frames around SDPA."""
+    q, k, v, _ = make_inputs(1, 2, 16, 16, 64)
+    frames = _host_work(op, q, k, v)
+    assert frames["_input_problem"] == 1 and frames["autocast_mode.py"] == 0
+    if op is softmax_attention:
+        assert sum(n for name, n in frames.items() if not name.endswith(".py")) <= 10
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        frames = _host_work(op, q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert frames["_input_problem"] == 1 and frames["autocast_mode.py"] >= (op is cog_attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_checks_a_cuda_call_once():
+    """backend="auto" on 16-bit CUDA inputs: the input checks run once and then only the kernel's envelope is
+    asked (the whole `unsupported_reason(backend="triton")` used to run a second time), and no autocast context is
+    entered while autocast is off."""
+    q, k, v = (torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    frames = _host_work(cog_attention, q, k, v)
+    assert unsupported_reason(q, k, v, backend="triton") is None  # the call ran the kernel
+    assert frames["_input_problem"] == 1 and frames["_kernel_problem"] == 1 and frames["autocast_mode.py"] == 0
 
 
 @pytest.mark.parametrize("op", [cog_attention, softmax_attention])
@@ -498,6 +566,45 @@ def test_autocast_bf16(op, backend):
     expect = cog_f64(q.detach(), k.detach(), v.detach(), causal=True,
                      attention="cog" if op is cog_attention else "softmax")
     assert (out.double() - expect).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("op, kw", [(cog_attention, {}), (softmax_attention, {"softcap": 5.0})], ids=["cog", "softmax"])
+@pytest.mark.parametrize("where", ["eager, backward inside autocast", "torch.compile"])
+def test_backward_under_autocast(op, kw, where):
+    """The torch backend's backward in an autocast state: called inside the autocast block in eager mode, and
+    traced by torch.compile (AOTAutograd runs the backward of an autograd.Function in the caller's autocast, not in
+    the forward's). It used to fail there with "expected scalar type BFloat16 but found Float": autocast turned the
+    float32 tile products into bf16 ones, which its float32 `out=` buffers refuse. The gradients are those of a
+    backward called outside autocast, where it always worked. q, k, v come from a projection, as in a model, so
+    they are bf16 tensors made under autocast (inside the compiled graph)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 9, 8, generator=g)
+    w = torch.randn(3, 8, 8, generator=g)
+
+    def attend(x, w):
+        return op(x @ w[0], x @ w[1], x @ w[2], backend="torch", **kw)  # (B, nh, L, hd) bf16
+
+    def grads(fn, backward_inside: bool):
+        wl = w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x, wl)
+            if backward_inside:
+                out.float().square().sum().backward()
+        if not backward_inside:
+            out.float().square().sum().backward()
+        return out, wl.grad
+
+    expect_out, expect_grad = grads(attend, backward_inside=False)
+    if where == "torch.compile":
+        torch._dynamo.reset()
+        # aot_eager: AOTAutograd traces the backward as Inductor's does (where it failed), without compiling C++.
+        out, grad = grads(torch.compile(attend, backend="aot_eager", fullgraph=True), backward_inside=False)
+        torch._dynamo.reset()
+    else:
+        out, grad = grads(attend, backward_inside=True)
+    assert out.dtype == torch.bfloat16 and grad.dtype == torch.float32
+    torch.testing.assert_close(out, expect_out, rtol=0, atol=0)
+    torch.testing.assert_close(grad, expect_grad, rtol=1e-2, atol=1e-2 * expect_grad.abs().max().item())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -555,6 +662,24 @@ def test_window_one_and_window_wider_than_keys():
                                        op(q, k, v, causal=True, backend=backend))
 
 
+@pytest.mark.parametrize("Lq,Lk", [(6, 9), (9, 6)])
+def test_windows_larger_than_any_index_are_unbounded(Lq, Lk):
+    """A side past every key (up to 10**30, beyond int64) keeps the keys the unbounded side keeps; the reference
+    with the side written as -1 is the expected value, and the widest side that still bounds the band on its own
+    (left Lk - 1, right Lq - 1) gives the same keys too."""
+    q, k, v, _ = make_inputs(2, 2, Lq, Lk, 8, dtype=torch.float64, seed=5)
+    kpm = torch.rand(2, Lk, generator=torch.Generator().manual_seed(3)) > 0.3
+    for op in (cog_attention, softmax_attention):
+        attention = "cog" if op is cog_attention else "softmax"
+        for huge, unbounded, widest in [((10**30, 0), (-1, 0), (Lk - 1, 0)), ((1, 2**63), (1, -1), (1, Lq - 1)),
+                                        ((10**30, 10**30), None, (Lk - 1, Lq - 1))]:  # fmt: skip
+            want = attention_ref(q, k, v, key_padding_mask=kpm, window=unbounded, attention=attention)
+            torch.testing.assert_close(attention_ref(q, k, v, key_padding_mask=kpm, window=widest,
+                                                     attention=attention), want)  # fmt: skip
+            for backend in ("reference", "torch", "auto"):
+                torch.testing.assert_close(op(q, k, v, key_padding_mask=kpm, window=huge, backend=backend), want)
+
+
 def test_softcap_keeps_signs_and_bounds_magnitudes():
     # With c small against |p|, every |p'| = c tanh(|p| / c) is close to c: the weights of kept keys become
     # nearly uniform in magnitude, and their signs stay those of p.
@@ -595,3 +720,99 @@ def test_banded_tiles_skip_keys_outside_the_band():
             computed += (hs.stop - hs.start) * (rs.stop - rs.start) * (ks.stop - ks.start)
         rows = max(rs.stop - rs.start for _, _, rs in _tiles(1, nh, Lq, Lk, 2**20, band))
         assert nh * band_area <= computed <= nh * (band_area + rows * Lk), (causal, window, computed / nh / band_area)
+
+
+def test_the_attention_compile_does_not_show_torch_cuda_home_warning(tmp_path):
+    """A CUDA build of torch on a machine without a GPU logs "No CUDA runtime is found, using CUDA_HOME=..." when
+    torch.compile's Inductor first imports torch.utils.cpp_extension; uvic's compile of the tile math is the one that
+    triggers it in a CPU user's process, and hides it. (torch.compile is replaced by what it does first, that
+    import, so the test does not wait for Inductor; the other half shows the set-up provokes the warning.)"""
+    if not (torch.cuda._is_compiled() and torch.version.cuda) or torch.cuda.is_available():
+        pytest.skip("torch logs the warning only from a CUDA build without a GPU")
+    script = textwrap.dedent("""
+        import importlib, logging, sys
+        import torch
+        from uvic.attention import tiled_cog_attention
+
+        def compile(fn, **kwargs):  # what Inductor's first compile does before anything else here
+            importlib.import_module("torch.utils.cpp_extension")
+            return fn
+
+        logging.basicConfig()
+        if sys.argv[1] == "uvic":
+            torch.compile = compile
+            q = torch.randn(1, 2, 16, 8)
+            tiled_cog_attention(q, q, q, compile=True)
+        else:
+            importlib.import_module("torch.utils.cpp_extension")
+    """)
+    env = {**os.environ, "CUDA_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    runs = {how: subprocess.run([sys.executable, "-c", script, how], env=env, capture_output=True, text=True,
+                                timeout=300) for how in ("uvic", "plain")}  # fmt: skip
+    assert runs["plain"].returncode == 0 and "No CUDA runtime is found" in runs["plain"].stderr
+    assert runs["uvic"].returncode == 0, runs["uvic"].stderr
+    assert "No CUDA runtime is found" not in runs["uvic"].stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention kinds: the op picker and the placement rule
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_attention_op_picks_the_op_of_each_kind():
+    from uvic.attention import ATTENTIONS, attention_op
+
+    assert [attention_op(kind) for kind in ATTENTIONS] == [cog_attention, softmax_attention]
+    with pytest.raises(ValueError, match=r"attention must be one of \('cog', 'softmax'\), got 'linear'"):
+        attention_op("linear")
+
+
+@pytest.mark.parametrize(
+    "n, first, last, expected",
+    [
+        (5, 1, 1, "SCCCS"),  # U-ViC / Cogformer k = 1: softmax in the first and last layer
+        (5, 0, 0, "CCCCC"),  # Cog everywhere
+        (5, 1, 0, "SCCCC"),  # the paper's ablation: softmax in the first layer only
+        (6, 2, 2, "SSCCSS"),  # Cogformer 600M's k = 2, at a smaller depth
+        (6, 0, 4, "CCSSSS"),
+        (1, 0, 0, "C"),
+        (0, 0, 0, ""),
+    ],
+)
+def test_attention_placement(n, first, last, expected):
+    from uvic.attention import attention_placement
+
+    kinds = attention_placement(n, first, last)
+    assert "".join("C" if kind == "cog" else "S" for kind in kinds) == expected
+    assert attention_placement(n, first, last, "softmax") == ["softmax"] * n
+
+
+@pytest.mark.parametrize("bad", [-1, True, False, 1.0, 0.5, float("nan"), float("inf"), 1e6, "1", None, [1]])
+def test_placement_counts_must_be_ints_at_least_0(bad):
+    from uvic.attention import attention_placement, check_softmax_count
+
+    with pytest.raises(ValueError, match=r"^cog_keep_softmax must be an int >= 0, got "):
+        check_softmax_count(bad, "cog_keep_softmax")
+    with pytest.raises(ValueError, match=r"^keep_softmax_last must be an int >= 0"):
+        attention_placement(5, 1, bad)
+    with pytest.raises(ValueError, match=r"^n_first must be an int >= 0"):
+        attention_placement(5, bad, 1, allow_overlap=True, names=("n_first", "n_last"))
+
+
+def test_placement_overlap_is_refused_unless_allowed(recwarn):
+    from uvic.attention import attention_placement
+
+    with pytest.raises(ValueError, match=r"keep_softmax_first=3 and keep_softmax_last=3 keep softmax in 6 layers, "
+                                         r"more than the 5 there are"):  # fmt: skip
+        attention_placement(5, 3, 3)
+    # The integrations: one count for stacks of any length; a short stack keeps softmax everywhere, silently
+    # (they warn once for the whole model).
+    assert attention_placement(5, 3, 3, allow_overlap=True) == ["softmax"] * 5
+    assert attention_placement(2, 1, 1, allow_overlap=True) == ["softmax"] * 2
+    assert not recwarn.list
+    # Exactly every layer: allowed, but a Cog model without a Cog layer warns.
+    with pytest.warns(UserWarning, match=r"attention='cog' with keep_softmax_first=2 and keep_softmax_last=3 keeps all "
+                                         r"5 layers on softmax"):  # fmt: skip
+        assert attention_placement(5, 2, 3) == ["softmax"] * 5
+    attention_placement(5, 2, 3, "softmax")  # nothing to say for a softmax model
+    assert not recwarn.list

@@ -93,7 +93,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 def test_a_directory_or_binary_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path)
-    assert str(e.value) == f"config file {tmp_path} is a directory, not a YAML file"
+    assert str(e.value) == f"config file {tmp_path} is a directory, not a YAML file or a run dir (no config.yaml in it)"
     binary = tmp_path / "weights.yaml"
     binary.write_bytes(b"\x8d\x00\xff binary")
     with pytest.raises(ConfigError) as e:
@@ -265,6 +265,38 @@ def test_a_model_section_starts_from_its_preset_and_overrides_it(tmp_path):
         load_config(None, ["train.preset=fast"])
 
 
+def test_a_diffusion_section_names_its_schedule():
+    """`diffusion: {preset: stable-diffusion}` is Stable Diffusion's discrete schedule (the values diffusers' SD
+    configs hold), other keys override it, and the schedules' and samplers' defaults are the same presets."""
+    import torch
+    from diffusers import DDPMScheduler
+
+    from uvic.config import DiffusionConfig
+    from uvic.schedulers import DiscreteSchedule, UViTDPMSolverScheduler, VPSDEEulerMaruyamaScheduler, build_scheduler
+
+    d = load_config(None, ["task=t2i", "diffusion.preset=stable-diffusion", "diffusion.beta_end=0.02"]).diffusion
+    assert (d.schedule, d.num_train_timesteps, d.beta_schedule, d.beta_start, d.beta_end) == (
+        "discrete", 1000, "scaled_linear", 0.00085, 0.02)
+    assert (d.beta_min, d.beta_max, d.time_scale) == (0.1, 20.0, 999.0)  # the other fields keep their defaults
+    def config(scheduler):
+        return {k: v for k, v in scheduler.config.items() if not k.startswith("_")}
+
+    sd = DiffusionConfig.from_preset("stable-diffusion")
+    assert config(build_scheduler("uvit_dpm_solver", sd)) == config(UViTDPMSolverScheduler())
+    assert DiscreteSchedule().betas.equal(sd_betas := build_scheduler("uvit_dpm_solver", sd).noise_schedule.betas)
+    assert sd_betas.equal(torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2)
+    vp = DiffusionConfig.from_preset("vpsde")
+    assert vp == DiffusionConfig() and (vp.beta_min, vp.beta_max, vp.time_scale) == (0.1, 20.0, 999.0)
+    assert config(build_scheduler("euler_maruyama", vp)) == config(VPSDEEulerMaruyamaScheduler())
+    # The discrete defaults are DDPM's linear betas, diffusers' own defaults (not Stable Diffusion's).
+    ddpm = DiffusionConfig(schedule="discrete")
+    assert ddpm == DiffusionConfig.from_preset("ddpm")
+    assert (ddpm.beta_schedule, ddpm.beta_start, ddpm.beta_end) == tuple(
+        DDPMScheduler().config[k] for k in ("beta_schedule", "beta_start", "beta_end"))
+    with pytest.raises(ConfigError, match=r"^config key diffusion.preset: unknown schedule preset 'sdxl'"):
+        load_config(None, ["diffusion.preset=sdxl"])
+
+
 def test_a_new_sampler_and_preset_are_choices_in_the_config_yaml_and_clis(tmp_path, monkeypatch, capsys):
     """One entry in SAMPLER_TABLE and one in UVIT_PRESETS reach config validation, YAML files, train.py --dry-run,
     sample.py --sampler and the training task's pipeline, with no other edit."""
@@ -275,7 +307,7 @@ def test_a_new_sampler_and_preset_are_choices_in_the_config_yaml_and_clis(tmp_pa
 
     from uvic.models import UVIT_PRESETS
     from uvic.schedulers import SAMPLER_TABLE, VPSDEEulerMaruyamaScheduler
-    from uvic.training.tasks import DiffusionTask
+    from uvic.training.tasks.diffusion import DiffusionTask
 
     root = Path(__file__).resolve().parents[1]
     with pytest.raises(ConfigError, match="sample.sampler: 'dummy' is not one of"):
@@ -306,3 +338,12 @@ def test_a_new_sampler_and_preset_are_choices_in_the_config_yaml_and_clis(tmp_pa
         runpy.run_path("sample.py", run_name="__main__")
     choices = re.search(r"--sampler \{([^}]*)\}", capsys.readouterr().out)[1].split(",")
     assert e.value.code == 0 and "dummy" in choices and "euler_maruyama" in choices
+
+
+def test_fid_while_training_defaults_are_the_harness_defaults():
+    """train.eval_fid_mode / eval_fid_dims default to what `python -m uvic.fid` does (the config does not import the
+    harness to read them; this pins the two statements together)."""
+    from uvic.config import TrainConfig
+    from uvic.fid.inception import DEFAULT_DIMS, DEFAULT_MODE
+
+    assert (TrainConfig().eval_fid_mode, TrainConfig().eval_fid_dims) == (DEFAULT_MODE, DEFAULT_DIMS)

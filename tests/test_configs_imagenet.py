@@ -6,7 +6,7 @@ import pytest
 
 from uvic.config import ClassCondRunConfig, load_config
 from uvic.pipelines.pipeline_uvic import OFFICIAL_IMAGENET
-from uvic.training.tasks import ClassConditionalTask
+from uvic.training.tasks.class_cond import ClassConditionalTask
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -87,3 +87,22 @@ def test_the_readme_snippets_that_need_more_say_what():
     for n, code in _readme_snippets():
         if code.startswith("# Needs"):
             assert code.startswith(NEEDS) and len(code.splitlines()[0]) > len(NEEDS) + 5, f"README.md:{n}"
+
+
+def test_the_repository_map_points_to_module_docstrings():
+    """The README's repository map names paths and sends the reader to each module's docstring: every path it names
+    exists, and every Python module under them (the tests aside) opens with a docstring."""
+    import ast
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Repository map\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    cells = [row.split(" | ")[0] for row in rows]
+    paths = [p for cell in cells for p in re.findall(r"`([^`\s]+)`", cell) if not p.startswith("uvic.")]
+    assert len(paths) >= 15 and "uvic/schedulers/" in paths
+    assert not [p for p in paths if not (ROOT / p).exists()], "paths in the repository map that do not exist"
+    modules = [f for p in paths if p.endswith(("/", ".py")) and p != "tests/" for f in
+               ([ROOT / p] if p.endswith(".py") else (ROOT / p).rglob("*.py"))]  # fmt: skip
+    assert len(modules) > 50
+    bare = [f.relative_to(ROOT).as_posix() for f in modules if not ast.get_docstring(ast.parse(f.read_text()))]
+    assert not bare, f"modules without a docstring: {bare}"

@@ -2,11 +2,15 @@
 
 Every `import uvic...` / `from uvic...` (and relative import) counts, including the lazy ones inside functions.
 kernels/ is the package `uvic.kernels` and fid/ is `uvic.fid` (pyproject `package-dir`). Layering: models,
-schedulers and pipelines never import training (training builds on them), and only `uvic.attention` imports
-`uvic.kernels` from outside it.
+schedulers and pipelines never import training (training builds on them), only `uvic.attention` imports
+`uvic.kernels` from outside it, and `uvic.kernels` imports nothing from the rest of uvic (the benchmarks that
+compare the kernel with the models live in benchmarks/). One exception: the build tool `uvic.kernels.aot`
+(`python -m uvic.kernels.aot`, never imported by the op) writes its files with `uvic.io.atomic_write`.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +110,28 @@ def test_only_the_attention_op_imports_the_kernels(graph):
     importers = {m for m, ts in graph.items() if not m.startswith("uvic.kernels")
                  and any(t == "uvic.kernels" or t.startswith("uvic.kernels.") for t in ts)}  # fmt: skip
     assert importers == {"uvic.attention"}
+
+
+# Modules of uvic.kernels that may import from the rest of uvic, and what: the AOT build tool's atomic writes.
+KERNEL_TOOL_IMPORTS = {"uvic.kernels.aot": {"uvic.io"}}
+
+
+def test_the_kernel_package_imports_nothing_from_the_rest_of_uvic(graph):
+    outside = {m: {t for t in ts if not t.startswith("uvic.kernels")} for m, ts in graph.items()
+               if m.startswith("uvic.kernels")}  # fmt: skip
+    assert {m: ts for m, ts in outside.items() if ts} == KERNEL_TOOL_IMPORTS
+
+
+def test_importing_the_kernel_modules_loads_no_other_uvic_module():
+    """The same at run time, in a fresh interpreter: after `import uvic` (whose __init__ loads the public op), the
+    kernel package's runtime modules add only uvic.kernels.* modules."""
+    code = (
+        "import sys, uvic; before = set(sys.modules);"
+        "import uvic.kernels, uvic.kernels.configs, uvic.kernels.attention, uvic.kernels.ops;"
+        "print(' '.join(sorted(m for m in set(sys.modules) - before if m.startswith('uvic'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.split()
+    assert "uvic.kernels.ops" in loaded  # the check saw the imports at all
+    assert [m for m in loaded if not m.startswith("uvic.kernels.")] == []

@@ -14,6 +14,26 @@ from uvic.errors import DataError
 from uvic.io import UnsafeFileError, atomic_write, load_data_pickle, load_torch_data, read_npz, sha256_file, to_uint8
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_fsync_tree_gives_safetensors_files_the_mode_of_the_rest(tmp_path, umask):
+    """safetensors writes 0600 whatever the umask; a directory about to be renamed into place (a checkpoint, an
+    export) gets 0666 less the umask for every file, as files written with `open` have."""
+    from safetensors.torch import save_file
+
+    from uvic.io import fsync_tree
+
+    old = os.umask(umask)
+    try:
+        (tmp_path / "sub").mkdir()
+        save_file({"w": torch.zeros(2)}, str(tmp_path / "sub" / "model.safetensors"))
+        (tmp_path / "config.json").write_text("{}")
+        fsync_tree(tmp_path)
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
+    assert modes == {"model.safetensors": oct(0o666 & ~umask), "config.json": oct(0o666 & ~umask)}
+
+
 def test_sha256_file_matches_hashlib(tmp_path):
     data = os.urandom(3 << 20)  # several 1 MiB chunks
     (tmp_path / "f").write_bytes(data)
@@ -109,3 +129,37 @@ def test_to_uint8_matches_torchvision_save_image():
     assert torch.equal(to_uint8(y, (-1.0, 1.0)), to_uint8((y + 1) / 2))  # U-ViT's unpreprocess, then quantised
     with pytest.raises(ValueError, match="NaN or Inf"):
         to_uint8(torch.full((1, 3, 2, 2), float("nan")))
+
+
+class _Tied(torch.nn.Module):
+    """An embedding tied to the output head (one tensor under two names), as language models often have."""
+
+    def __init__(self, vocab=10, width=4, depth=1):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_check_weights_fit_compares_the_described_model_with_the_weights(tmp_path):
+    from safetensors.torch import save_model
+
+    from uvic.io import check_weights_fit, weight_shapes
+
+    save_model(_Tied(), str(tmp_path / "w.safetensors"))  # the tied tensor is stored once
+    shapes = weight_shapes(tmp_path / "w.safetensors")
+    assert len(shapes) == 3
+    check_weights_fit(_Tied, shapes, "m")
+    check_weights_fit(_Tied, {("old." + k if k.startswith("blocks") else k): v for k, v in shapes.items()}, "m")
+    with pytest.raises(DataError, match=r"^m: its config describes a model whose embed.weight has shape \(10, 8\), "
+                                        r"but its weights hold \(10, 4\); the config does not belong"):
+        check_weights_fit(lambda: _Tied(width=8), shapes, "m")
+    with pytest.raises(DataError, match=r"^m: its config describes a model with tensors its weights do not hold "
+                                        r"\(4, the largest blocks.\d.weight of shape \(4, 4\)\)"):
+        check_weights_fit(lambda: _Tied(depth=3), shapes, "m")
+    with pytest.raises(DataError, match=r"^m: its config describes a model of more than 1012 tensors, far more "
+                                        r"than the 3 its weights hold$"):
+        check_weights_fit(lambda: _Tied(depth=10**6), shapes, "m")
+    with pytest.raises(DataError, match=r"^m: its config does not describe a model \(RuntimeError: "):
+        check_weights_fit(lambda: _Tied(vocab=-1), shapes, "m")

@@ -134,10 +134,10 @@ def test_corrupt_pipeline_dir_is_one_line(pipe_dir, tmp_path, damage):
 
     broken = tmp_path / "pipe"
     shutil.copytree(pipe_dir, broken)
-    if damage == "truncated weights":
+    if damage == "truncated weights":  # found before loading, when the weights' shapes are read from the header
         (weights,) = (broken / "transformer").glob("*.safetensors")
-        weights.write_bytes(weights.read_bytes()[:1000])
-        expected = f"sample.py: error: cannot load the pipeline in {broken}, a file in it is missing or damaged ("
+        weights.write_bytes(weights.read_bytes()[:-100])
+        expected = f"sample.py: error: the transformer of {broken}: cannot load {weights}: SafetensorError"
     else:
         (broken / "model_index.json").write_text('{"_class_name": "UViCPipeline", ')
         expected = f"sample.py: error: {broken / 'model_index.json'} is unreadable (JSONDecodeError"
@@ -332,6 +332,9 @@ def test_the_out_dir_progress_bar_is_on_stderr_and_log_lines_stay_off_it(pipe_di
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_the_grid_progress_bar_and_quiet(pipe_dir, tmp_path, monkeypatch, capsys, quiet):
+    from diffusers.utils import logging as diffusers_logging
+
+    monkeypatch.setattr(diffusers_logging, "_tqdm_active", True)  # --quiet turns diffusers' bars off: restored after
     monkeypatch.setattr(sys, "argv", ["sample.py", str(pipe_dir), "--grid", str(tmp_path / "g.png"), "--num-images",
                                       "4", "--batch-size", "2", "--steps", "1", *(["--quiet"] if quiet else [])])
     runpy.run_path(str(ROOT / "sample.py"), run_name="__main__")
@@ -339,8 +342,10 @@ def test_the_grid_progress_bar_and_quiet(pipe_dir, tmp_path, monkeypatch, capsys
     assert out.strip() == str(tmp_path / "g.png")
     if quiet:
         assert _bar_updates(err) == [] and "/4" not in err
+        assert "Loading pipeline components" not in err  # diffusers' own bar, while the pipeline loads
     else:
         _check_counts(_bar_updates(err), 4, every_batch=False)
+        assert "Loading pipeline components" in err
 
 
 # The text-to-image export carries its text encoder: prompts work offline without --clip.
@@ -393,3 +398,151 @@ def test_fewer_prompts_than_images_is_said_in_one_line(t2i_export, tmp_path, run
     assert code == 0, err
     assert [line for line in err.splitlines() if "prompts for" in line][0].endswith(
         "2 prompts for 3 images: image i uses prompt i % 2")
+
+
+def test_prompts_make_an_out_dir_too(t2i_export, tmp_path, run_script, no_network):
+    """--prompt in --out-dir mode: image i from prompt i % n and seed i, as the library's `generate` makes it, and
+    captions.json says which prompt each file used."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from uvic.pipelines.sampling import generate, load_pretrained
+
+    pipeline, _ = t2i_export
+    out = tmp_path / "samples"
+    code, _, err = run_script("sample.py", pipeline, "--out-dir", out, "--prompt", "a cat", "--prompt", "a dog",
+                              "--num-images", "3", "--steps", "1", "--quiet")  # fmt: skip
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["000000.png", "000001.png", "000002.png", "captions.json"]
+    assert json.loads((out / "captions.json").read_text()) == ["a cat", "a dog", "a cat"]
+    pipe = load_pretrained(pipeline)
+    pipe.set_progress_bar_config(disable=True)
+    expect = generate(pipe, [0, 1, 2], num_inference_steps=1, prompts=["a cat", "a dog", "a cat"])
+    for i in range(3):
+        assert np.abs(np.asarray(Image.open(out / f"{i:06d}.png")).astype(int) - expect[i].astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("mode", ["--out-dir", "--grid"])
+def test_features_with_prompts_are_refused(t2i_export, tmp_path, run_script, no_network, mode):
+    pipeline, _ = t2i_export
+    target = tmp_path / ("samples" if mode == "--out-dir" else "g.png")
+    code, _, err = run_script("sample.py", pipeline, mode, target, "--features", tmp_path / "feat", "--prompt",
+                              "a cat", "--steps", "1")  # fmt: skip
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "sample.py: error: --features (random captions) and --prompt/--prompts-file both choose the captions; pass one")
+    assert not list(tmp_path.rglob("*.png"))
+
+
+# Components of another class than the pipeline takes, and --clip dirs that hold no text encoder.
+
+
+def _swap_component(pipeline, tmp_path, component, module, library):
+    """A copy of `pipeline` whose `component` is `module`, saved by its own class and named in model_index.json as
+    [library, class], as a hand-edited pipeline dir would have it."""
+    import json
+    import shutil
+
+    broken = tmp_path / "pipe"
+    shutil.copytree(pipeline, broken)
+    shutil.rmtree(broken / component)
+    module.save_pretrained(broken / component)
+    index = json.loads((broken / "model_index.json").read_text())
+    index[component] = [library, type(module).__name__]
+    (broken / "model_index.json").write_text(json.dumps(index))
+    return broken
+
+
+def _stock_unet():
+    from diffusers import UNet2DModel
+
+    return UNet2DModel(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8,), layers_per_block=1,
+                       down_block_types=("DownBlock2D",), up_block_types=("UpBlock2D",), norm_num_groups=4)
+
+
+def test_a_stock_diffusers_class_as_the_transformer_is_refused_before_loading(pipe_dir, tmp_path, monkeypatch,
+                                                                               capsys, no_sampling):
+    broken = _swap_component(pipe_dir, tmp_path, "transformer", _stock_unet(), "diffusers")
+    code, err = _sample_cli(monkeypatch, capsys, broken, "--grid", tmp_path / "g.png", "--steps", "1")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"sample.py: error: {broken / 'model_index.json'} names "
+                                            "diffusers.UNet2DModel as the transformer; a UViCPipeline takes a "
+                                            "UViTModel")  # fmt: skip
+
+
+def test_a_component_of_another_class_is_refused_after_loading(pipe_dir, tmp_path, monkeypatch):
+    """Whatever route diffusers takes to a component, the loaded pipeline holds the classes it takes: the check
+    before loading is bypassed here to show the one after it."""
+    from uvic.pipelines.sampling import load_pretrained
+
+    broken = _swap_component(pipe_dir, tmp_path, "transformer", _stock_unet(), "diffusers")
+    monkeypatch.setattr(sampling, "_component_class", lambda *args: UViTModel)
+    monkeypatch.setattr(sampling, "check_model_dir", lambda *args: None)
+    with pytest.raises(ValueError) as e:
+        load_pretrained(broken)
+    assert str(e.value) == (f"the transformer of the pipeline in {broken} is a UNet2DModel; a UViCPipeline takes a "
+                            "UViTModel")  # fmt: skip
+
+
+def test_a_transformers_clip_as_the_text_encoder_is_refused(t2i_export, tmp_path, run_script, no_network):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, max_position_embeddings=5))  # fmt: skip
+    broken = _swap_component(t2i_export[0], tmp_path, "text_encoder", clip, "transformers")
+    code, _, err = run_script("sample.py", broken, "--grid", tmp_path / "g.png", "--prompt", "a cat", "--steps", "1")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"sample.py: error: {broken / 'model_index.json'} names "
+                                            "transformers.CLIPTextModel as the text_encoder; a UViCText2ImagePipeline "
+                                            "takes a CLIPTextEncoder")  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["empty dir", "truncated safetensors", "pickled .bin", "larger config"])
+def test_a_clip_dir_without_a_loadable_text_encoder_is_one_line(t2i_export, tmp_path, run_script, no_network,
+                                                                  damage):  # fmt: skip
+    import json
+    import shutil
+
+    pipeline, te = t2i_export
+    bare = tmp_path / "pipe"  # the export without its text encoder, as a training export of an older run
+    shutil.copytree(pipeline, bare)
+    shutil.rmtree(bare / "text_encoder")
+    index = json.loads((bare / "model_index.json").read_text())
+    (bare / "model_index.json").write_text(json.dumps({**index, "text_encoder": [None, None]}))
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    weights = clip / "diffusion_pytorch_model.safetensors"
+    if damage != "empty dir":
+        te.save_pretrained(clip)
+    if damage == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[:100])
+        expected = f"the CLIP text encoder {clip}: cannot load {weights}: SafetensorError"
+    elif damage == "pickled .bin":
+        marker = tmp_path / "MARKER"
+        weights.unlink()
+        torch.save({"x": _Payload(marker)}, clip / "diffusion_pytorch_model.bin")
+        expected = (f"the CLIP text encoder {clip}: weights file {clip / 'diffusion_pytorch_model.bin'} holds objects "
+                    "other than tensors")  # fmt: skip
+    elif damage == "larger config":
+        config = json.loads((clip / "config.json").read_text())
+        (clip / "config.json").write_text(json.dumps({**config, "width": 1000000}))
+        expected = f"the CLIP text encoder {clip}: its config describes a model whose "
+    else:
+        expected = f"cannot load the CLIP text encoder {clip}, a file in it is missing or damaged (OSError"
+    code, _, err = run_script("sample.py", bare, "--grid", tmp_path / "g.png", "--prompt", "a cat", "--steps", "1",
+                              "--clip", clip)  # fmt: skip
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"sample.py: error: {expected}"), err.strip().splitlines()[-1]
+    assert not (tmp_path / "MARKER").exists()
+    assert not (tmp_path / "g.png").exists()
+
+
+class _Payload:
+    """Unpickled in full, runs `touch marker` (as tests/test_security.py's)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

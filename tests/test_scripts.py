@@ -8,7 +8,9 @@ import shutil
 import socket
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -163,10 +165,12 @@ def test_two_processes_match_one_process(tmp_path, image_dir, tiny, run_script):
     from uvic.training.runs import load_pipeline
 
     # The same global batch (4) as 1 x 4 and 2 x 2: same data order, same noise, averaged gradients. The one-process
-    # runs are this process's (the library train.py and sample.py call), the two-process ones the scripts'.
+    # runs are this process's (the library train.py and sample.py call), the two-process ones the scripts'. Both
+    # validate at their last step on 3 held-out images, one per validation batch (2 processes: 2 + 1).
     one, two = tmp_path / "one", tmp_path / "two"
-    train(load_config(ROOT / "configs" / "cifar10_uvic_s2.yaml", tiny(one, image_dir)))
-    r2 = _launch2("train.py", "configs/cifar10_uvic_s2.yaml", *tiny(two, image_dir))
+    val = {"train.val_every": 3, "data.val_fraction": 0.3, "train.val_batch_size": 1}
+    train(load_config(ROOT / "configs" / "cifar10_uvic_s2.yaml", tiny(one, image_dir, **val)))
+    r2 = _launch2("train.py", "configs/cifar10_uvic_s2.yaml", *tiny(two, image_dir, **val))
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "processes=2 local_batch=2" in r2.stderr
     a = load_file(str(one / "checkpoints/step_000000003/model.safetensors"))
@@ -174,6 +178,17 @@ def test_two_processes_match_one_process(tmp_path, image_dir, tiny, run_script):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     assert (two / "pipeline/model_index.json").is_file()
+    # The 2-process validation loss is the one this process gives the same weights, bit for bit.
+    from uvic.training.checkpoint import load_model_weights
+    from uvic.training.logs import metrics_of_kind
+    from uvic.training.tasks import build_task
+    from uvic.training.validation import Validator
+
+    cfg = load_config(two / "config.yaml")
+    task = build_task(cfg)
+    model = load_model_weights(task.build_model(), two / "checkpoints/step_000000003", "ema").eval()
+    state = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1, autocast=nullcontext)
+    assert metrics_of_kind(two / "metrics.jsonl", "val") == [{"step": 3, **Validator(cfg, task, state).validate(model)}]
 
     # sample.py: 1 process, batch 3 vs 2 processes, batch 2; a grid from the run dir (EMA of the last checkpoint).
     pipe = load_pipeline(one / "pipeline")

@@ -177,9 +177,77 @@ def test_pickled_weights_in_a_pipeline_dir_are_refused(trained, tmp_path, marker
     (weights,) = (pipe / "transformer").glob("*.safetensors")
     weights.unlink()  # diffusers then reads the .bin with torch.load(weights_only=True)
     torch.save({"pos_embed": Payload(marker)}, pipe / "transformer" / "diffusion_pytorch_model.bin")
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(UnsafeFileError) as e:
         load_pretrained(pipe)
-    assert _one_line(e.value).startswith(f"cannot load the pipeline in {pipe}")
+    bin_file = pipe / "transformer" / "diffusion_pytorch_model.bin"
+    assert _one_line(e.value).startswith(f"the transformer of {pipe}: weights file {bin_file} holds objects other "
+                                         "than tensors")  # fmt: skip
+
+
+def test_a_run_is_readable_by_whoever_can_read_its_config(trained):
+    """Every file of a run has the mode of its config.yaml (0666 less the umask), the safetensors files included
+    (safetensors writes 0600), so a colleague who can read the run can sample from it."""
+    run = trained[0]
+    mode = (run / "config.yaml").stat().st_mode & 0o777
+    weights = sorted(run.rglob("*.safetensors"))
+    assert {p.relative_to(run).as_posix() for p in weights} >= {"pipeline/transformer/diffusion_pytorch_model.safetensors"}
+    assert any(p.parent.parent.name == "checkpoints" for p in weights)
+    assert {p.relative_to(run).as_posix(): oct(p.stat().st_mode & 0o777) for p in run.rglob("*") if p.is_file()} == {
+        p.relative_to(run).as_posix(): oct(mode) for p in run.rglob("*") if p.is_file()}
+
+
+# Configs that describe another (far larger) model than their weights: refused before anything is allocated.
+
+
+def _refused_quickly(call, message):
+    """`call()` raises a one-line ValueError starting with `message`, well within a second (the model is built on
+    the meta device and its construction stops early, so nothing of its size is ever allocated)."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        call()
+    assert time.perf_counter() - start < 5
+    assert _one_line(e.value).startswith(message), e.value
+    return str(e.value)
+
+
+@pytest.mark.parametrize("how", ["export", "load_pipeline run", "load_pipeline checkpoint"])
+def test_a_checkpoint_config_describing_a_far_larger_model_is_refused(hostile_run, how):
+    from uvic.training.runs import export, load_pipeline
+
+    run, ckpt, _ = hostile_run
+    config = (ckpt / "config.yaml").read_text()
+    assert "  embed_dim: 16\n" in config
+    (ckpt / "config.yaml").write_text(config.replace("  embed_dim: 16\n", "  embed_dim: 1000000\n"))
+    _rehash(ckpt)  # the hostile author recomputes the hashes
+    call = (lambda: export(ckpt, run / "exported")) if how == "export" else (
+        lambda: load_pipeline(run if how.endswith("run") else ckpt))
+    message = _refused_quickly(call, f"checkpoint {ckpt}: its config describes a model whose ")
+    assert message.endswith("but its weights hold (1, 17, 16); the config does not belong to these weights")
+    assert not (run / "exported").exists()
+
+
+def test_a_checkpoint_config_describing_a_million_layers_is_refused(hostile_run, run_script):
+    run, ckpt, _ = hostile_run
+    config = (ckpt / "config.yaml").read_text()
+    (ckpt / "config.yaml").write_text(config.replace("  depth: 2\n", "  depth: 1000000\n"))
+    _rehash(ckpt)
+    code, _, err = run_script("sample.py", run, "--grid", run / "g.png", "--num-images", "1", "--steps", "1")
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"sample.py: error: checkpoint {ckpt}: its config describes a "
+                                                   "model of more than ")
+
+
+@pytest.mark.parametrize("key,value", [("embed_dim", 1000000), ("depth", 1000000)])
+def test_a_pipeline_config_describing_a_far_larger_model_is_refused(trained, tmp_path, key, value):
+    from uvic.pipelines.sampling import load_pretrained
+
+    pipe = tmp_path / "pipeline"
+    shutil.copytree(trained[0] / "pipeline", pipe)
+    config = json.loads((pipe / "transformer" / "config.json").read_text())
+    (pipe / "transformer" / "config.json").write_text(json.dumps({**config, key: value}))
+    _refused_quickly(lambda: load_pretrained(pipe), f"the transformer of {pipe}: its config describes a model ")
 
 
 # FID weights, with and without a checksum.

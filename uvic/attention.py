@@ -24,15 +24,20 @@ Backends (the same semantics in each, tested against `attention_ref` in float64)
                  mode (backend="triton") is there for like-for-like comparisons with Cog.
 
 `unsupported_reason` is the one place that says why a backend cannot run on given inputs; this module is the only
-one in uvic that imports `uvic.kernels`.
+one in uvic that imports `uvic.kernels`. The attention kinds are `ATTENTIONS`; `attention_op(kind)` is the op of a
+kind and `attention_placement` the one rule for which layers of a model keep softmax (U-ViC, Cogformer and the
+diffusers / transformers integrations).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
 import os
+import warnings
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -63,9 +68,96 @@ logger = logging.getLogger(__name__)
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 # Elements of one (rows x keys) score tile in the "torch" backend: 2**20 fp32 scores = 4 MiB, so a tile and its
-# few temporaries take tens of MiB whatever the sequence length. Measured on CPU (kernels/bench.py): smaller
-# tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
+# few temporaries take tens of MiB whatever the sequence length. Measured on CPU (benchmarks/bench_attention.py):
+# smaller tiles lose more to per-op call overhead than they gain in cache hits; a whole U-ViT batch item is one tile.
 TILE_ELEMENTS = 2**20
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention kinds: which op, and which layers keep softmax
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_attention_kind(attention: object) -> AttentionKind:
+    """`attention` if it is one of ATTENTIONS; else a ValueError naming the kinds."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    return attention
+
+
+def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
+    """The op of an attention kind: `cog_attention` for "cog", `softmax_attention` for "softmax" (same signature).
+
+    The one place a kind becomes an op; every model and integration layer calls the op it returns.
+
+    Raises:
+        ValueError: `attention` is not one of ATTENTIONS.
+    """
+    ops = {"cog": cog_attention, "softmax": softmax_attention}  # a new kind adds its op here
+    return ops[check_attention_kind(attention)]
+
+
+def check_softmax_count(value: object, name: str) -> int:
+    """`value` if it is a count of layers kept on softmax, an int >= 0; else a ValueError naming `name`.
+
+    The one validation of the placement's counts (`attention_placement`, the models' `keep_softmax_first` /
+    `keep_softmax_last` and `num_softmax_layers`, the integrations' `keep_softmax` and what they read back from a
+    saved config). bool, float (1.0, NaN, inf), str, None and containers are refused.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def attention_placement(
+    num_layers: int,
+    keep_softmax_first: int = 1,
+    keep_softmax_last: int = 1,
+    attention: AttentionKind = "cog",
+    *,
+    allow_overlap: bool = False,
+    names: tuple[str, str] = ("keep_softmax_first", "keep_softmax_last"),
+) -> list[AttentionKind]:
+    """The attention kind of each of `num_layers` layers in execution order: the paper's Cog placement.
+
+    With attention="cog", the first `keep_softmax_first` and the last `keep_softmax_last` layers keep softmax and
+    every layer between runs Cog: 1 and 1 is U-ViC (paper Sec. 4.2), k and k a Cogformer (Sec. 4.1), 0 and 0 Cog
+    everywhere, 1 and 0 the ablation with softmax in the first layer only. With attention="softmax" every layer is
+    softmax. The one statement of the rule: U-ViT / U-ViC blocks, Cogformer layers, and the layers the diffusers
+    and transformers integrations switch all come from here.
+
+    Counts that together exceed `num_layers` make the two ends overlap. A model, whose counts describe its own
+    layers, refuses that (ValueError); the integrations pass `allow_overlap=True`, since one count applies to every
+    stack of a model whatever its length, and a stack no longer than the two ends keeps softmax in every layer.
+    Without `allow_overlap`, a Cog placement that leaves no Cog layer (first + last == num_layers) warns; the
+    integrations warn themselves when no layer of the whole model is switched.
+
+    Args:
+        num_layers: layers (blocks) in the stack, >= 0.
+        keep_softmax_first: layers kept on softmax at the start (`check_softmax_count`).
+        keep_softmax_last: layers kept on softmax at the end.
+        attention: "cog" or "softmax", the model's kind.
+        allow_overlap: accept first + last > num_layers (every layer then keeps softmax).
+        names: what the error and warning messages call the two counts.
+    Returns:
+        `num_layers` kinds, "cog" or "softmax".
+    Raises:
+        ValueError: an unknown `attention`, a count that is not an int >= 0, or (without `allow_overlap`)
+            counts that overlap.
+    """
+    check_attention_kind(attention)
+    first = check_softmax_count(keep_softmax_first, names[0])
+    last = check_softmax_count(keep_softmax_last, names[1])
+    if not allow_overlap and first + last > num_layers:
+        raise ValueError(f"{names[0]}={first} and {names[1]}={last} keep softmax in {first + last} layers, more than "
+                         f"the {num_layers} there are: the two ends would overlap")  # fmt: skip
+    kinds: list[AttentionKind] = [
+        "softmax" if attention == "softmax" or i < first or i >= num_layers - last else "cog" for i in range(num_layers)
+    ]
+    if not allow_overlap and attention == "cog" and "cog" not in kinds and num_layers:
+        warnings.warn(f"attention='cog' with {names[0]}={first} and {names[1]}={last} keeps all {num_layers} layers "
+                      "on softmax, so no layer runs Cog attention", stacklevel=2)  # fmt: skip
+    return kinds
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -101,6 +193,14 @@ def unsupported_reason(
     """
     if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; expected one of {BACKENDS}"
+    why = _input_problem(q, k, v, key_padding_mask, window, softcap)
+    if why is None and backend == "triton":
+        why = _kernel_problem(q, k)
+    return why
+
+
+def _input_problem(q, k, v, key_padding_mask, window, softcap) -> str | None:
+    """What every backend needs of the inputs (shapes, dtypes, devices, mask, window, softcap), or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -138,9 +238,14 @@ def unsupported_reason(
         isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap) and softcap > 0
     ):
         return f"softcap must be a positive finite float or None (no cap), got {softcap!r}"
-    if backend != "triton":
-        return None
-    # The fused kernel's envelope (the header of kernels/attention.py).
+    return None
+
+
+def _kernel_problem(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the fused kernel cannot take inputs that `_input_problem` accepts, or None: its envelope (the header of
+    kernels/attention.py)."""
+    B, nh, Lq, hd = q.shape
+    Lk = k.shape[2]
     if not _TRITON_INSTALLED:
         return "triton is not installed"
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -179,16 +284,18 @@ def _band(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
     return int(left), int(right)
 
 
-def _check_inputs(q, k, v, key_padding_mask, scale, backend: str, attention: str, window=None, softcap=None) -> None:
-    """Raise a ValueError that names the problem for anything the op does not accept."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTIONS}")
+def _checked_args(q, k, v, key_padding_mask, scale, backend: str, window, softcap):
+    """The op's arguments checked (a ValueError that names the problem for anything the op does not accept) and
+    returned as the backends take them: (scale, window, softcap), with the default scale hd ** -0.5, the window as
+    `_normal_window` and floats."""
     # "auto" checks what every backend needs; it falls back from the kernel rather than fail.
     problem = unsupported_reason(q, k, v, key_padding_mask, backend=backend, window=window, softcap=softcap)
     if problem is not None:
         raise ValueError(problem if backend != "triton" else f"backend='triton' cannot run on these inputs: {problem}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return scale, _normal_window(window, q.shape[2], k.shape[2]), None if softcap is None else float(softcap)
 
 
 def _band_keep(rows: torch.Tensor, cols: torch.Tensor, d: int, band: tuple[int, int]) -> torch.Tensor | None:
@@ -222,6 +329,28 @@ def _keep_mask(
     return keep
 
 
+def kept_by_mask(mask: torch.Tensor, removed_at_most: float | None = None) -> torch.Tensor | None:
+    """Where another library's attention mask keeps a score (bool, True = attend), or None when it does more than
+    remove keys; the integrations read their libraries' masks with it.
+
+    A bool mask keeps where it is True (SDPA's reading). An additive (float) mask keeps where it is 0 and removes
+    where it is -inf or at most `removed_at_most` (None: half the dtype's lowest value, as masks built from
+    `torch.finfo(dtype).min`); any other entry is a bias on the scores, which no key padding or band can express.
+
+    Args:
+        mask: a bool or float mask of any shape.
+        removed_at_most: the largest additive entry that still removes its key.
+    Returns:
+        A bool tensor of `mask`'s shape, or None.
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    if removed_at_most is None:
+        removed_at_most = torch.finfo(mask.dtype).min / 2
+    keep = mask == 0
+    return keep if bool((keep | (mask <= removed_at_most)).all()) else None
+
+
 def _drop_padded_keys(
     k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +363,34 @@ def _drop_padded_keys(
     return torch.where(kept, k, zero), torch.where(kept, v, zero)
 
 
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context in which autocast is off on `device_type`, for the op's own math.
+
+    The op chooses its own compute precision (float32 math on q, k, v as given; the `.to(float32)` copies and the
+    `out=` buffers of the torch backend are float32), so autocast must not recast its matrix products: under
+    autocast, q, k, v already carry the low-precision dtype, and the output comes back in that dtype. The torch
+    backend's backward enters it too: autograd runs a backward in the autocast state of the `.backward()` call.
+
+    In eager mode autocast is switched off only where it is on, since entering `torch.autocast` costs several
+    microseconds, a share of a small call. Under torch.compile it is always entered (free in the compiled graph):
+    the state at trace time is not the one a graph runs in (Dynamo traces an autograd.Function's backward inside
+    the forward's context, where autocast is already off; AOTAutograd then runs it in the caller's).
+    """
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Math in float32 for 16/32-bit inputs; float64 stays float64 (gradcheck).
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _compute_inputs(q, k, v, key_padding_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the compute dtype (views when already in it), the padded keys' rows zeroed (`_drop_padded_keys`):
+    what the torch backend's forward and backward multiply."""
+    ct = _compute_dtype(q.dtype)
+    return (q.to(ct), *_drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -355,9 +509,9 @@ def _tiles(
 
 # Banded tiles take all heads of an item while that leaves at least this many query rows per tile, else fewer
 # heads. dK and dV are products summed over a tile's rows, which BLAS runs well below its peak for short sums, and
-# fewer, larger tiles mean fewer per-tile calls (measured on CPU with kernels/bench.py: 85-row blocks of all 12
-# heads cost about 0.1-0.2x of SDPA's time more than 160-row blocks of 6 heads at L=2048). The price is the masked
-# half of each block's diagonal square: about rows / Lq more scores than a causal triangle.
+# fewer, larger tiles mean fewer per-tile calls (measured on CPU with benchmarks/bench_attention.py: 85-row blocks of
+# all 12 heads cost about 0.1-0.2x of SDPA's time more than 160-row blocks of 6 heads at L=2048). The price is the
+# masked half of each block's diagonal square: about rows / Lq more scores than a causal triangle.
 BAND_MIN_ROWS = 128
 
 
@@ -543,6 +697,9 @@ def _run_tile(name: str, compiled: bool, ragged: bool, *args) -> torch.Tensor | 
     fn = _tile_forward_weights if name == "forward" else _tile_backward_weights
     if compiled:
         if name not in _compiled:
+            from uvic.errors import hide_cuda_home_warning
+
+            hide_cuda_home_warning()  # Inductor's first compile imports torch.utils.cpp_extension, which logs it
             _compiled[name] = torch.compile(fn, dynamic=None)
         if ragged:
             # Rows and keys change from tile to tile: symbolic from the first compile, so that one graph takes
@@ -590,9 +747,8 @@ class _AttentionTorch(torch.autograd.Function):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         band = _band(causal, window)
-        ct = _compute_dtype(q.dtype)
-        qc = q.to(ct)  # a view when already in the compute dtype
-        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
+        qc, kc, vc = _compute_inputs(q, k, v, key_padding_mask)
+        ct = qc.dtype
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         ml = torch.empty(B, nh, Lq, 2, dtype=ct, device=q.device)  # per row: m, l
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
@@ -614,13 +770,18 @@ class _AttentionTorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with _autocast_off(dout.device.type):  # the bmm's below write float32 `out=` buffers
+            return _AttentionTorch._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, ml, key_padding_mask = ctx.saved_tensors
         band, scale = ctx.band, ctx.scale
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
-        ct = _compute_dtype(q.dtype)
-        qc, do = q.to(ct), dout.to(ct)
-        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
+        qc, kc, vc = _compute_inputs(q, k, v, key_padding_mask)
+        ct = qc.dtype
+        do = dout.to(ct)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
         # Per row: m, 1/l (0 on rows with no kept key) and D, (B, nh, Lq, 3).
         rowstats = torch.cat([ml[..., :1], _safe_reciprocal(ml[..., 1:]), D], -1)
@@ -684,25 +845,24 @@ def tiled_cog_attention(
     Returns:
         (B, nh, Lq, hd) in the input dtype.
     """
-    _check_inputs(q, k, v, key_padding_mask, scale, "torch", "cog", window, softcap)
+    scale, window, softcap = _checked_args(q, k, v, key_padding_mask, scale, "torch", window, softcap)
     if not (isinstance(tile_elements, int) and tile_elements >= 1):
         raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window)
-    softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
                              softcap=softcap)  # fmt: skip
-    with torch.autocast(q.device.type, enabled=False):
+    with _autocast_off(q.device.type):
         return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, tile_elements, compile, window,
                                      softcap, True)  # fmt: skip
 
 
-def _normal_window(window) -> tuple[int, int] | None:
-    """A valid `window` as a tuple, None when it bounds neither side."""
-    if window is None or tuple(window) == (-1, -1):
+def _normal_window(window, Lq: int, Lk: int) -> tuple[int, int] | None:
+    """A valid `window` as a tuple, None when it bounds neither side. A side of max(Lq, Lk) or more reaches past
+    every key, so it is unbounded (-1): the same keys, and no int too large for the index arithmetic."""
+    if window is None:
         return None
-    return int(window[0]), int(window[1])
+    left, right = (-1 if w >= max(Lq, Lk) else int(w) for w in window)
+    return None if (left, right) == (-1, -1) else (left, right)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -714,32 +874,26 @@ def _attention(
     q, k, v, causal: bool, key_padding_mask, scale, window, softcap, backend: str, attention: str
 ) -> torch.Tensor:  # fmt: skip
     """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
-    _check_inputs(q, k, v, key_padding_mask, scale, backend, attention, window, softcap)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window)
-    softcap = None if softcap is None else float(softcap)
+    scale, window, softcap = _checked_args(q, k, v, key_padding_mask, scale, backend, window, softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         # Nothing to attend with or to: an empty output, or zeros (a row with no key), and zero gradients.
         backend = "reference"
     elif backend == "auto":
         # cog: the kernel for 16-bit CUDA inputs inside its envelope (fp32 runs on the kernel only with small IEEE
         # tiles, so "auto" gives it to the torch backend). softmax: SDPA, PyTorch's fastest kernels.
-        use_kernel = (attention == "cog" and q.is_cuda and q.dtype != torch.float32
-                      and unsupported_reason(q, k, v, key_padding_mask, backend="triton", window=window,
-                                             softcap=softcap) is None)  # fmt: skip
+        # The inputs passed `_checked_args`, so only the kernel's envelope is left to ask.
+        use_kernel = attention == "cog" and q.is_cuda and q.dtype != torch.float32 and _kernel_problem(q, k) is None
         backend = "triton" if use_kernel else "torch"
-    kw = {"causal": causal, "key_padding_mask": key_padding_mask, "scale": scale, "window": window, "softcap": softcap}
     if backend == "torch" and attention == "softmax" and softcap is None:
         return _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window)
-    # The op chooses its own compute precision (float32 math on q, k, v as given), so autocast is off inside it:
-    # under autocast q, k, v already carry the low-precision dtype, and the output comes back in that dtype.
-    with torch.autocast(q.device.type, enabled=False):
+    kw = {"causal": causal, "key_padding_mask": key_padding_mask, "scale": scale, "window": window, "softcap": softcap}
+    with _autocast_off(q.device.type):
         if backend == "reference":
             return attention_ref(q, k, v, attention=attention, **kw)
         if backend == "triton":
             from uvic.kernels.ops import fused_attention
 
-            return fused_attention(q, k, v, attention=attention, **kw)
+            return fused_attention(q, k, v, cog=attention == "cog", **kw)
         # softmax with a softcap (which SDPA cannot apply) runs on the tiled backend's softmax mode.
         return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None, window, softcap,
                                      attention == "cog")  # fmt: skip
@@ -783,7 +937,8 @@ def cog_attention(
         key_padding_mask: (B, Lk) bool, True = the key takes part; padded keys' k and v rows are never read.
         scale: multiplies q k^T; defaults to hd ** -0.5.
         window: (left, right) sliding window, FlashAttention's `window_size`: query i keeps key j when
-            i + Lk - Lq - left <= j <= i + Lk - Lq + right; -1 leaves that side unbounded. With `causal`,
+            i + Lk - Lq - left <= j <= i + Lk - Lq + right; -1 leaves that side unbounded, as does any side
+            of max(Lq, Lk) or more (it reaches past every key, however large the int). With `causal`,
             (w - 1, -1) or (w - 1, 0) is Mistral's local attention over the last w tokens. None: no window.
         softcap: logit softcap c > 0 (Gemma 2): the scores become p' = c * tanh(p / c) before the sign and the
             magnitude, so sign(p') = sign(p) and |p'| = c * tanh(|p| / c). None: no cap.

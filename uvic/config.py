@@ -3,7 +3,8 @@
     cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
     model = UViTModel(**dataclasses.asdict(cfg.model))
 
-Every config dataclass of the project lives here. A run config's class depends on `task`:
+Every config dataclass of the built-in tasks lives here. A run config's class depends on `task`, through the one
+task table `TASKS` (task name -> (run-config class, training-task class)):
 
     task          class                  sections
     "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import math
 import types
 import typing
@@ -34,30 +36,36 @@ from uvic.attention import ATTENTIONS, BACKENDS
 from uvic.data.imagenet import LATENT_SCALE as IMAGENET_LATENT_SCALE
 from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
+from uvic.guidance import DEFAULT_GUIDANCE_SCALE
 from uvic.lm.data import TOKEN_DTYPES
 from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, schedule_preset
 
 
-class ModelSection:
-    """A `model` section: a frozen dataclass whose fields are a model's keyword arguments, with the types and
-    defaults of the model's own signature (`model_section` writes it from the signature; nothing is restated).
+class PresetSection:
+    """A config section that can start from a named entry of a preset table (the one place those values are
+    written): in YAML, `preset: NAME` starts the section from it and the section's other keys override it."""
 
-    In YAML, `preset: NAME` starts the section from an entry of the model family's preset table (the one place a
-    model size is written); the section's other keys override it:
-
-        model:
-          preset: uvit-s2-cifar10
-          depth: 13
-    """
-
-    # The family's one preset lookup: name -> the model's kwargs; raises ValueError for an unknown name.
+    # The table's one lookup: name -> the section's fields; raises ValueError for an unknown name.
     preset_kwargs: ClassVar[Callable[[str], dict[str, Any]]]
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> Any:
         """The section of preset `name`, with field overrides."""
         return cls(**{**cls.preset_kwargs(name), **overrides})
+
+
+class ModelSection(PresetSection):
+    """A `model` section: a frozen dataclass whose fields are a model's keyword arguments, with the types and
+    defaults of the model's own signature (`model_section` writes it from the signature; nothing is restated).
+
+    Its presets are the model family's preset table (the one place a model size is written):
+
+        model:
+          preset: uvit-s2-cifar10
+          depth: 13
+    """
 
 
 def keyword_parameters(module: str, function: str) -> list[tuple[str, Any, Any]]:
@@ -100,24 +108,33 @@ UViTConfig = model_section(
 )
 
 
+_VP, _DDPM = SCHEDULE_PRESETS["vpsde"], SCHEDULE_PRESETS["ddpm"]
+
+
 @dataclass(frozen=True)
-class DiffusionConfig:
+class DiffusionConfig(PresetSection):
     """The forward process the model is trained on; it decides the loss and which samplers apply.
 
     `schedule="vpsde"`: continuous VP-SDE, beta(t) = beta_min + t (beta_max - beta_min), t ~ U(0, 1), the
     network sees `time_scale * t` (U-ViT CIFAR-10). `schedule="discrete"`: DDPM with `num_train_timesteps`
     steps and diffusers' beta schedules; the network sees the diffusers timestep t in [0, T - 1] plus one (U-ViT's
     1-based n, as for MS-COCO). Both conversions: `uvic.schedulers.timesteps.network_timestep`.
+
+    `preset: NAME` names an entry of `uvic.schedulers.noise_schedule.SCHEDULE_PRESETS` ("vpsde", "ddpm",
+    "stable-diffusion"). The defaults are U-ViT's VP-SDE and, for the discrete fields, DDPM's linear betas
+    (diffusers' `DDPMScheduler` defaults); Stable Diffusion's betas are `preset: stable-diffusion`.
     """
 
-    schedule: Literal["vpsde", "discrete"] = "vpsde"
-    beta_min: float = 0.1
-    beta_max: float = 20.0
-    time_scale: float = 999.0
-    num_train_timesteps: int = 1000
-    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear"
-    beta_start: float = 0.0001
-    beta_end: float = 0.02
+    preset_kwargs = staticmethod(schedule_preset)
+
+    schedule: Literal["vpsde", "discrete"] = _VP["schedule"]
+    beta_min: float = _VP["beta_min"]
+    beta_max: float = _VP["beta_max"]
+    time_scale: float = _VP["time_scale"]
+    num_train_timesteps: int = _DDPM["num_train_timesteps"]
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = _DDPM["beta_schedule"]
+    beta_start: float = _DDPM["beta_start"]
+    beta_end: float = _DDPM["beta_end"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,9 @@ class DataConfig:
     num_workers: int = 2
     # image_folder: leave out files that are not readable images (logged) instead of stopping with their name.
     skip_bad_images: bool = False
+    # With train.val_every > 0, the share of a dataset without a test split (image_folder, digits) held out for
+    # the validation loss, chosen by a fixed seed; CIFAR-10 validates on its test batch and trains on all 50,000.
+    val_fraction: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -150,6 +170,9 @@ class Text2ImageDataConfig:
     # The CLIP text encoder the exported pipeline carries (a CLIPTextEncoder dir, an open_clip tag or checkpoint
     # file); "" takes the one the features' meta.json records. It must reproduce the stored features.
     text_encoder: str = ""
+    # With train.val_every > 0 and no "val" split under root: the share of the training images (with all their
+    # captions) held out for the validation loss.
+    val_fraction: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -190,6 +213,8 @@ class TrainConfig:
     # harness's lookup and checksum unless eval_fid_weights / eval_fid_weights_sha256 ("none": no check) are set.
     # eval_fid_dims: the FID-Inception feature layer (`python -m uvic.fid --dims`): 2048, pool3, is the standard FID;
     # 64, 192 and 768 are quicker (a 64-d covariance instead of a 2048-d one) but give numbers of another scale.
+    # eval_fid_mode: the FID pipeline (`python -m uvic.fid --mode`), "pytorch-fid" (U-ViT's numbers) or "tf"; a
+    # statistics reference must have been computed in it.
     eval_every: int = 0
     eval_num_images: int = 10_000
     eval_reference: str = ""
@@ -198,6 +223,16 @@ class TrainConfig:
     eval_fid_weights: str = ""
     eval_fid_weights_sha256: str = ""
     eval_fid_dims: int = 2048
+    eval_fid_mode: str = "pytorch-fid"
+    # Held-out validation loss (uvic.training.validation): every val_every steps and at the last step (0 = off),
+    # the mean loss of the sampling weights over the first val_examples (0: all) examples of the held-out set (the
+    # data's test split, else data.val_fraction of the data, which training then never sees), in batches of
+    # val_batch_size examples; a diffusion task scores each example at val_timesteps times spanning the schedule.
+    # The same weights give the same value in any run, seed or process count (metrics.jsonl: {"step", "val_loss"}).
+    val_every: int = 0
+    val_examples: int = 10_000
+    val_batch_size: int = 64
+    val_timesteps: int = 8
 
 
 @dataclass(frozen=True)
@@ -211,15 +246,16 @@ class SampleConfig:
     num_inference_steps: int = 50
     # Text-to-image and class-conditional runs with a null class; diffusers' convention (1 + the official scale:
     # MS-COCO's 1.0 is 2.0, ImageNet 256's 0.4 is 1.4).
-    guidance_scale: float = 2.0
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE
     num_images: int = 64
     seed: int = 0
     # Images per pipeline call for the grids (the images do not depend on it).
     batch_size: int = 64
 
 
-class _RunConfig:
-    """Serialisation shared by the run configs."""
+class BaseRunConfig:
+    """Serialisation shared by the run configs. A run config is a frozen dataclass deriving from this with a `task`
+    field (its row of `TASKS`), a `train` section (`TrainConfig`) and a `data` section with `num_workers`."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (tuples become lists), the form stored in run dirs and checkpoints."""
@@ -228,9 +264,14 @@ class _RunConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """This config with the values that follow others unless the config sets them (`given`: the nested dict it
+        was built from); none here (see `ClassCondRunConfig`)."""
+        return self
+
 
 @dataclass(frozen=True)
-class Config(_RunConfig):
+class Config(BaseRunConfig):
     """Everything one diffusion run needs. `task` picks the training task (see `uvic.training.tasks`)."""
 
     task: str = "diffusion"
@@ -259,7 +300,8 @@ class ImageNetDataConfig:
     source: Literal["pixels", "features"] = "pixels"
     root: str = "data/imagenet"
     image_size: int = 64
-    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class).
+    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class),
+    # and follows it unless the config sets model.num_classes: + 1 exactly when p_uncond > 0 trains the null class.
     num_classes: int = 1000
     # Pixels only (the features hold each image as is and flipped).
     random_flip: bool = True
@@ -270,6 +312,9 @@ class ImageNetDataConfig:
     # Features only: the autoencoder for sample grids and the exported pipeline (U-ViT's autoencoder_kl.pth or a dir).
     vae: str = ""
     num_workers: int = 8
+    # With train.val_every > 0: the share of the training images (12,812 of ILSVRC-2012's; features: both flips of
+    # each) held out for the validation loss.
+    val_fraction: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -278,6 +323,16 @@ class ClassCondRunConfig(Config):
 
     task: str = "class_cond"
     data: ImageNetDataConfig = field(default_factory=ImageNetDataConfig)
+
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """`model.num_classes` follows the data unless `given` sets it: `data.num_classes`, plus the null class
+        when labels are dropped to it (`data.p_uncond` > 0), so that a run on fewer classes changes one key (a
+        preset's own value, such as ImageNet 256's 1001, is replaced too)."""
+        model = given.get("model")
+        if isinstance(model, dict) and "num_classes" in model:
+            return self
+        num_classes = self.data.num_classes + (1 if self.data.p_uncond > 0 else 0)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, num_classes=num_classes))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -304,6 +359,9 @@ class LMDataConfig:
     token_dtype: str = "uint16"  # element type of a .bin file
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
     num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
+    # With train.val_every > 0: the share of the tokens, at the end of the data, held out for the validation loss
+    # (whole blocks of block_size).
+    val_fraction: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -324,10 +382,12 @@ class LMTrainConfig(TrainConfig):
     min_lr_ratio: float = 0.04
     grad_clip: float = 1.0
     ema_decay: float = 0.0
+    val_examples: int = 1024  # held-out blocks: 2M tokens at block_size 2048
+    val_batch_size: int = 8  # blocks; their logits are (8, block_size, vocab_size) floats
 
 
 @dataclass(frozen=True)
-class LMRunConfig(_RunConfig):
+class LMRunConfig(BaseRunConfig):
     """A Cogformer language-model run (`task: lm`)."""
 
     task: str = "lm"
@@ -336,10 +396,48 @@ class LMRunConfig(_RunConfig):
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
 
-# The config class of each task (any other task name uses `Config`).
-CONFIG_CLASSES: dict[str, type] = {"diffusion": Config, "t2i": Text2ImageRunConfig, "lm": LMRunConfig,
-                                   "class_cond": ClassCondRunConfig}
 RunConfig = Config | Text2ImageRunConfig | LMRunConfig | ClassCondRunConfig
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The task table
+# ---------------------------------------------------------------------------------------------------------
+
+# `task` in a config -> (its run-config class, its training task: a `uvic.training.tasks.Task` class). Either entry
+# may be written "module:Class" and is then imported on first use (`task_config_class`, `task_class`), as
+# `uvic.schedulers.SAMPLER_TABLE` names its schedulers: loading a config imports no task or model code. A new task
+# is one row here and one file (its task class, and its config class when its sections differ); the config's
+# `task` key, `train.py`, the loop, the validation and FID while training all read this table.
+TASKS: dict[str, tuple[type | str, type | str]] = {
+    "diffusion": (Config, "uvic.training.tasks.diffusion:DiffusionTask"),
+    "t2i": (Text2ImageRunConfig, "uvic.training.tasks.text2image:Text2ImageTask"),
+    "class_cond": (ClassCondRunConfig, "uvic.training.tasks.class_cond:ClassConditionalTask"),
+    "lm": (LMRunConfig, "uvic.training.tasks.lm:LMTask"),
+}
+
+
+def _task_row(task: Any) -> tuple[type | str, type | str]:
+    if not isinstance(task, str) or task not in TASKS:
+        raise ConfigError(f"config key task: {task!r} is not one of {list(TASKS)}")
+    return TASKS[task]
+
+
+def _resolve(entry: type | str) -> type:
+    """A class, or the class a "module:Class" entry names (imported now)."""
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return entry
+
+
+def task_config_class(task: str) -> type:
+    """The run-config class of `task`. Raises ConfigError for a name `TASKS` does not hold."""
+    return _resolve(_task_row(task)[0])
+
+
+def task_class(task: str) -> type:
+    """The training-task class of `task` (imported now). Raises ConfigError for a name `TASKS` does not hold."""
+    return _resolve(_task_row(task)[1])
 
 
 def _plain(obj: Any) -> Any:
@@ -358,12 +456,22 @@ def _plain(obj: Any) -> Any:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML deltas at `path`, then dotted `key=value` overrides (values parsed as YAML).
 
+    `path` may also be a training run dir: its `config.yaml` (the run's resolved config) is read, with
+    `train.run_dir` set to that dir (wherever the run was started from or moved to) and `train.resume` to "" (pass
+    `train.resume=latest`, `train.py --resume`, to continue it).
+
     Raises:
         FileNotFoundError: `path` does not exist.
-        ConfigError (a ValueError): `path` is a directory or not UTF-8 text, a YAML syntax error, an unknown key,
-            a value of the wrong type or out of range, or a malformed override.
+        ConfigError (a ValueError): `path` is a directory without `config.yaml` or not UTF-8 text, a YAML syntax
+            error, an unknown key, a value of the wrong type or out of range, or a malformed override.
     """
     data: dict[str, Any] = {}
+    run_dir = None
+    if path is not None and Path(path).is_dir():
+        run_dir, path = Path(path), Path(path) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(f"config file {run_dir} is a directory, not a YAML file or a run dir (no config.yaml "
+                              f"in it)")
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -378,6 +486,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
+    if run_dir is not None and isinstance(data.get("train", {}), dict):
+        data["train"] = {**data.get("train", {}), "run_dir": str(run_dir), "resume": ""}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -407,11 +517,11 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Build the run config of `data["task"]` from a (possibly partial) nested dict, checking every key and type.
 
     Each section starts from the run config's default for it, or from the preset its `preset` key names (model
-    sections, `ModelSection`), and the keys given replace those values.
+    and diffusion sections, `PresetSection`), and the keys given replace those values.
     """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
-    cls = CONFIG_CLASSES.get(task, Config)
-    return validate_ranges(_build(cls, data, prefix="", base=cls()))
+    cls = task_config_class(task)
+    return validate_ranges(_build(cls, data, prefix="", base=cls()).with_derived(data))
 
 
 def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
@@ -419,7 +529,7 @@ def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
     names = {f.name for f in dataclasses.fields(cls)}
-    if issubclass(cls, ModelSection):
+    if issubclass(cls, PresetSection):
         names.add("preset")
     unknown = sorted(set(data) - names)
     if unknown:
@@ -507,6 +617,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.img_size": _AT_LEAST_1, "model.patch_size": _AT_LEAST_1, "model.in_chans": _AT_LEAST_1,
     "model.embed_dim": _AT_LEAST_1, "model.depth": _AT_LEAST_1, "model.num_heads": _AT_LEAST_1,
     "model.mlp_ratio": _POSITIVE, "model.clip_dim": _AT_LEAST_1, "model.num_clip_token": _AT_LEAST_1,
+    # Cog placement, U-ViT and Cogformer (the models check that the two ends do not overlap)
+    "model.keep_softmax_first": _AT_LEAST_0, "model.keep_softmax_last": _AT_LEAST_0,
     "model.num_classes": _rule(lambda v: v == -1 or v >= 1, "-1 (unconditional) or >= 1"),
     # Cogformer (model.* of the lm task)
     "model.vocab_size": _AT_LEAST_1, "model.hidden_size": _AT_LEAST_1, "model.intermediate_size": _AT_LEAST_1,
@@ -520,6 +632,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     # data (images, MS-COCO features, LM tokens)
     "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
     "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1, "data.num_classes": _AT_LEAST_1,
+    "data.val_fraction": _OPEN_FRACTION,
     # train
     "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
     "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,
@@ -528,7 +641,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.ema_decay": _FRACTION, "train.cpu_threads": _AT_LEAST_0, "train.log_every": _AT_LEAST_1,
     "train.sample_every": _AT_LEAST_0, "train.save_every": _AT_LEAST_0, "train.keep_checkpoints": _AT_LEAST_0,
     "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
-    "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1,
+    "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1, "train.val_every": _AT_LEAST_0,
+    "train.val_examples": _AT_LEAST_0, "train.val_batch_size": _AT_LEAST_1, "train.val_timesteps": _AT_LEAST_1,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
@@ -557,15 +671,19 @@ def _numeric_hint(hint: Any) -> bool:
     return hint in (int, float) or any(_numeric_hint(a) for a in typing.get_args(hint))
 
 
-# The allowed values of string fields with a fixed set of names, by dotted key. Each is read from its table when
-# a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention kind) is a valid value at once.
-CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+# The allowed values of fields with a fixed set of values (names, the FID network's feature layers), by dotted key.
+# Each is read from its table when a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention
+# kind) is a valid value at once.
+CHOICES: dict[str, Callable[[], tuple[Any, ...]]] = {
+    "task": lambda: tuple(TASKS),
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
     "data.name": lambda: tuple(DATASETS),
     "data.token_dtype": lambda: TOKEN_DTYPES,
     "sample.sampler": sampler_names,
     "train.eval_sampler": lambda: ("", *sampler_names()),
+    "train.eval_fid_dims": lambda: importlib.import_module("uvic.fid.inception").DIMS,
+    "train.eval_fid_mode": lambda: importlib.import_module("uvic.fid.inception").MODES,
 }
 
 

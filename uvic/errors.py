@@ -38,9 +38,18 @@ class DataError(UvicError, ValueError):
     """Input data that cannot be used, e.g. an unreadable image file; the message names the file."""
 
 
+class RunRecordError(UvicError, ValueError):
+    """A record a run keeps about itself (`eval.jsonl`, `best.json`, `metrics.jsonl`) that is damaged or holds a
+    value uvic never writes there; the message names the file, the line and what is wrong."""
+
+
 class StorageError(UvicError, OSError):
     """Writing failed (disk full, read-only file system, a file where a directory should be); nothing half-written
     is left behind, and the message says what failed and what is still intact."""
+
+
+class MissingPackageError(UvicError, ImportError):
+    """An optional package that a requested feature needs is not installed; the message says which to install."""
 
 
 class RunLockedError(UvicError, RuntimeError):
@@ -140,10 +149,21 @@ def finite_float(text: str) -> float:
 
 
 def configure_logging() -> None:
-    """For the scripts: INFO log lines with time and source on stderr, without torch's "No CUDA runtime is found,
-    using CUDA_HOME=..." warning, which `torch.utils.cpp_extension` logs on a machine with a CUDA toolkit and no
-    GPU when it is first imported (by torch.compile): nothing of uvic depends on it, and CPU users take it for an
-    error."""
+    """For the scripts: INFO log lines with time and source on stderr, without torch's CUDA_HOME warning
+    (`hide_cuda_home_warning`)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    logging.getLogger("torch.utils.cpp_extension").addFilter(
-        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
+    hide_cuda_home_warning()
+
+
+def _not_cuda_home(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def hide_cuda_home_warning() -> None:
+    """Drop torch's "No CUDA runtime is found, using CUDA_HOME=..." warning, which `torch.utils.cpp_extension` logs
+    on a machine with a CUDA toolkit and no GPU when it is first imported (by torch.compile's Inductor): nothing of
+    uvic depends on it, and CPU users take it for an error. Called by the scripts and before uvic's own
+    torch.compile; only that one record of that one logger is dropped."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    if _not_cuda_home not in log.filters:
+        log.addFilter(_not_cuda_home)

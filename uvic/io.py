@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import math
 import os
 import pickle
+import stat
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from uvic.errors import DataError
 
@@ -28,6 +32,7 @@ from uvic.errors import DataError
 __all__ = [
     "UnsafeFileError",
     "atomic_write",
+    "check_weights_fit",
     "fsync_dir",
     "fsync_tree",
     "load_data_pickle",
@@ -35,6 +40,7 @@ __all__ = [
     "read_npz",
     "sha256_file",
     "to_uint8",
+    "weight_shapes",
     "weights_only_error",
 ]
 
@@ -67,15 +73,33 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def fsync_tree(root: str | os.PathLike) -> None:
-    """fsync every file and directory under `root` (a directory about to be renamed into place)."""
+    """fsync every file and directory under `root` (a directory about to be renamed into place: a checkpoint, an
+    exported pipeline), and give each file the mode a new file gets there (0666 less the umask, or the folder's
+    default ACL), as `open` creates them. safetensors writes its files 0600, which would keep the colleagues who
+    can read the rest of a shared run from sampling it."""
     root = Path(root)
+    mode = _new_file_mode(root)
     for p in sorted(root.rglob("*"), reverse=True):
         if p.is_file() and not p.is_symlink():
+            if stat.S_IMODE(p.stat().st_mode) != mode:
+                os.chmod(p, mode)
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
         elif p.is_dir() and not p.is_symlink():
             fsync_dir(p)
     fsync_dir(root)
+
+
+def _new_file_mode(folder: Path) -> int:
+    """The permission bits `open` gives a new file in `folder` (found by creating one: the umask cannot be read
+    without changing it, and a default ACL applies too)."""
+    probe = folder / f".mode-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 @contextmanager
@@ -277,11 +301,161 @@ def read_npz(path: str | os.PathLike, keys: tuple[str, ...] | None = None, what:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Weights against the config that describes them
+# ---------------------------------------------------------------------------------------------------------
+
+
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a weights file, read without reading any tensor: the header of a
+    `.safetensors` file, else a torch file loaded with `torch.load(weights_only=True)` onto the meta device.
+
+    Raises:
+        FileNotFoundError: no such file. UnsafeFileError: a torch file holding objects other than tensors and plain
+            data. DataError: `cannot load {path}: {what failed}` for a truncated or foreign file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(path, framework="pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        state = torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise weights_only_error(path, e, "weights file") from e
+    except Exception as e:  # noqa: BLE001 - safetensors and torch report a damaged file in their own types
+        raise DataError(f"cannot load {path}: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+    if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise DataError(f"cannot load {path}: it is not a dict of tensors (a state dict)")
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+class _TensorBudget(TorchFunctionMode):
+    """Stops a model's construction (RuntimeError) once it has created more than `budget` tensors."""
+
+    FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.tensor,
+                           torch.arange, torch.linspace, torch.eye})  # fmt: skip
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.left = budget
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FACTORIES:
+            self.left -= 1
+            if self.left < 0:
+                raise _TooManyTensors
+        return func(*args, **(kwargs or {}))
+
+
+class _TooManyTensors(RuntimeError):
+    pass
+
+
+def check_weights_fit(build: Callable[[], torch.nn.Module], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """Refuse a config that describes another model than its weights, before the model is built for real.
+
+    `build` runs on the meta device (shapes only, no memory) and stops once it has made far more tensors than the
+    weights hold, so a config that describes a model of terabytes (`embed_dim: 1000000`) or of a million layers
+    costs nothing. A tensor the model and the weights both name (under any of its names, for tied tensors) must
+    have the same shape, and the model's tensors the weights do not name must not outweigh (in elements) the
+    weights' tensors the model does not name: keys of an older layout that the loader renames balance out, extra
+    layers do not. Anything else (a renamed key that is really missing) is left to the loader's strict check.
+
+    Args:
+        build: makes the model the config describes (e.g. `task.build_model`).
+        shapes: the weights' name -> shape (`weight_shapes`).
+        what: names the model and its weights in the message, e.g. "checkpoint runs/x/checkpoints/step_000001000".
+    Raises:
+        DataError: one line naming the first tensor that differs, the largest one the weights lack, or why the
+            config builds no model.
+    """
+    budget = 4 * len(shapes) + 1000  # a model makes a few tensors per stored one, plus a fixed set of temporaries
+    try:
+        with torch.device("meta"), _TensorBudget(budget):
+            model = build()
+    except _TooManyTensors:
+        raise DataError(f"{what}: its config describes a model of more than {budget} tensors, far more than the "
+                        f"{len(shapes)} its weights hold") from None  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a config the model's constructor refuses, in whatever type it raises
+        raise DataError(f"{what}: its config does not describe a model ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]})") from None  # fmt: skip
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():  # tied tensors: one object under several names
+        names.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    missing = []  # (numel, name, shape) of the model's tensors the weights hold under none of their names
+    for key, aliases in names.items():
+        shape = tuple(tensors[key].shape)
+        stored = [n for n in aliases if n in shapes]
+        if not stored:
+            missing.append((math.prod(shape), aliases[0], shape))
+        for n in stored:
+            if tuple(shapes[n]) != shape:
+                raise DataError(f"{what}: its config describes a model whose {n} has shape {shape}, but its weights "
+                                f"hold {tuple(shapes[n])}; the config does not belong to these weights")  # fmt: skip
+    # Tensors under other names (an older layout the loader renames) balance out; a larger model does not.
+    known = {n for aliases in names.values() for n in aliases}
+    extra = sum(math.prod(shape) for n, shape in shapes.items() if n not in known)
+    if missing and sum(m[0] for m in missing) > extra:
+        numel, name, shape = max(missing)
+        raise DataError(f"{what}: its config describes a model with tensors its weights do not hold ({len(missing)}, "
+                        f"the largest {name} of shape {shape}); the config does not belong to these weights")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Image quantisation
 # ---------------------------------------------------------------------------------------------------------
 
 
-def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = (0.0, 1.0)) -> Any:
+def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> None:
+    """Before `model_class.from_pretrained(folder)` (a diffusers `ModelMixin` / `ConfigMixin` class): the model its
+    config.json describes has the tensor shapes its weights hold (`check_weights_fit`, on the meta device, so a
+    config describing a far larger model than its weights allocates nothing). A folder without weights is left to
+    `from_pretrained` to report.
+
+    Raises:
+        ValueError (DataError): an unreadable config or weights file, or a config that does not fit the weights.
+    """
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    folder = Path(folder)
+    # Where diffusers' `ModelMixin.from_pretrained` finds a model's weights in its directory, in its order.
+    names = (SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    found = next((folder / name for name in names if (folder / name).is_file()), None)
+    if found is None:
+        return
+    files = [found]
+    if found.name.endswith(".index.json"):  # sharded: the files its weight map names, inside the folder
+        try:
+            shards = set(json.loads(found.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"{what}: {found} is unreadable ({type(e).__name__}: {e})") from e
+        if not all(isinstance(f, str) and f and Path(f).name == f for f in shards):
+            raise DataError(f"{what}: {found} names weight files outside {folder}")
+        files = [folder / f for f in sorted(shards)]
+    shapes = {}
+    for file in files:
+        try:
+            shapes.update(weight_shapes(file))
+        except DataError as e:  # truncated, foreign, or pickled objects (UnsafeFileError): nothing was run
+            raise type(e)(f"{what}: {e}") from e
+    try:
+        config = model_class.load_config(folder)
+    except Exception as e:  # noqa: BLE001 - diffusers reports a missing or malformed config.json in several types
+        raise DataError(f"{what}: cannot read {folder / 'config.json'} ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]})") from e  # fmt: skip
+    check_weights_fit(lambda: model_class.from_config(config), shapes, what)
+
+
+# The (low, high) of float images unless a caller says otherwise (`torchvision.utils.save_image`'s [0, 1]).
+IMAGE_RANGE: tuple[float, float] = (0.0, 1.0)
+
+
+def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = IMAGE_RANGE) -> Any:
     """Quantise float images to uint8 as `torchvision.utils.save_image` does: uint8(clamp(255 x + 0.5, 0, 255)).
 
     Args:
@@ -301,7 +475,7 @@ def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float]
     if not torch.isfinite(x).all():
         raise ValueError("images contain NaN or Inf")
     lo, hi = value_range
-    if (lo, hi) != (0.0, 1.0):
+    if (lo, hi) != IMAGE_RANGE:
         x = (x - lo) / (hi - lo)
     # torchvision.utils.save_image: mul(255).add_(0.5).clamp_(0, 255).to(uint8).
     out = x.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 
-__all__ = ["UVIT_PRESETS", "COGFORMER_PRESETS", "UVIT_VAE_SCALE", "uvit_preset", "cogformer_preset"]
+__all__ = ["UVIT_PRESETS", "COGFORMER_PRESETS", "UVIT_VAE_SCALE", "uvit_preset", "official_nnet", "cogformer_preset"]
 
 # U-ViT configs/mscoco_uvit_small.py: autoencoder scale_factor (logs: "Create autoencoder with scale_factor=0.2301").
 UVIT_VAE_SCALE = 0.23010
@@ -83,6 +83,17 @@ def uvit_preset(name: str) -> dict[str, Any]:
     if name not in UVIT_PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {sorted(UVIT_PRESETS)}")
     return dict(UVIT_PRESETS[name])
+
+
+def official_nnet(preset: str) -> dict[str, Any]:
+    """The official `config.nnet` (baofff/U-ViT configs) of the model of `preset`, as `uvit_from_official` takes it:
+    the nnet class ("uvit", or "uvit_t2i" for a text-conditional preset) and the preset's sizes. The official
+    configs' other keys (mlp_ratio 4, no qkv bias, no time-embedding MLP) are `UViTModel`'s defaults; softmax or
+    Cog is the official `np` flag, which the caller sets, so the preset's `attention` is dropped.
+    """
+    nnet = uvit_preset(preset)
+    nnet.pop("attention")
+    return {"name": "uvit_t2i" if "clip_dim" in nnet else "uvit", **nnet}
 
 
 # ---------------------------------------------------------------------------------------------------------

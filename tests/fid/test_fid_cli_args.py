@@ -28,6 +28,20 @@ def test_counts_out_of_range_are_refused(tmp_path, capsys, command, flag, value,
         f"python -m uvic.fid {command}: error: argument {flag}: must be >= {minimum}, got {int(value)}")
 
 
+@pytest.mark.parametrize("command", ["stats", "score"])
+@pytest.mark.parametrize("value, problem", [
+    ("1,0", "with finite LOW < HIGH (e.g. -1,1)"), ("0,0", "with finite LOW < HIGH (e.g. -1,1)"),
+    ("nan,1", "with finite LOW < HIGH (e.g. -1,1)"), ("-1,inf", "with finite LOW < HIGH (e.g. -1,1)"),
+    ("0", "(two numbers)"), ("a,b", "(two numbers)"),
+])  # fmt: skip
+def test_an_empty_or_reversed_value_range_is_refused(tmp_path, capsys, command, value, problem):
+    """A reversed range maps images to negative pixels and an empty one divides by zero: both scored silently."""
+    positional = ["src", "--out", tmp_path / "o.npz"] if command == "stats" else ["samples", "ref.npz"]
+    code, err = _cli(capsys, command, *positional, f"--value-range={value}")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"python -m uvic.fid {command}: error: argument --value-range: must be LOW,HIGH {problem}, got {value!r}")
+
+
 @pytest.mark.parametrize("where", ["out-in-file", "out-is-dir", "json-in-file"])
 def test_an_output_that_cannot_be_written_is_refused_first(tmp_path, capsys, where):
     folder = write_pngs(tmp_path / "s", smooth_images(2, size=8))
@@ -128,3 +142,24 @@ def test_the_result_is_printed_once(tmp_path, capsys, caplog, weights_file):
     out = capsys.readouterr().out
     assert out.count("fid4=") == 1 and out.startswith("fid4=")
     assert not [r for r in caplog.records if "fid4=" in r.getMessage()]
+
+
+def test_stats_of_grayscale_samples_and_of_the_digits(tmp_path, capsys, weights_file):
+    """The digits demo's journey: `sample.py --out-dir` writes 1-channel PNGs, and their statistics are those of the
+    same images in RGB; `digits:8` is a reference source."""
+    from PIL import Image
+
+    images = smooth_images(3, size=8)
+    gray, rgb = tmp_path / "gray", tmp_path / "rgb"
+    gray.mkdir()
+    for i, im in enumerate(images):
+        Image.fromarray(im[..., 0]).save(gray / f"{i}.png")  # mode "L", as sample.py saves a 1-channel image
+    write_pngs(rgb, np.repeat(images[..., :1], 3, axis=-1))
+    common = ["--weights", weights_file, "--weights-sha256", "none", "--device", "cpu", "--num-workers", "0",
+              "--no-progress", "--dims", "64"]
+    for source in (gray, rgb):
+        main([str(a) for a in ("stats", source, "--out", tmp_path / f"{source.name}.npz", *common)])
+    a, b = np.load(tmp_path / "gray.npz"), np.load(tmp_path / "rgb.npz")
+    assert np.array_equal(a["mu"], b["mu"]) and np.array_equal(a["sigma"], b["sigma"])
+    main([str(a) for a in ("stats", "digits:8", "--num-samples", 3, "--out", tmp_path / "d.npz", *common)])
+    assert np.load(tmp_path / "d.npz")["mu"].shape == (64,)

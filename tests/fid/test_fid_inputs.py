@@ -28,11 +28,52 @@ def test_folder_names_first_image_of_wrong_size(tmp_path):
         ImageFolder(folder)
 
 
-def test_folder_names_first_image_without_3_channels(tmp_path):
-    folder = write_pngs(tmp_path / "s", smooth_images(3, size=8))
-    Image.fromarray(smooth_images(1, size=8)[0][..., 0]).save(folder / "2.png")
-    with pytest.raises(ValueError, match=r"2\.png' has mode 'L' \(1 channels\)"):
+def test_folder_takes_grayscale_images_and_names_one_with_alpha(tmp_path):
+    """`sample.py --out-dir` writes 1-channel PNGs for a 1-channel model (the digits demo): FID reads them as
+    pytorch-fid does, `convert("RGB")`, the gray level in all three channels."""
+    images = smooth_images(3, size=8)
+    folder = write_pngs(tmp_path / "s", images)
+    Image.fromarray(images[2][..., 0]).save(folder / "2.png")  # mode "L", as sample.py saves a 1-channel image
+    ds = ImageFolder(folder)
+    assert torch.equal(ds[2], torch.from_numpy(np.repeat(images[2][..., :1], 3, axis=-1)).permute(2, 0, 1))
+    assert torch.equal(ds[1], torch.from_numpy(images[1]).permute(2, 0, 1))
+    Image.fromarray(np.dstack([images[0], images[0][..., :1]]), "RGBA").save(folder / "1.png")
+    with pytest.raises(ValueError, match=r"1\.png' has mode 'RGBA' \(4 channels\); FID takes RGB or 8-bit grayscale"):
         ImageFolder(folder)
+
+
+def test_grayscale_batches_and_arrays_repeat_the_channel(tmp_path):
+    gray = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    rgb = to_uint8(gray.expand(-1, 3, -1, -1))
+    assert torch.equal(to_uint8(gray), rgb) and torch.equal(to_uint8(gray.permute(0, 2, 3, 1).numpy()), rgb)
+    got = torch.cat(list(GeneratorSource(lambda n: gray[:n], num_samples=2).batches(2, 2)))
+    assert torch.equal(got, rgb)
+    np.savez(tmp_path / "g.npz", rgb[:, :1].permute(0, 2, 3, 1).numpy())  # (N, H, W, 1) uint8
+    ds = open_source(tmp_path / "g.npz")
+    assert torch.equal(torch.stack([ds[0], ds[1]]), rgb)
+    with pytest.raises(ValueError, match=r"C = 3 \(RGB\) or 1 \(grayscale\)"):
+        ImageArray(np.zeros((2, 2, 8, 8), np.uint8))
+
+
+def test_digits_source_is_what_training_reads(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from uvic.data import DigitsDataset
+
+    ds = open_source("digits:8")
+    assert len(ds) == 1797 and ds.name == "digits:8"
+    # The digits' own 8x8 gray levels 0..16, quantised as save_image does: uint8(255 v / 16 + 0.5), in R, G and B.
+    levels = torch.from_numpy(load_digits().images[:5])
+    want = (levels / 16 * 255 + 0.5).floor().to(torch.uint8)[:, None].expand(-1, 3, -1, -1)
+    assert torch.equal(torch.stack([ds[i] for i in range(5)]), want)
+    # At another side: the training images of data.image_size=16, [-1, 1] -> [0, 1], quantised.
+    big = open_source("digits:16")
+    x = DigitsDataset(16)[7]["x"]
+    assert torch.equal(big[7], ((x + 1) / 2 * 255 + 0.5).clamp(0, 255).to(torch.uint8).expand(3, -1, -1))
+    with pytest.raises(ValueError, match="digits image size must be >= 1"):
+        open_source("digits:0")
+    with pytest.raises(FileNotFoundError, match="digits:SIZE"):
+        open_source("digits")
 
 
 def test_folder_errors_and_jpeg_warning(tmp_path):

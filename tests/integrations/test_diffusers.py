@@ -5,6 +5,7 @@ the layer's own projections; each kept layer against diffusers' stock processor.
 """
 
 import copy
+import json
 import pickle
 import warnings
 
@@ -387,6 +388,29 @@ def test_load_warns_when_nothing_was_recorded(tmp_path):
     with pytest.warns(UserWarning, match="DiTTransformer2DModel: its config records no Cog placement"):
         loaded = load(DiTTransformer2DModel, tmp_path)
     assert set(processor_types(loaded).values()) == {AttnProcessor2_0}
+
+
+def test_a_damaged_saved_placement_is_one_error_naming_the_entry(tmp_path):
+    """A config.json's `_cog_attention` that is not what apply_cog_attention records: one ValueError naming the entry
+    (before: `TypeError: ... argument after ** must be a mapping`, or a bare keep_softmax error)."""
+    model, _, _ = tiny_dit()
+    apply_cog_attention(model, keep_softmax=1)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for bad, match in [([1], r"must be a mapping \{'keep_softmax': int, 'backend': str\} .*got \[1\]"),
+                       ("1", "must be a mapping"), ({"keep_softmax": 1, "layers": [2]}, "must be a mapping"),
+                       ({"keep_softmax": -1}, "keep_softmax must be an int >= 0, got -1"),
+                       ({"keep_softmax": 0.5, "backend": "torch"}, "keep_softmax must be an int >= 0, got 0.5"),
+                       ({"keep_softmax": 1, "backend": "flash"}, "backend must be one of")]:  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps({**saved, CONFIG_KEY: bad}))
+        with pytest.raises(ValueError, match=r"^DiTTransformer2DModel config entry '_cog_attention'.*" + match):
+            load(DiTTransformer2DModel, tmp_path)
+    # In a pipeline, the component is named.
+    model.register_to_config(**{CONFIG_KEY: [1]})
+    pipe = DiTPipeline(transformer=model, vae=AutoencoderKL(block_out_channels=(8,), norm_num_groups=4),
+                       scheduler=DDIMScheduler())  # fmt: skip
+    with pytest.raises(ValueError, match=r"^DiTTransformer2DModel \('transformer'\) config entry '_cog_attention' must"):
+        restore_cog_attention(pipe)
 
 
 def test_a_pipeline_is_restored_component_by_component(tmp_path):

@@ -5,6 +5,7 @@ from the layer's own projections and transformers' rotary embedding.
 """
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -221,6 +222,23 @@ def test_save_and_load_keep_the_rule(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "again").config._attn_implementation == "cog"
 
 
+def test_a_saved_placement_is_checked_on_load(tmp_path):
+    """config.json's cog_keep_softmax is checked when a model is built from it, as apply_cog_attention checks its
+    keep_softmax: before, -1 switched every layer, 0.5 half a placement, NaN / inf / 1e6 none, and "1" / null / [1]
+    failed at the forward."""
+    model = tiny("llama")
+    apply_cog_attention(model, keep_softmax=1)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for bad in (-1, 0.5, float("nan"), float("inf"), 1e6, "1", None, [1], True):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, "cog_keep_softmax": bad}))
+        for implementation in ("cog", "sdpa"):  # a damaged record is an error whichever implementation runs
+            with pytest.raises(ValueError, match=r"^LlamaConfig .*: cog_keep_softmax must be an int >= 0, got "):
+                AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
+    with pytest.raises(ValueError, match=r"^keep_softmax must be an int >= 0, got 0.5$"):  # the same check
+        apply_cog_attention(model, keep_softmax=0.5)
+
+
 def test_a_cog_config_running_another_implementation_warns(tmp_path):
     model = tiny("llama")
     apply_cog_attention(model)
@@ -248,9 +266,9 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
     model = tiny("llama")
     apply_cog_attention(model, keep_softmax=1)
     ids, _ = batch()
-    four_d = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
-    with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\).*a 4-D torch.bool mask \(4-D masks"):
-        model(ids, attention_mask=four_d)
+    three_d = torch.ones(2, 9, 9, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\).*got a 3-D torch.bool mask"):
+        model(ids, attention_mask=three_d)
     packed = torch.cat([torch.arange(4), torch.arange(5)])[None].expand(2, -1)  # two documents in each row
     with pytest.raises(ValueError, match="Llama attention mask: .*another pattern .*packed sequences"):
         model(ids, position_ids=packed, use_cache=False)
@@ -259,6 +277,73 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
             apply_cog_attention(model, keep_softmax=bad)
     with pytest.raises(ValueError, match="Linear is not a transformers model"):
         apply_cog_attention(torch.nn.Linear(2, 2))
+
+
+def four_d(mask, additive=False):
+    """transformers' 4-D form of a causal pattern with key padding `mask` (B, L): (B, 1, L, L), bool True = attend,
+    or float with 0 where attended and the dtype's lowest value elsewhere."""
+    L = mask.shape[1]
+    keep = torch.ones(L, L, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min) if additive else keep
+
+
+@pytest.mark.parametrize("keep_softmax", [1, 1000])
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_4d_causal_padding_mask_is_the_2d_mask(keep_softmax, additive):
+    """A caller's 4-D mask of the causal pattern with key padding runs as the 2-D padding mask, on Cog layers and
+    on a model that keeps softmax everywhere."""
+    model = tiny("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # keep_softmax=1000: no layer runs Cog
+        apply_cog_attention(model, keep_softmax=keep_softmax)
+    ids, mask = batch()
+    with torch.no_grad():
+        expect = model(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=four_d(mask, additive)).logits
+    torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_other_4d_masks_are_refused_with_the_layer_named():
+    model = tiny("llama")
+    apply_cog_attention(model, keep_softmax=1)
+    ids, mask = batch()
+    bidirectional = mask.bool()[:, None, None, :].expand(2, 1, 9, 9)
+    block = four_d(mask).clone()
+    block[:, :, 5:, :5] = False  # two documents in each row
+    for bad in (bidirectional, block):
+        with pytest.raises(ValueError, match=r"^LlamaAttention \(layer 0\): Cog attention takes a 4-D mask only when "
+                                             r"it is the layer's causal pattern"):  # fmt: skip
+            model(ids, attention_mask=bad)
+    biased = four_d(mask, additive=True) + 0.5 * torch.ones(9, 9).triu(1).T  # a bias on the kept scores
+    with pytest.raises(ValueError, match=r"^LlamaAttention \(layer 0\): the 4-D float attention mask holds values"):
+        model(ids, attention_mask=biased)
+    with pytest.raises(ValueError, match=r"a 4-D attention mask of shape \(2, 1, 9, 8\) does not fit 2 sequences"):
+        model(ids, attention_mask=four_d(mask)[..., :8])
+
+
+def test_static_cache_generation_compiles_to_one_graph():
+    """transformers' `generate` with a StaticCache and fullgraph compilation (its own
+    test_generate_compile_model_forward_fullgraph): the decoding steps are one graph, as with SDPA, and give the
+    tokens of uncompiled generation. The "eager" backend: dynamo traces and counts graphs without code generation."""
+    from torch._dynamo.utils import counters
+    from transformers.generation import CompileConfig
+
+    model = tiny("llama", layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_cog_attention(model, keep_softmax=1000)  # every layer keeps softmax, as in transformers' test
+    ids, mask = batch()
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles on CPU only when asked
+    kw = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
+          "cache_implementation": "static"}  # fmt: skip
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = model.generate(ids, compile_config=config, **kw)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["recompiles"] and not counters["graph_break"]
+    assert torch.equal(compiled, model.generate(ids, disable_compile=True, **kw))
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------------------------------------

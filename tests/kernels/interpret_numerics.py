@@ -75,6 +75,11 @@ def _mask(kind, B, Lk, seed=1):
     return kpm
 
 
+def _fused(*args, attention="cog", **kw):
+    """The fused op called with the reference's keywords (`attention` is the kind, the op takes `cog`)."""
+    return fused_attention(*args, cog=attention == "cog", **kw)
+
+
 def _run(fn, q, k, v, do, dtype, layout="contiguous", **kw):
     ts = [_strided(t, dtype, layout).requires_grad_() for t in (q, k, v)]
     out = fn(*ts, **kw)
@@ -87,7 +92,7 @@ def _check(q, k, v, do, dtype, *, causal, kpm, cog, scale=None, layout="contiguo
     kw["attention"] = "cog" if cog else "softmax"
     exact = _run(lambda *a, **k_: attention_ref(*a, **k_), q, k, v, do, torch.float64, **kw)
     plain = _run(lambda *a, **k_: attention_ref(*a, upcast=False, **k_), q, k, v, do, dtype, **kw)
-    fused = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, dtype, layout=layout, **kw)
+    fused = _run(_fused, q, k, v, do, dtype, layout=layout, **kw)
     for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
         assert torch.isfinite(f).all(), f"{name} has NaN/inf"
         err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
@@ -288,8 +293,8 @@ def test_masked_keys_are_never_read(monkeypatch, cog, dtype, sign_ptx):
     ].double()
     for causal in (False, True):
         kw = {"causal": causal, "key_padding_mask": kpm, "attention": "cog" if cog else "softmax"}
-        clean = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, dtype, **kw)
-        dirty = _run(lambda *a, **k_: fused_attention(*a, **k_), q, poisoned_k, poisoned_v, do, dtype, **kw)
+        clean = _run(_fused, q, k, v, do, dtype, **kw)
+        dirty = _run(_fused, q, poisoned_k, poisoned_v, do, dtype, **kw)
         for name, c, d in zip(("out", "dq", "dk", "dv"), clean, dirty):
             assert torch.isfinite(d).all(), f"{name}: a removed key's NaN/Inf leaked"
             assert torch.equal(c, d), f"{name} depends on the removed keys' k/v rows"
@@ -392,7 +397,7 @@ def test_float32_backward_at_large_scores(cog, causal):
     kw = {"causal": causal, "key_padding_mask": None, "attention": "cog" if cog else "softmax", "scale": 0.5 * math.log(2)}
     exact = _run(lambda *a, **k_: attention_ref(*a, **k_), q, k, v, do, torch.float64, **kw)
     plain = _run(lambda *a, **k_: attention_ref(*a, upcast=False, **k_), q, k, v, do, torch.float32, **kw)
-    fused = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, torch.float32, **kw)
+    fused = _run(_fused, q, k, v, do, torch.float32, **kw)
     p_max = kw["scale"] * (q @ k.transpose(-1, -2)).abs().max().item()
     assert 80 < p_max < 400, p_max
     for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
@@ -468,11 +473,11 @@ def test_key_blocks_outside_the_band_are_skipped(cog):
     Lq = 16 with Lk = 100, causal, window (10, 0), see keys i + 74 ... i + 84 only."""
     q, k, v, do = _inputs(1, 1, 16, 100, 16, torch.float32, seed=10)
     kw = {"causal": True, "window": (10, 0), "attention": "cog" if cog else "softmax"}
-    clean = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, torch.float32, **kw)
+    clean = _run(_fused, q, k, v, do, torch.float32, **kw)
     k_bad, v_bad = k.clone(), v.clone()
     k_bad[..., :64, :] = float("nan")  # key blocks 0-3 of 16 keys; the band starts at key 74
     v_bad[..., :64, :] = float("nan")
-    got = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k_bad, v_bad, do, torch.float32, **kw)
+    got = _run(_fused, q, k_bad, v_bad, do, torch.float32, **kw)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, clean):
         assert torch.equal(a, b), name
     assert (got[2][..., :74, :] == 0).all() and (got[3][..., :74, :] == 0).all()

@@ -119,3 +119,92 @@ def test_envelope_check_compiles_without_graph_breaks_on_cpu(device_type):
     assert operator.sub in targets
     if device_type == "cpu":
         torch.testing.assert_close(out, q - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The launch path on a GPU: launch plans and CUDA graphs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _out_and_grads(fn, q, k, v):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the same memory (and alignment) as q, k, v
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out) / out.numel() ** 0.5)
+    return [out.detach(), *grads]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"causal": True, "mask": True}, {"window": (31, 0), "softcap": 30.0}, {"scale": -0.2}, {"cog": False}],
+    ids=["plain", "causal+mask", "window+softcap", "negative scale", "softmax mode"],
+)
+def test_replayed_launches_give_the_first_calls_values_on_gpu(monkeypatch, kw):
+    """The first call of a shape goes through triton's autotuner and JIT and records a launch plan; the next calls
+    replay it (`uvic.kernels.attention._PLANS`). Outputs and gradients are bitwise those of the first call, and a
+    q that is not 16-byte aligned (its own plan, triton's unaligned specialization) gives the same values."""
+    import uvic.kernels.attention as kattn
+    from uvic.kernels.ops import fused_attention
+
+    monkeypatch.setattr(kattn, "_PLANS", {})
+    kw = dict(kw)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 300, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    if kw.pop("mask", False):
+        kw["key_padding_mask"] = torch.rand(2, 300, device="cuda", generator=g) > 0.2
+    fn = lambda q, k, v: fused_attention(q, k, v, **kw)
+    first = _out_and_grads(fn, q, k, v)
+    assert len(kattn._PLANS) == 2  # forward and backward
+    for _ in range(2):
+        for a, b in zip(first, _out_and_grads(fn, q, k, v)):
+            assert torch.equal(a, b)
+    q_off = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    assert q_off.data_ptr() % 16
+    for _ in range(2):
+        for a, b in zip(first, _out_and_grads(fn, q_off, k, v)):
+            torch.testing.assert_close(a, b)
+    assert len(kattn._PLANS) == 4
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_uvic_block_in_cuda_graphs_matches_eager():
+    """`torch.compile(mode="reduce-overhead")` over a U-ViC block (bf16 autocast, Cog attention through the fused
+    kernel's custom ops, forward and backward) runs as CUDA graphs with no cudagraph skip, and gives bitwise what
+    the same compile without CUDA graphs gives, and eager's values up to the rounding of Inductor's fusions."""
+    from torch._dynamo.utils import counters
+
+    from uvic.models.uvit import UViTBlock
+
+    torch.manual_seed(0)
+    block = UViTBlock(dim=512, num_heads=8, attention="cog").cuda()
+    x = torch.randn(8, 257, 512, device="cuda")
+    dy = torch.randn(8, 257, 512, device="cuda")
+
+    def step(fn):
+        """Output and parameter + input gradients of one forward + backward, cloned (CUDA graph outputs are reused
+        by the next replay)."""
+        torch.compiler.cudagraph_mark_step_begin()
+        xs = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(xs)
+        grads = torch.autograd.grad(y, [xs, *block.parameters()], dy)
+        return [y.detach().float().clone(), *(gr.float().clone() for gr in grads)]
+
+    eager = step(block)
+    torch._dynamo.reset()
+    compiled = torch.compile(block)
+    plain = [step(compiled) for _ in range(3)][-1]
+    torch._dynamo.reset()
+    counters.clear()
+    graphed = torch.compile(block, mode="reduce-overhead")
+    runs = [step(graphed) for _ in range(4)]  # warm-up, record, then replays
+    torch._dynamo.reset()
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    for run in runs[1:]:
+        for a, b in zip(run, plain):
+            assert torch.equal(a, b)
+    eps = torch.finfo(torch.bfloat16).eps
+    for a, e in zip(plain, eager):
+        assert (a - e).abs().max() <= 8 * eps * e.abs().max()

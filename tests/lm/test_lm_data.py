@@ -82,10 +82,44 @@ def test_sentencepiece_model_needs_the_package(tmp_path):
         import sentencepiece  # noqa: F401
     except ImportError:
         (tmp_path / "tokenizer.model").write_bytes(b"\x00")
-        with pytest.raises(ImportError, match="sentencepiece"):
+        with pytest.raises(ImportError, match="install the `sentencepiece` package"):
             load_tokenizer(str(tmp_path / "tokenizer.model"))
     else:
         pytest.skip("sentencepiece is installed; the missing-package message does not apply")
+
+
+def test_an_empty_bin_is_named(tmp_path):
+    from uvic.errors import DataError
+
+    (tmp_path / "empty.bin").write_bytes(b"")
+    for fmt in ("bin", "auto"):
+        with pytest.raises(DataError, match=f"^token file {tmp_path / 'empty.bin'} is empty: it holds no token ids$"):
+            load_tokens(tmp_path / "empty.bin", fmt=fmt)
+
+
+def test_a_bin_read_as_text_says_which_format_reads_it(tmp_path):
+    from uvic.errors import DataError
+
+    write_token_bin(np.array([0xFFFF, 1]), tmp_path / "ids.bin")  # 0xff is no UTF-8 byte
+    with pytest.raises(DataError, match=r"is not UTF-8 text .*; .*ids.bin is named like a .bin of token ids, which "
+                                        r"the format 'text' \(data.format\) does not read: use format 'bin', or "
+                                        r"'auto'"):  # fmt: skip
+        load_tokens(tmp_path / "ids.bin", fmt="text")
+
+
+def test_the_tiny_lm_config_trains_on_a_prepared_bin(tmp_path):
+    """The README's LM journey: `python -m uvic.lm.prepare` writes a .bin, and configs/lm_tiny.yaml reads it as
+    token ids (the format follows the suffix) without a data.format override."""
+    from uvic.config import load_config
+    from uvic.lm.prepare import main
+    from uvic.training.tasks.lm import build_dataset
+
+    (tmp_path / "c.txt").write_text(TEXT * 8, encoding="utf-8")
+    main(["--text", str(tmp_path / "c.txt"), "--out", str(tmp_path / "c.bin")])
+    root = Path(__file__).resolve().parents[2]
+    for path in ("c.bin", "c.txt"):
+        cfg = load_config(root / "configs" / "lm_tiny.yaml", [f"data.path={tmp_path / path}"])
+        assert build_dataset(cfg.data).tokens.tolist() == list((TEXT * 8).encode("utf-8"))
 
 
 def test_token_dataset_windows():

@@ -43,3 +43,25 @@ def test_unknown_or_unreadable_tokenizer(tmp_path, text, cli_error):
     line = cli_error(main, ["--text", str(text), "--tokenizer", str(junk), "--out", str(out)])
     assert "tokenizer.json" in line and "could not be read" in line
     assert not out.exists()
+
+
+def test_a_sentencepiece_tokenizer_without_the_package_is_one_line(tmp_path, text, cli_error, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # `import sentencepiece` fails, installed or not
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(b"\x00")
+    out = tmp_path / "out.bin"
+    line = cli_error(main, ["--text", str(text), "--tokenizer", str(model), "--out", str(out)])
+    assert line == (f"error: {model} is a sentencepiece model; install the `sentencepiece` package to use it (or "
+                    "convert it to a transformers tokenizer directory / tokenizer.json)")
+    assert not out.exists()
+
+
+def test_an_empty_text_writes_no_bin(tmp_path, cli_error):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "out.bin"
+    line = cli_error(main, ["--text", str(empty), "--out", str(out)])
+    assert line == f"error: --text {empty} holds no tokens (it is empty); nothing was written"
+    assert not out.exists()

@@ -1,5 +1,7 @@
 """Cogformer: causality, KV cache, padding, layer placement, parameter counts and the transformers round trip."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,31 @@ def test_cache_is_taken_under_both_names():
     torch.testing.assert_close(by_new, full, rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="not both"):
         model(x, past_key_values=DynamicCache(), cache=DynamicCache())
+
+
+def test_generate_logs_no_deprecation_warning():
+    """The README's generate snippet: transformers >= 5.24 names the KV cache `cache` in its outputs, and logs a
+    deprecation warning when an output is built or read under the old name `past_key_values`."""
+    import logging
+
+    import transformers
+
+    model = tiny()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")  # it does not propagate to the root logger
+    logging.Logger.warning_once.cache_clear()  # transformers logs this warning once per process
+    library.addHandler(handler)
+    try:
+        out = model.generate(torch.randint(0, 257, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=256,
+                             return_dict_in_generate=True)  # fmt: skip
+    finally:
+        library.removeHandler(handler)
+    assert [r.getMessage() for r in records if "deprecated" in r.getMessage()] == []
+    assert out.sequences.shape == (1, 8)
+    if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__:
+        assert model(torch.randint(0, 257, (1, 5)), use_cache=True).cache.get_seq_length() == 5
 
 
 @pytest.mark.parametrize("attention", ["cog", "softmax"])
@@ -136,6 +163,39 @@ def test_layer_placement(preset, k):
     assert [layer.self_attn.attention for layer in model.model.layers] == expected
 
 
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"num_softmax_layers": 2, "keep_softmax_last": 0}, ["softmax", "softmax", "cog", "cog", "cog", "cog"]),
+        ({"num_softmax_layers": 2, "keep_softmax_first": 0}, ["cog", "cog", "cog", "cog", "softmax", "softmax"]),
+        ({"keep_softmax_first": 1, "keep_softmax_last": 0}, ["softmax", "cog", "cog", "cog", "cog", "cog"]),
+        ({"num_softmax_layers": 0}, ["cog"] * 6),
+    ],
+)
+def test_placement_ends_override_num_softmax_layers(kwargs, expected):
+    """keep_softmax_first / keep_softmax_last set one end each (U-ViT's keys); an end left None is k."""
+    cfg = cogformer_config("tiny", num_hidden_layers=6, **kwargs)
+    assert cfg.attention_types() == expected
+    with torch.device("meta"):
+        model = CogformerForCausalLM(cfg)
+    assert [layer.self_attn.attention for layer in model.model.layers] == expected
+
+
+def test_config_saved_without_placement_ends_loads_identically(tmp_path):
+    """A config.json written before keep_softmax_first / keep_softmax_last existed places by num_softmax_layers."""
+    model = tiny(attention="cog", num_hidden_layers=6, num_softmax_layers=2)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["keep_softmax_first"] is None and saved["keep_softmax_last"] is None
+    del saved["keep_softmax_first"], saved["keep_softmax_last"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.attention_types() == ["softmax", "softmax", "cog", "cog", "softmax", "softmax"]
+    x = torch.randint(0, 257, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+
+
 def closed_form_params(V, D, F_, n_layers, nh, hd):
     attn = 3 * D * nh * hd + nh * hd * D  # q, k, v, o; no biases
     ffn = 3 * D * F_  # SwiGLU gate, up, down
@@ -194,6 +254,10 @@ def test_save_load_softmax_baseline(tmp_path):
     [
         ({"attention": "linear"}, "attention must be one of"),
         ({"num_softmax_layers": 3, "num_hidden_layers": 4}, "num_softmax_layers"),
+        ({"num_softmax_layers": True}, "num_softmax_layers must be an int >= 0, got True"),
+        ({"num_softmax_layers": -1}, "num_softmax_layers must be an int >= 0, got -1"),
+        ({"keep_softmax_first": 1.5}, "keep_softmax_first must be an int >= 0, got 1.5"),
+        ({"keep_softmax_first": 12, "num_hidden_layers": 12}, r"keep_softmax_first=12 and num_softmax_layers=1 .* overlap"),
         ({"attention_backend": "cuda"}, "attention_backend"),
         ({"hidden_size": 60, "num_attention_heads": 4}, "head_dim must be even"),
     ],

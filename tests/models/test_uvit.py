@@ -7,6 +7,8 @@ Independent references used here:
   that reads only a state dict and those rules (token order, LIFO skips, Cog placement, unpatchify layout).
 """
 
+import dataclasses
+import json
 import math
 
 import einops
@@ -14,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from uvic.config import config_from_dict, load_config
+from uvic.errors import ConfigError
 from uvic.models import UVIT_PRESETS, UViTModel, build_preset, uvit_from_official
 
 
@@ -84,10 +88,14 @@ def _cog_flags(depth: int, cog: bool) -> tuple[list[bool], bool, list[bool]]:
     return [cog and i != 0 for i in range(n)], cog, [cog and i != n - 1 for i in range(n)]
 
 
-def _official_forward(sd, cfg, x, t, context=None, y=None):
-    """Functional re-implementation of the official UViT.forward (math attention), from a state dict."""
+def _official_forward(sd, cfg, x, t, context=None, y=None, cog=None):
+    """Functional re-implementation of the official UViT.forward (math attention), from a state dict. `cog`: one
+    flag per block in execution order (in, mid, out) for other placements; None is the official rule."""
     D, nh, C = cfg["embed_dim"], cfg["num_heads"], cfg["in_chans"]
     ins, mid, outs = _cog_flags(cfg["depth"], cfg.get("attention") == "cog")
+    if cog is not None:
+        n = cfg["depth"] // 2
+        ins, mid, outs = cog[:n], cog[n], cog[n + 1 :]
 
     def block(prefix, h, cog, skip=None):
         if skip is not None:
@@ -231,6 +239,88 @@ def test_which_blocks_are_cog(depth, expected):
     assert uvit.cog_block_names() == []
     assert [uvic.in_blocks[0].attn.attention, uvic.out_blocks[-1].attn.attention, uvic.mid_block.attn.attention] == [
         "softmax", "softmax", "cog"]
+
+
+# A depth-4 model's blocks in execution order.
+_TINY_BLOCKS = ["in_blocks.0", "in_blocks.1", "mid_block", "out_blocks.0", "out_blocks.1"]
+
+
+@pytest.mark.parametrize(
+    "first, last, cog",
+    [
+        (1, 1, [False, True, True, True, False]),  # U-ViC, the default
+        (0, 0, [True, True, True, True, True]),  # Cog everywhere
+        (1, 0, [False, True, True, True, True]),  # the paper's ablation: softmax in the first block only
+        (2, 1, [False, False, True, True, False]),  # counted through in_blocks, mid_block, out_blocks
+        (0, 3, [True, True, False, False, False]),
+    ],
+)
+def test_placement_picks_the_cog_blocks(first, last, cog):
+    """keep_softmax_first / keep_softmax_last choose the blocks that run Cog, and the forward is the functional
+    reference with exactly those blocks on Cog."""
+    cfg = dict(UVIT_PRESETS["uvic-tiny-t2i"])
+    model = build_preset("uvic-tiny-t2i", keep_softmax_first=first, keep_softmax_last=last,
+                         attention_backend="reference")  # fmt: skip
+    model = _randomize(model).double()
+    assert model.cog_block_names() == [name for name, c in zip(_TINY_BLOCKS, cog) if c]
+    assert (model.config.keep_softmax_first, model.config.keep_softmax_last) == (first, last)
+    x, t, ctx, _ = _inputs(cfg)
+    with torch.no_grad():
+        out = model(x, t, encoder_hidden_states=ctx).sample
+        ref = _official_forward(model.state_dict(), cfg, x, t, context=ctx, cog=cog)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    # The softmax model ignores the placement: every block is softmax.
+    assert build_preset("uvit-tiny-t2i", keep_softmax_first=first, keep_softmax_last=last).cog_block_names() == []
+
+
+def test_placement_is_an_ordinary_config_override():
+    """`model.keep_softmax_first=0` in a run config reaches the model; a run config or saved model without the
+    keys (written before they existed) is U-ViC's 1 and 1."""
+    cfg = load_config(None, ["model.keep_softmax_first=0", "model.keep_softmax_last=0"])
+    with torch.device("meta"):
+        model = UViTModel(**dataclasses.asdict(cfg.model))
+    assert len(model.cog_block_names()) == 13  # S/2, depth 12: every block
+    old = cfg.to_dict()
+    del old["model"]["keep_softmax_first"], old["model"]["keep_softmax_last"]
+    assert (config_from_dict(old).model.keep_softmax_first, config_from_dict(old).model.keep_softmax_last) == (1, 1)
+    with pytest.raises(ConfigError, match="model.keep_softmax_last: must be >= 0"):
+        load_config(None, ["model.keep_softmax_last=-1"])
+
+
+def test_saved_model_without_placement_keys_loads_as_uvic(tmp_path):
+    model = _randomize(build_preset("uvic-tiny-class"))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["keep_softmax_first"], saved["keep_softmax_last"]) == (1, 1)
+    del saved["keep_softmax_first"], saved["keep_softmax_last"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = UViTModel.from_pretrained(tmp_path)
+    assert loaded.cog_block_names() == ["in_blocks.1", "mid_block", "out_blocks.0"]
+    x, t, _, y = _inputs(dict(UVIT_PRESETS["uvic-tiny-class"]), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x, t, class_labels=y).sample, model.eval()(x, t, class_labels=y).sample)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"keep_softmax_first": -1}, r"keep_softmax_first must be an int >= 0, got -1"),
+        ({"keep_softmax_last": True}, r"keep_softmax_last must be an int >= 0, got True"),
+        ({"keep_softmax_last": 1.0}, r"keep_softmax_last must be an int >= 0, got 1.0"),
+        ({"keep_softmax_first": None}, r"keep_softmax_first must be an int >= 0, got None"),
+        ({"keep_softmax_first": 3, "keep_softmax_last": 3}, r"6 layers, more than the 5 there are: the two ends"),
+        ({"keep_softmax_first": 6, "keep_softmax_last": 0, "attention": "softmax"}, "the two ends would overlap"),
+    ],
+)
+def test_bad_placement_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_preset("uvic-tiny-cifar", **kwargs)
+
+
+def test_placement_without_cog_blocks_warns():
+    with pytest.warns(UserWarning, match="keeps all 5 layers on softmax, so no layer runs Cog attention"):
+        model = build_preset("uvic-tiny-cifar", keep_softmax_first=3, keep_softmax_last=2)
+    assert model.cog_block_names() == []
 
 
 def test_cog_flag_changes_the_computation():

@@ -13,7 +13,7 @@ from uvic.training.checkpoint import latest_checkpoint, list_checkpoints
 from uvic.training.ema import EMA
 from uvic.training.logs import read_metrics
 from uvic.training.loop import lr_lambda, resume_checkpoint
-from uvic.training.tasks import DiffusionTask
+from uvic.training.tasks.diffusion import DiffusionTask
 
 
 def _weights(ckpt):

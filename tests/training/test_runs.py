@@ -10,7 +10,7 @@ from uvic.config import load_config
 from uvic.pipelines import UViCPipeline
 from uvic.training import train
 from uvic.training.runs import export, load_pipeline, task_from_checkpoint
-from uvic.training.tasks import DiffusionTask
+from uvic.training.tasks.diffusion import DiffusionTask
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The resumable feature extraction that the ImageNet and MS-COCO extractors share: the VAE to encode with, the
+"""The resumable feature extraction that the ImageNet and MS-COCO extractors share: the device to encode on, the
 memory-mapped output arrays, and the loop that fills them batch by batch and marks each batch done only once its
 data is on disk, so that a re-run after an interruption encodes exactly the items not yet marked.
 """
@@ -10,23 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-
-def load_vae_spec(spec: str, scaling_factor: float):
-    """An LDM-format autoencoder file or a diffusers AutoencoderKL folder, with `scaling_factor` in its config."""
-    from diffusers import AutoencoderKL
-
-    from uvic.models.autoencoder import load_ldm_autoencoder
-
-    path = Path(spec)
-    if path.is_file():
-        return load_ldm_autoencoder(path, scaling_factor=scaling_factor)
-    if path.is_dir():
-        return AutoencoderKL.from_pretrained(path, scaling_factor=scaling_factor)
-    raise FileNotFoundError(
-        f"--vae {spec}: not found. Pass U-ViT's assets/stable-diffusion/autoencoder_kl.pth or a diffusers "
-        "AutoencoderKL folder"
-    )
 
 
 def extraction_device(device: str | torch.device | None) -> torch.device:

@@ -43,7 +43,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from uvic.data.features import extraction_device, fill_pending, load_vae_spec, open_or_create_npy, pending
+from uvic.data.features import extraction_device, fill_pending, open_or_create_npy, pending
 from uvic.errors import DataError
 from uvic.io import atomic_write
 
@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
 
     from uvic.errors import cli_errors
+    from uvic.models.autoencoder import VAE_SPEC, load_vae
 
     p = argparse.ArgumentParser(
         prog="python -m uvic.data.imagenet",
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--root", required=True, help="ImageNet folder holding train/<wnid>/*.JPEG")
     p.add_argument("--out", required=True, help="output folder, e.g. data/imagenet256_features")
-    p.add_argument("--vae", required=True, help="U-ViT's autoencoder_kl.pth (LDM format) or a diffusers AutoencoderKL dir")
+    p.add_argument("--vae", required=True, help=VAE_SPEC)
     p.add_argument("--resolution", type=int, choices=(256, 512), default=256)
     p.add_argument("--num-classes", type=int, default=NUM_CLASSES)
     p.add_argument("--batch-size", type=int, default=64)
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
 
     state = Accelerator()
     with cli_errors():
-        vae = load_vae_spec(args.vae, LATENT_SCALE)
+        vae = load_vae(args.vae, LATENT_SCALE)
         out = extract_features(args.root, args.out, vae, resolution=args.resolution, num_classes=args.num_classes,
                                batch_size=args.batch_size, num_workers=args.num_workers, device=state.device,
                                process_index=state.process_index, num_processes=state.num_processes,

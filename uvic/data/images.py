@@ -47,18 +47,22 @@ class _TensorImages(Dataset):
 
 
 class Cifar10(_TensorImages):
-    """The CIFAR-10 training split (50,000 32x32 RGB images), read from the python-pickle batches.
+    """A CIFAR-10 split, read from the python-pickle batches: "train" (50,000 32x32 RGB images) or "test"
+    (10,000, the held-out set of the validation loss).
 
     Args:
-        root: folder that holds (or will hold) `cifar-10-batches-py/data_batch_{1..5}`.
+        root: folder that holds (or will hold) `cifar-10-batches-py/data_batch_{1..5}` and `test_batch`.
         download: fetch the archive with torchvision when the batches are missing.
+        split: "train" or "test".
     Raises:
         FileNotFoundError: the batches are missing and could not be downloaded; the message says where to put them.
     """
 
-    def __init__(self, root: str | Path, download: bool = True) -> None:
+    def __init__(self, root: str | Path, download: bool = True, split: str = "train") -> None:
+        if split not in ("train", "test"):
+            raise ValueError(f"CIFAR-10 split {split!r}: expected 'train' or 'test'")
         folder = Path(root) / _CIFAR_DIR
-        files = [folder / f"data_batch_{i}" for i in range(1, 6)]
+        files = [folder / f"data_batch_{i}" for i in range(1, 6)] if split == "train" else [folder / "test_batch"]
         if not all(f.is_file() for f in files) and download:
             _download_cifar10(Path(root))
         missing = [f.name for f in files if not f.is_file()]
@@ -142,6 +146,35 @@ def find_images(root: str | Path, *, recursive: bool = True) -> list[Path]:
     return sorted(files, key=lambda p: (p.parent.as_posix(), _natural_key(p)))
 
 
+def readable_images(root: str | Path, *, recursive: bool = True, skip_bad: bool = False, remedy: str) -> list[Path]:
+    """`find_images(root)` with every file checked (`check_image`: the header, and for PNG the chunk checksums
+    through to the end of the file) before anything reads one: the one image-folder reader of training
+    (`ImageFolder`) and of the FID harness (`uvic.fid.ImageFolder`).
+
+    Args:
+        root, recursive: as `find_images`.
+        skip_bad: leave unreadable files out (each is logged) instead of raising.
+        remedy: the end of the error message (what the caller can do, or what did not happen).
+    Raises:
+        FileNotFoundError: `root` is missing or holds no (readable) images.
+        DataError: "<first unreadable file> is not a readable image (<why>)[; N more unreadable file(s) under
+            <root>]; <remedy>", when `skip_bad` is False.
+    """
+    paths = find_images(root, recursive=recursive)
+    bad = [(p, why) for p in paths if (why := check_image(p)) is not None]
+    if bad and not skip_bad:
+        (first, why), more = bad[0], len(bad) - 1
+        raise DataError(f"{first} is not a readable image ({why})" + (f"; {more} more unreadable file(s) under "
+                        f"{root}" if more else "") + f"; {remedy}")
+    for p, why in bad:
+        logger.warning("skipping unreadable image %s (%s)", p, why)
+    skipped = {p for p, _ in bad}
+    kept = [p for p in paths if p not in skipped]
+    if not kept:
+        raise FileNotFoundError(f"no readable images under {root}: all {len(paths)} were skipped")
+    return kept
+
+
 def read_rgb(path: str | Path) -> Any:
     """The image file at `path` decoded as an RGB `PIL.Image` (loaded into memory).
 
@@ -158,11 +191,11 @@ def read_rgb(path: str | Path) -> Any:
 
 
 class ImageFolder(Dataset):
-    """Every image under `root` (`find_images`: recursive, natural order), center-cropped to a square and resized.
+    """Every image under `root` (`readable_images`: recursive, natural order), center-cropped to a square and
+    resized; grayscale and RGB files alike give 3 channels (`read_rgb`).
 
-    Every file is checked when the dataset is built (`check_image`: the header, and for PNG the chunk checksums
-    through to the end of the file), so a non-image or a truncated file is reported by name before training starts
-    rather than when it comes up mid-run.
+    Every file is checked when the dataset is built, so a non-image or a truncated file is reported by name before
+    training starts rather than when it comes up mid-run.
 
     Args:
         root: folder of image files (`IMAGE_EXTENSIONS`).
@@ -176,19 +209,8 @@ class ImageFolder(Dataset):
     def __init__(self, root: str | Path, image_size: int, skip_bad: bool = False) -> None:
         from torchvision import transforms
 
-        root = Path(root)
-        paths = find_images(root, recursive=True)
-        bad = [(p, why) for p in paths if (why := check_image(p)) is not None]
-        if bad and not skip_bad:
-            (first, why), more = bad[0], len(bad) - 1
-            raise DataError(f"{first} is not a readable image ({why})" + (f"; {more} more unreadable file(s) under "
-                            f"{root}" if more else "") + "; remove them, or set data.skip_bad_images=true to skip them")
-        for p, why in bad:
-            logger.warning("skipping unreadable image %s (%s)", p, why)
-        skipped = {p for p, _ in bad}
-        self.paths = [p for p in paths if p not in skipped]
-        if not self.paths:
-            raise FileNotFoundError(f"no readable images under {root}: all {len(paths)} were skipped")
+        self.paths = readable_images(root, recursive=True, skip_bad=skip_bad,
+                                     remedy="remove them, or set data.skip_bad_images=true to skip them")
         self.transform = transforms.Compose([
             transforms.Resize(image_size),
             transforms.CenterCrop(image_size),
@@ -239,6 +261,13 @@ DATASETS: dict[str, Callable[[Any], Dataset]] = {
     "cifar10": lambda data: Cifar10(data.root, download=data.download),
     "image_folder": lambda data: ImageFolder(data.root, data.image_size, skip_bad=data.skip_bad_images),
     "digits": lambda data: DigitsDataset(data.image_size),
+}
+
+
+# The datasets of DATASETS that have a test split: the held-out set of the validation loss (the others hold out
+# `data.val_fraction` of their images).
+TEST_SPLITS: dict[str, Callable[[Any], Dataset]] = {
+    "cifar10": lambda data: Cifar10(data.root, download=data.download, split="test"),
 }
 
 

@@ -39,7 +39,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from uvic.data.features import extraction_device, fill_pending, load_vae_spec, open_or_create_npy, pending
+from uvic.data.features import extraction_device, fill_pending, open_or_create_npy, pending
 
 
 logger = logging.getLogger(__name__)
@@ -345,18 +345,10 @@ class MSCOCOFeatures(Dataset):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _load_text_encoder(spec: str, cache_dir: str | None):
-    from uvic.models.text_encoder import CLIPTextEncoder
-
-    path = Path(spec)
-    if path.is_dir():
-        return CLIPTextEncoder.from_pretrained(path)
-    return CLIPTextEncoder.from_open_clip(spec, cache_dir=cache_dir)
-
-
 def main(argv: list[str] | None = None) -> None:
     """CLI: extract one split. Run it once for train2014 and once for val2014."""
-    from uvic.models.autoencoder import UVIT_VAE_SCALE
+    from uvic.models.autoencoder import UVIT_VAE_SCALE, VAE_SPEC, load_vae
+    from uvic.models.text_encoder import CLIPTextEncoder
 
     p = argparse.ArgumentParser(
         prog="python -m uvic.data.mscoco",
@@ -366,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--captions", required=True, help="caption file, e.g. coco/annotations/captions_train2014.json")
     p.add_argument("--out", required=True, help="output root; the split goes to OUT/SPLIT")
     p.add_argument("--split", required=True, help="split name, e.g. train or val")
-    p.add_argument("--vae", required=True, help="U-ViT's autoencoder_kl.pth (LDM format) or a diffusers AutoencoderKL dir")
+    p.add_argument("--vae", required=True, help=VAE_SPEC)
     p.add_argument("--clip", default="openai", help="open_clip ViT-L-14 tag, checkpoint file, or a CLIPTextEncoder dir")
     p.add_argument("--clip-cache-dir", default=None, help="open_clip / Hugging Face cache directory")
     p.add_argument("--resolution", type=int, default=256)
@@ -379,8 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    vae = load_vae_spec(args.vae, UVIT_VAE_SCALE)
-    text_encoder = _load_text_encoder(args.clip, args.clip_cache_dir)
+    vae = load_vae(args.vae, UVIT_VAE_SCALE)
+    text_encoder = CLIPTextEncoder.from_spec(args.clip, cache_dir=args.clip_cache_dir)
     split_dir = extract_features(
         args.images,
         args.captions,

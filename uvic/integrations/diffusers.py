@@ -16,12 +16,14 @@ cross-attention processors, custom-diffusion processors, `set_attn_processor`.
 
 from __future__ import annotations
 
+import reprlib
 import warnings
+from collections.abc import Mapping
 from os import PathLike
 
 import torch
 
-from uvic.attention import Backend
+from uvic.attention import BACKENDS, Backend, attention_placement, check_softmax_count
 from uvic.integrations.diffusers_processors import (
     FAMILIES,
     LAYER_SCALED,
@@ -128,12 +130,13 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
         The names of the attention modules switched to Cog, in forward order. Warns when that is none of them
         (the model has at most 2 * keep_softmax attention blocks).
     Raises:
-        ValueError: a bad `keep_softmax`, a model without attention modules, or an attention module whose
+        ValueError: a bad `keep_softmax` or `backend`, a model without attention modules, or an attention module whose
             processor has no Cog counterpart (the message names the module, its processor and, where Cog does
             not apply, why). Nothing is changed then.
     """
-    if not isinstance(keep_softmax, int) or isinstance(keep_softmax, bool) or keep_softmax < 0:
-        raise ValueError(f"keep_softmax must be an int >= 0, got {keep_softmax!r}")
+    check_softmax_count(keep_softmax, "keep_softmax")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     layers = _attention_modules(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no diffusers attention modules to switch")
@@ -147,12 +150,13 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
             raise ValueError(f"attention module {name!r} uses {processor.__name__}, which uvic cannot switch to "
                              f"Cog attention (supported processors: {known})")  # fmt: skip
     blocks = list(dict.fromkeys(block for _, _, block in layers))
-    cog_blocks = set(blocks[keep_softmax : len(blocks) - keep_softmax])
+    # One count for both ends; a model with fewer than 2 * keep_softmax blocks keeps them all (warned below).
+    kinds = dict(zip(blocks, attention_placement(len(blocks), keep_softmax, keep_softmax, allow_overlap=True)))
     switched, placed = [], {}
     for name, module, block in layers:
         old = module.processor
         cog, kept = _FAMILY[type(old)]
-        cls = cog if block in cog_blocks else kept
+        cls = cog if kinds[block] == "cog" else kept
         kwargs = {}
         if issubclass(cls, LayerScale):  # AttnProcessor-style stock processors read attn.scale
             kwargs["layer_scale"] = getattr(old, "layer_scale", type(old) in LAYER_SCALED)
@@ -182,10 +186,13 @@ def restore_cog_attention(model: torch.nn.Module) -> list[str] | None:
     Returns:
         The names of the modules switched to Cog (for a pipeline: "component.module" names), or None when nothing
         is recorded (then warns: the model runs its stock attention).
+    Raises:
+        ValueError: a recorded entry that is not what `apply_cog_attention` records (the message names the model,
+            the component and CONFIG_KEY), or what `apply_cog_attention` raises.
     """
     components = getattr(model, "components", None)
     if isinstance(components, dict):  # a DiffusionPipeline
-        found = [(key, getattr(part, "config", {}).get(CONFIG_KEY)) for key, part in components.items()
+        found = [(key, _recorded_placement(part, key)) for key, part in components.items()
                  if isinstance(part, torch.nn.Module)]  # fmt: skip
         recorded = [(key, placement) for key, placement in found if placement is not None]
         if not recorded:
@@ -194,12 +201,30 @@ def restore_cog_attention(model: torch.nn.Module) -> list[str] | None:
             return None
         return [f"{key}.{name}" for key, placement in recorded
                 for name in apply_cog_attention(components[key], **placement)]  # fmt: skip
-    placement = getattr(model, "config", {}).get(CONFIG_KEY)
+    placement = _recorded_placement(model)
     if placement is None:
         warnings.warn(f"{type(model).__name__}: its config records no Cog placement (saved without "
                       "apply_cog_attention?); it runs its stock attention", stacklevel=2)  # fmt: skip
         return None
     return apply_cog_attention(model, **placement)
+
+
+def _recorded_placement(model: torch.nn.Module, component: str | None = None) -> dict | None:
+    """The placement recorded in `model`'s config (CONFIG_KEY) as `apply_cog_attention` kwargs, None when there is
+    none; a ValueError naming the config entry when it is not what `apply_cog_attention` records (a saved config.json
+    is anyone's to edit)."""
+    placement = getattr(model, "config", {}).get(CONFIG_KEY)
+    if placement is None:
+        return None
+    where = f"{type(model).__name__}{'' if component is None else f' ({component!r})'} config entry {CONFIG_KEY!r}"
+    if not isinstance(placement, Mapping) or not set(placement) <= {"keep_softmax", "backend"}:
+        raise ValueError(f"{where} must be a mapping {{'keep_softmax': int, 'backend': str}} (what "
+                         f"apply_cog_attention saves), got {reprlib.repr(placement)}")  # fmt: skip
+    if "keep_softmax" in placement:
+        check_softmax_count(placement["keep_softmax"], f"{where}: keep_softmax")
+    if placement.get("backend", "auto") not in BACKENDS:
+        raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {reprlib.repr(placement['backend'])}")
+    return dict(placement)
 
 
 def load(cls, path: str | PathLike, **kwargs):

@@ -11,8 +11,9 @@ interface (Llama, Qwen2/3, Mistral, Gemma 2/3, ViT, CLIP, Whisper, ...) accept i
 
 The placement rule lives in the model config as `cog_keep_softmax` (saved by `save_pretrained`): in each stack of
 layers (a decoder's, an encoder's, a vision tower's), layers 0 .. k-1 and the last k keep softmax attention
-(`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention`. A config without
-the field uses DEFAULT_KEEP_SOFTMAX.
+(`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention` (the rule is
+`uvic.attention.attention_placement`; a stack of at most 2k layers keeps softmax throughout). A config without the
+field uses DEFAULT_KEEP_SOFTMAX; a model built from a config whose field is not an int >= 0 raises a ValueError.
 
 Importing this module also makes every transformers model check its attention implementation when it is built:
 one whose config records Cog attention (`cog_keep_softmax`) but runs another implementation warns, and one built
@@ -20,7 +21,9 @@ with "cog" gets `attn_implementation: "cog"` in its config, which is what `from_
 
 Masks: causal (bottom-right aligned, so a KV cache needs no extra mask), causal with a sliding window (Mistral,
 Gemma 2/3 local layers) or bidirectional (encoders, cross-attention), plus key padding from the 2-D
-`attention_mask`; logit softcaps (Gemma 2) go to the op. Shapes: B batch, nh heads, Lq / Lk query / key tokens,
+`attention_mask` (or from a caller's 4-D mask of that pattern); logit softcaps (Gemma 2) go to the op. `generate`
+with a StaticCache and `compile_config=CompileConfig(fullgraph=True)` compiles its decoding step to one graph, as
+with SDPA. Shapes: B batch, nh heads, Lq / Lk query / key tokens,
 hd head dim.
 """
 
@@ -34,7 +37,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
-from uvic.attention import Backend, cog_attention, softmax_attention
+from uvic.attention import Backend, attention_op, attention_placement, check_softmax_count, kept_by_mask
 
 
 __all__ = ["CONFIG_FIELD", "DEFAULT_KEEP_SOFTMAX", "apply_cog_attention", "cog_attention_forward", "cog_mask",
@@ -50,7 +53,8 @@ def layer_uses_cog(config, layer_idx: int, num_layers: int | None = None) -> boo
     attention (else softmax) under this config's placement."""
     keep = getattr(config, CONFIG_FIELD, DEFAULT_KEEP_SOFTMAX)
     n = config.num_hidden_layers if num_layers is None else num_layers
-    return keep <= layer_idx < n - keep
+    # One count for both ends of every stack; a stack of at most 2 * keep layers keeps softmax in all of them.
+    return attention_placement(n, keep, keep, allow_overlap=True, names=(CONFIG_FIELD, CONFIG_FIELD))[layer_idx] == "cog"
 
 
 def cog_mask(
@@ -70,8 +74,15 @@ def cog_mask(
     The causal part and a sliding window are not materialised: they are the op's bottom-right aligned `causal=True`
     and `window`, which equal transformers' patterns when the keys end at the current token (no cache, a
     DynamicCache, or its sliding layers). A StaticCache holds `kv_length` slots from position 0 of which only the
-    first n = q_offset + q_length are filled, and no query sees the rest: the mask then has n < kv_length columns,
-    and `cog_attention_forward` attends to the first n keys only, which end at the current token.
+    first q_offset + q_length are filled, and no query sees the rest:
+    - one query (a decoding step, what `generate` compiles): the mask covers all `kv_length` slots, with the unfilled
+      ones False. Its shape does not change from step to step, and it is computed from the cache's offset tensor
+      without reading it, so a compiled decoding step is one graph (no recompile per token, no graph break);
+    - several queries (a prefill): the mask has n = q_offset + q_length < kv_length columns, and
+      `cog_attention_forward` attends to the first n keys only, which end at the current token (`int(q_offset)`:
+      outside torch.compile, as `generate` runs its prefill).
+    A mask in which every key takes part becomes None outside torch.compile (kept softmax layers then run SDPA's
+    fused kernels); under torch.compile it stays a tensor, since testing its values would break the graph.
 
     Raises:
         ValueError: a mask pattern other than causal, causal with the config's sliding window, or bidirectional
@@ -81,6 +92,15 @@ def cog_mask(
     """
     config = kwargs.get("config")
     where = "attention mask" if config is None else f"{type(config).__name__.removesuffix('Config')} attention mask"
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
+    if (isinstance(q_offset, torch.Tensor) and q_length == 1 and kv_offset == 0
+            and mask_function is causal_mask_function):  # fmt: skip
+        # A decoding step on a StaticCache (whose layers give their offset as a tensor): all kv_length slots, the
+        # unfilled ones off, so the shape is the same at every step and no value is read.
+        kpm = (torch.arange(kv_length, device=device) < q_offset + q_length)[None].expand(batch_size, -1)
+        if attention_mask is None:
+            return kpm
+        return kpm & _padded(attention_mask[:, :kv_length].to(torch.bool), kv_length)
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     filled = kv_length  # keys up to the current token
     if mask_function is not bidirectional_mask_function and kv_offset + kv_length != q_offset + q_length:
@@ -92,7 +112,6 @@ def cog_mask(
                              "sliding-window cache)")  # fmt: skip
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         # Any other pattern is accepted only if it is the causal one or the causal one cut by the sliding window.
-        device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
         i = torch.arange(q_length, device=device)[None, :, None] + q_offset
         j = torch.arange(kv_length, device=device)[None, None, :] + kv_offset
         b = torch.arange(batch_size, device=device)[:, None, None]
@@ -106,13 +125,20 @@ def cog_mask(
                              "mask or a bidirectional window)")  # fmt: skip
     if filled < kv_length:  # a static cache: the first `filled` positions (transformers pads a short mask with 0)
         if attention_mask is None:
-            return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device", "cpu"))
-        kpm = attention_mask[:, :filled].to(torch.bool)
-        return torch.nn.functional.pad(kpm, (0, filled - kpm.shape[-1]))
+            return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
+        return _padded(attention_mask[:, :filled].to(torch.bool), filled)
     if attention_mask is None:
         return None
     kpm = attention_mask[:, -kv_length:].to(torch.bool)
-    return None if bool(kpm.all()) else kpm
+    if not torch.compiler.is_compiling() and bool(kpm.all()):
+        return None
+    return kpm
+
+
+def _padded(kpm: torch.Tensor, n: int) -> torch.Tensor:
+    """A (B, m) key padding mask with m <= n as (B, n): the keys past the mask's end are off, as transformers
+    pads a short 2-D mask."""
+    return torch.nn.functional.pad(kpm, (0, n - kpm.shape[-1]))
 
 
 def cog_attention_forward(
@@ -133,7 +159,10 @@ def cog_attention_forward(
             `apply_cog_attention` or at build time, else `layer_idx`; `is_causal`, `num_key_value_groups`).
         query: (B, nh, Lq, hd); key, value: (B, nh_kv, Lk, hd) (grouped-query heads are repeated).
         attention_mask: what `cog_mask` built: (B, n) bool key padding mask over the first n <= Lk keys (n < Lk:
-            a static cache's filled slots, and only those keys are attended to), or None.
+            a static cache's filled slots, and only those keys are attended to), or None. A 4-D mask a caller
+            passed to the model ((B or 1, nh or 1, Lq, Lk), bool True = attend, or additive float: 0 = attend,
+            -inf or the dtype's lowest value = masked) is taken when it is this layer's causal (or bidirectional)
+            pattern, with its sliding window, cut by key padding: it becomes that key padding mask.
         dropout: must be 0 (attention dropout is not supported).
         scaling: multiplies q k^T.
         is_causal: overrides `module.is_causal`.
@@ -147,10 +176,11 @@ def cog_attention_forward(
         raise ValueError(f"{where}: attention dropout ({dropout}) is not supported by Cog attention")
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{where}: attention sinks (`s_aux`) are not supported by Cog attention")
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
+    if attention_mask is not None and attention_mask.dim() != 4 and (attention_mask.dim() != 2
+                                                                    or attention_mask.dtype != torch.bool):
         raise ValueError(f"{where}: Cog attention takes causal or bidirectional attention with a 2-D key padding "
-                         f"mask; got a {attention_mask.dim()}-D {attention_mask.dtype} mask (4-D masks, e.g. a "
-                         "position bias, are not supported)")  # fmt: skip
+                         f"mask or a 4-D mask of that pattern; got a {attention_mask.dim()}-D {attention_mask.dtype} "
+                         "mask")  # fmt: skip
     if place is None:
         if not isinstance(getattr(module, "layer_idx", None), int):
             raise ValueError(f"{where}: no layer index to place Cog attention by; call apply_cog_attention(model)")
@@ -161,16 +191,52 @@ def cog_attention_forward(
         if not causal:
             raise ValueError(f"{where}: a bidirectional sliding window is not supported by Cog attention")
         window = (int(window) - 1, 0)  # transformers' window w: keys i - w < j <= i
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = _key_padding_of(attention_mask, query.shape[0], key.shape[-2], causal, window, where)
     if attention_mask is not None and attention_mask.shape[-1] < key.shape[-2]:  # a static cache's filled slots
         key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    op = cog_attention if layer_uses_cog(module.config, *place) else softmax_attention
+    op = attention_op("cog" if layer_uses_cog(module.config, *place) else "softmax")
     out = op(query, key, value, causal=causal, key_padding_mask=attention_mask, scale=scaling, window=window,
              softcap=kwargs.get("softcap"), backend=getattr(module.config, "cog_backend", "auto"))  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def _key_padding_of(mask: torch.Tensor, batch_size: int, kv_length: int, causal: bool,
+                    window: tuple[int, int] | None, where: str) -> torch.Tensor | None:  # fmt: skip
+    """The (B, Lk) key padding mask (None: every key) that, with the op's bottom-right aligned causal band (or
+    none) and `window`, keeps exactly what the 4-D `mask` keeps; a ValueError naming `where` for any other mask.
+
+    Args:
+        mask: (B or 1, nh or 1, Lq, Lk) bool (True = attend), or float, added to the scores (0 = attend, -inf or
+            below half the dtype's lowest value = masked).
+    """
+    b, _, q_length, k_length = mask.shape
+    if b not in (1, batch_size) or k_length != kv_length:
+        raise ValueError(f"{where}: a 4-D attention mask of shape {tuple(mask.shape)} does not fit {batch_size} "
+                         f"sequences of {kv_length} keys")  # fmt: skip
+    keep = kept_by_mask(mask)
+    if keep is None:
+        raise ValueError(f"{where}: the 4-D float attention mask holds values other than 0 and -inf (a bias on "
+                         "the scores); Cog attention takes only masks that remove keys")  # fmt: skip
+    # The keys any query keeps; in a causal pattern the last query keeps every key that is not padding.
+    kpm = keep.any(dim=2)[:, 0]  # (b, Lk)
+    i = torch.arange(q_length, device=mask.device)[:, None] + (kv_length - q_length)
+    j = torch.arange(kv_length, device=mask.device)[None, :]
+    band = j <= i if causal else torch.ones_like(i == j)
+    if window is not None:
+        band = band & (j >= i - window[0])
+    if not bool((keep == (band & kpm[:, None, None, :])).all()):
+        pattern = "causal" + (f" (window {window[0] + 1})" if window else "") if causal else "bidirectional"
+        raise ValueError(f"{where}: Cog attention takes a 4-D mask only when it is the layer's {pattern} pattern "
+                         f"with key padding (the same for every head); this one keeps other keys (a custom or "
+                         f"block mask)")  # fmt: skip
+    if bool(kpm.all()):
+        return None
+    return kpm.expand(batch_size, -1)
 
 
 AttentionInterface.register(IMPLEMENTATION, cog_attention_forward)
@@ -211,6 +277,13 @@ def _after_build(model: PreTrainedModel) -> None:
     """On a model just built: with "cog", record the implementation for `save_pretrained` and place the layers;
     with another implementation but a config that records Cog, warn."""
     config = model.config
+    for sub in _configs(config):  # a config.json is anyone's to edit: its placement is checked as apply's argument
+        if hasattr(sub, CONFIG_FIELD):
+            try:
+                check_softmax_count(getattr(sub, CONFIG_FIELD), CONFIG_FIELD)
+            except ValueError as e:
+                raise ValueError(f"{type(sub).__name__} {str(config.name_or_path)!r}: {e} (the config records "
+                                 "apply_cog_attention's keep_softmax there)") from None  # fmt: skip
     if config._attn_implementation == IMPLEMENTATION:
         config.attn_implementation = IMPLEMENTATION  # saved in config.json; from_pretrained reads it back
         for _, module, index, n in _attention_layers(model):
@@ -258,8 +331,7 @@ def apply_cog_attention(model: PreTrainedModel, keep_softmax: int = 1, backend: 
             transformers model, one whose attention adds a position bias to the scores (T5's relative position
             bias), or one that does not use `AttentionInterface`.
     """
-    if not isinstance(keep_softmax, int) or isinstance(keep_softmax, bool) or keep_softmax < 0:
-        raise ValueError(f"keep_softmax must be an int >= 0, got {keep_softmax!r}")
+    check_softmax_count(keep_softmax, "keep_softmax")
     layers = _attention_layers(model)
     if not isinstance(model, PreTrainedModel) or not layers:
         raise ValueError(f"{type(model).__name__} is not a transformers model with per-layer attention modules")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from uvic.errors import DataError
+from uvic.errors import DataError, MissingPackageError
 from uvic.io import atomic_write
 
 
@@ -76,11 +76,11 @@ class _SentencePieceTokenizer:
     def __init__(self, path: str) -> None:
         try:
             import sentencepiece
-        except ImportError as err:
-            raise ImportError(
+        except ImportError:
+            raise MissingPackageError(
                 f"{path} is a sentencepiece model; install the `sentencepiece` package to use it "
                 "(or convert it to a transformers tokenizer directory / tokenizer.json)"
-            ) from err
+            ) from None
         self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
         self.vocab_size = self.sp.get_piece_size()
         self.eos_token_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
@@ -187,6 +187,8 @@ def read_token_bin(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray
     path = Path(path)
     itemsize = token_dtype(dtype).itemsize
     _check_is_file(path, "token file", f"a flat {dtype} array of token ids")
+    if path.stat().st_size == 0:  # np.memmap refuses it without naming the file
+        raise DataError(f"token file {path} is empty: it holds no token ids")
     if path.stat().st_size % itemsize:
         raise ValueError(f"{path} has {path.stat().st_size} bytes, not a multiple of the {dtype} size {itemsize}")
     return np.memmap(path, dtype=dtype, mode="r")
@@ -204,7 +206,13 @@ def load_tokens(path: str | os.PathLike, fmt: str = "auto", tokenizer: str = "by
     if fmt == "bin":
         return read_token_bin(path, dtype)
     if fmt == "text":
-        return read_text_tokens(path, load_tokenizer(tokenizer))
+        try:
+            return read_text_tokens(path, load_tokenizer(tokenizer))
+        except DataError as e:
+            if Path(path).suffix != ".bin" or "not UTF-8" not in str(e):
+                raise
+            raise DataError(f"{e}; {path} is named like a .bin of token ids, which the format 'text' (data.format) "
+                            "does not read: use format 'bin', or 'auto', which goes by the suffix") from None
     raise ValueError(f"unknown token data format {fmt!r}; expected 'auto', 'bin' or 'text'")
 
 

@@ -4,8 +4,8 @@
 
 `--tokenizer` is "byte", a tokenizer.json, a sentencepiece .model or a transformers tokenizer directory; ids are
 written as uint16 (uint32 with `--dtype uint32` for vocabularies over 65536), the format `uvic.lm.data` reads.
-Bad input (a missing or non-UTF-8 text, an unknown tokenizer, an output that cannot be written) stops with one
-`error: ...` line before any tokenizing, and a failed write leaves no partial `.bin`.
+Bad input (a missing, empty or non-UTF-8 text, an unknown tokenizer or one whose package is not installed, an
+output that cannot be written) stops with one `error: ...` line, and a failed write leaves no partial `.bin`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from uvic.errors import StorageError, check_writable, cli_errors, storage_errors
+from uvic.errors import DataError, StorageError, check_writable, cli_errors, storage_errors
 from uvic.lm.data import TOKEN_DTYPES, load_tokenizer, read_text_tokens, write_token_bin
 
 
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         check_writable(out.parent, f"--out {out}")
         tokenizer = load_tokenizer(args.tokenizer)
         tokens = read_text_tokens(args.text, tokenizer)
+        if len(tokens) == 0:  # a .bin of no tokens trains nothing: refused here rather than at training time
+            raise DataError(f"--text {args.text} holds no tokens (it is empty); nothing was written")
         with storage_errors(f"could not write {out}"):
             write_token_bin(tokens, out, args.dtype)
     logger.info("wrote %d tokens (%s) to %s", len(tokens), args.dtype, out)

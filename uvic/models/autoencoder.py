@@ -9,7 +9,8 @@
   `scale * (mean + exp(0.5 * clamp(logvar, -30, 20)) * eps)`, re-drawn at every step (not the posterior mean).
 * `load_ldm_autoencoder(path)`: the LDM-format `autoencoder_kl.pth` that U-ViT distributes
   (`encoder.down.{i}.block.{j}...`, 1x1-conv attention), converted to diffusers keys with diffusers' own
-  single-file converter.
+  single-file converter; `load_vae(spec)`: that file or a diffusers folder, the one loader every `--vae` and
+  `data.vae` goes through.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from uvic.presets import UVIT_VAE_SCALE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UVIT_VAE_SCALE", "sd_v1_vae_config", "build_vae", "load_ldm_autoencoder", "encode_moments", "sample_latents"]
+__all__ = ["UVIT_VAE_SCALE", "sd_v1_vae_config", "build_vae", "load_ldm_autoencoder", "load_vae", "encode_moments",
+           "sample_latents"]
 
 
 def sd_v1_vae_config(scaling_factor: float = UVIT_VAE_SCALE) -> dict:
@@ -92,6 +94,25 @@ def load_ldm_autoencoder(
         )
     logger.info("loaded LDM autoencoder %s (scaling_factor=%s)", path, scaling_factor)
     return vae.eval().requires_grad_(False)
+
+
+# What `load_vae` takes, in words (its error and the extraction CLIs' --vae help).
+VAE_SPEC = "U-ViT's assets/stable-diffusion/autoencoder_kl.pth (LDM format) or a diffusers AutoencoderKL folder"
+
+
+def load_vae(spec: str | os.PathLike, scaling_factor: float) -> AutoencoderKL:
+    """The autoencoder `spec` names: an LDM-format file (`load_ldm_autoencoder`) or a diffusers `AutoencoderKL`
+    folder, with `scaling_factor` in its config.
+
+    Raises:
+        FileNotFoundError: `spec` is neither.
+    """
+    path = Path(spec)
+    if path.is_file():
+        return load_ldm_autoencoder(path, scaling_factor=scaling_factor)
+    if path.is_dir():
+        return AutoencoderKL.from_pretrained(path, scaling_factor=scaling_factor)
+    raise FileNotFoundError(f"autoencoder {str(spec)!r} not found: pass {VAE_SPEC}")
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ Lv et al., "More Expressive Attention with Negative Weights", ICML 2025. The arc
 embedding, pre-norm decoder layers (RMSNorm before attention and before the FFN), rotary position embeddings,
 a SwiGLU feed-forward network, no biases, a final RMSNorm and an untied output head. Every layer uses Cog attention
 (`uvic.attention.cog_attention`, signed weights `sign(p) * softmax(|p|)`) except the first and last
-`num_softmax_layers` layers, which keep softmax (k = 1 at 141M, 2 at 600M, 3 at 1B; paper Sec. 4.1 / App. C).
+`num_softmax_layers` layers, which keep softmax (k = 1 at 141M, 2 at 600M, 3 at 1B; paper Sec. 4.1 / App. C);
+`keep_softmax_first` / `keep_softmax_last` set the two ends apart (`uvic.attention.attention_placement`).
 `attention="softmax"` gives the Transformer baseline with the same parameters.
 
 The model is a transformers `PreTrainedModel`: `forward(input_ids, attention_mask, past_key_values, labels)`
@@ -17,6 +18,8 @@ hd head dim, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from uvic.attention import ATTENTIONS, BACKENDS, cog_attention, softmax_attention
+from uvic.attention import BACKENDS, attention_op, attention_placement, check_attention_kind, check_softmax_count
 from uvic.presets import COGFORMER_PRESETS, cogformer_preset  # noqa: F401  (re-exported)
 
 
@@ -44,6 +47,8 @@ class CogformerConfig(PretrainedConfig):
         rope_theta: RoPE base.
         attention: "cog" (Cogformer) or "softmax" (the Transformer baseline).
         num_softmax_layers: k; with attention="cog", the first k and the last k layers use softmax attention.
+        keep_softmax_first: softmax layers at the start, when they differ from k (None: k), as `UViTModel`'s.
+        keep_softmax_last: softmax layers at the end (None: k). The counts of the two ends may not overlap.
         attention_backend: backend passed to `uvic.attention` ("auto", "reference", "torch", "triton").
         initializer_range: std of the normal init of linear and embedding weights.
     """
@@ -64,6 +69,8 @@ class CogformerConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         attention: str = "cog",
         num_softmax_layers: int = 1,
+        keep_softmax_first: int | None = None,
+        keep_softmax_last: int | None = None,
         attention_backend: str = "auto",
         initializer_range: float = 0.02,
         use_cache: bool = True,
@@ -73,15 +80,9 @@ class CogformerConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        check_attention_kind(attention)
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
-        if num_softmax_layers < 0 or 2 * num_softmax_layers > num_hidden_layers:
-            raise ValueError(
-                f"num_softmax_layers={num_softmax_layers} must be in [0, num_hidden_layers / 2] "
-                f"(num_hidden_layers={num_hidden_layers}): it counts softmax layers at EACH end"
-            )
         head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
@@ -96,6 +97,10 @@ class CogformerConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.attention = attention
         self.num_softmax_layers = num_softmax_layers
+        # None stays None in config.json: the end follows num_softmax_layers, as in configs saved before these keys.
+        self.keep_softmax_first = keep_softmax_first
+        self.keep_softmax_last = keep_softmax_last
+        self.attention_types()  # checks the counts now (ValueError), not at the first model built from the config
         self.attention_backend = attention_backend
         self.initializer_range = initializer_range
         self.use_cache = use_cache
@@ -108,11 +113,15 @@ class CogformerConfig(PretrainedConfig):
         )
 
     def attention_types(self) -> list[str]:
-        """Per-layer attention ("cog" or "softmax"): softmax in the first and last `num_softmax_layers` layers."""
-        n, k = self.num_hidden_layers, self.num_softmax_layers
-        if self.attention == "softmax":
-            return ["softmax"] * n
-        return ["softmax" if i < k or i >= n - k else "cog" for i in range(n)]
+        """Per-layer attention ("cog" or "softmax"), `uvic.attention.attention_placement` of the layers: softmax
+        in the first `keep_softmax_first` and the last `keep_softmax_last` layers (each `num_softmax_layers` when
+        None), Cog between; all softmax with attention="softmax"."""
+        k = check_softmax_count(self.num_softmax_layers, "num_softmax_layers")
+        first, last = self.keep_softmax_first, self.keep_softmax_last
+        names = ("num_softmax_layers" if first is None else "keep_softmax_first",
+                 "num_softmax_layers" if last is None else "keep_softmax_last")  # fmt: skip
+        return attention_placement(self.num_hidden_layers, k if first is None else first, k if last is None else last,
+                                   self.attention, names=names)  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -194,7 +203,7 @@ class CogformerAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, Lk, hd)
-        attn = cog_attention if self.attention == "cog" else softmax_attention
+        attn = attention_op(self.attention)  # cog_attention or softmax_attention
         # Bottom-right aligned causal mask: new token i sees every cached key and the new keys up to itself.
         o = attn(q, k, v, causal=True, key_padding_mask=key_padding_mask, backend=self.backend)
         return self.o_proj(rearrange(o, "B nh L hd -> B L (nh hd)"))
@@ -231,6 +240,11 @@ class CogformerDecoderLayer(nn.Module):
         """x: (B, L, D) -> (B, L, D); see `CogformerAttention.forward` for the other arguments."""
         h = x + self.self_attn(self.input_layernorm(x), rope, key_padding_mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# The name transformers' output classes give the KV cache: `cache` from 5.24 on, where building or reading an output
+# under the old name `past_key_values` logs a deprecation warning; `past_key_values` before.
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 
 
 def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
@@ -335,7 +349,7 @@ class CogformerModel(CogformerPreTrainedModel):
             hidden_states.append(x)
         return BaseModelOutputWithPast(
             last_hidden_state=x,
-            past_key_values=past_key_values if use_cache else None,
+            **{_CACHE_FIELD: past_key_values if use_cache else None},
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
 
@@ -408,11 +422,10 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
                 labels[:, 1:].reshape(-1).to(logits.device),
                 ignore_index=-100,
             )
+        cache = getattr(out, _CACHE_FIELD)
         if return_dict is False:
-            return tuple(t for t in (loss, logits, out.past_key_values) if t is not None)
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states
-        )
+            return tuple(t for t in (loss, logits, cache) if t is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache}, hidden_states=out.hidden_states)
 
 
 def cogformer_config(preset: str, **overrides) -> CogformerConfig:

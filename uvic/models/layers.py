@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from uvic.attention import ATTENTIONS, BACKENDS, cog_attention, softmax_attention
+from uvic.attention import BACKENDS, attention_op, check_attention_kind
 
 
 def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:
@@ -98,8 +98,7 @@ class Attention(nn.Module):
         self, dim: int, num_heads: int, qkv_bias: bool = False, attention: str = "softmax", backend: str = "auto"
     ) -> None:
         super().__init__()
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        check_attention_kind(attention)
         if dim % num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads={num_heads}")
         if backend not in BACKENDS:
@@ -123,7 +122,7 @@ class Attention(nn.Module):
         """
         # Head split as U-ViT's: qkv rows are q | k | v, heads contiguous inside each third.
         q, k, v = rearrange(self.qkv(x), "B L (K nh hd) -> K B nh L hd", K=3, nh=self.num_heads)
-        op = cog_attention if self.attention == "cog" else softmax_attention
+        op = attention_op(self.attention)  # cog_attention or softmax_attention
         out = op(q, k, v, causal=causal, key_padding_mask=key_padding_mask, backend=self.backend)  # (B, nh, L, hd)
         return self.proj(rearrange(out, "B nh L hd -> B L (nh hd)"))
 

@@ -29,6 +29,8 @@ import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
+from uvic.io import check_model_dir
+
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +207,27 @@ class CLIPTextEncoder(ModelMixin, ConfigMixin):
         encoder.load_text_state_dict(load_clip_state_dict(checkpoint))
         logger.info("loaded open_clip %s text tower from %s", model_name, checkpoint)
         return encoder.eval().requires_grad_(False)
+
+    @classmethod
+    def from_spec(cls, spec: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> CLIPTextEncoder:
+        """The encoder `spec` names: a `save_pretrained` directory, else an open_clip tag or checkpoint file
+        (`from_open_clip`); in eval mode. The one loader behind `--clip` (the extractor's and `sample.py`'s) and
+        `data.text_encoder`.
+
+        Raises:
+            ValueError: a directory that holds no loadable encoder (no or a damaged config or weights file, pickled
+                weights that are not plain tensors, a config that does not fit the weights).
+        """
+        if not Path(spec).is_dir():
+            return cls.from_open_clip(spec, cache_dir=cache_dir)
+        what = f"the CLIP text encoder {spec}"
+        check_model_dir(cls, spec, what)
+        try:
+            encoder = cls.from_pretrained(spec)
+        except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
+            raise ValueError(f"cannot load {what}, a file in it is missing or damaged "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e  # fmt: skip
+        return encoder.eval()
 
     def load_text_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the text-tower keys of a full open_clip CLIP state dict (vision keys and projections ignored)."""

@@ -4,7 +4,9 @@ U-ViT (Bao et al., "All are Worth Words: A ViT Backbone for Diffusion Models", C
 https://arxiv.org/abs/2209.12152) treats the time, the condition and the image patches all as tokens and
 joins shallow and deep blocks with long skips. U-ViC (Lv et al., "More Expressive Attention with Negative
 Weights", ICML 2025, Sec. 4.2) is the same network with Cog attention in every block but the first and the last
-executed one (`in_blocks[0]` and `out_blocks[-1]` keep softmax; `mid_block` is Cog).
+executed one (`in_blocks[0]` and `out_blocks[-1]` keep softmax; `mid_block` is Cog). `keep_softmax_first` and
+`keep_softmax_last` (1 and 1 for U-ViC) move that placement: blocks are counted in execution order, `in_blocks`,
+`mid_block`, `out_blocks`, and the rule is `uvic.attention.attention_placement`.
 
 Parameter names, shapes and token orders are those of the official code (baofff/U-ViT `libs/uvit.py`,
 `libs/uvit_t2i.py`; trestad/CogAttn `U-ViC/libs/uvit_t2i.py`), so released checkpoints load with
@@ -40,7 +42,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 
-from uvic.attention import ATTENTIONS, BACKENDS
+from uvic.attention import BACKENDS, attention_placement
 from uvic.models.layers import Attention, Mlp, PatchEmbed, timestep_embedding, unpatchify
 from uvic.presets import UVIT_PRESETS, uvit_preset  # noqa: F401  (re-exported)
 
@@ -120,6 +122,11 @@ class UViTModel(ModelMixin, ConfigMixin):
         conv: a 3x3 conv `final_layer` on the output image.
         skip: long skips (`skip_linear` in the out blocks).
         attention: "softmax" (U-ViT) or "cog" (U-ViC: Cog in all blocks but `in_blocks[0]` and `out_blocks[-1]`).
+        keep_softmax_first: with attention="cog", how many blocks keep softmax at the start of the execution order
+            (`in_blocks`, `mid_block`, `out_blocks`): 1 for U-ViC, 0 for Cog everywhere.
+        keep_softmax_last: the same at the end: 1 for U-ViC; 1 and 0 is the paper's "softmax in the first block
+            only" ablation. The two may not overlap (first + last <= 2 * (depth // 2) + 1 blocks); they are
+            checked with attention="softmax" too, where every block is softmax.
         attention_backend: `uvic.attention` backend for every block; not a weight, recorded so that every
             number traces back to a backend.
     """
@@ -144,11 +151,11 @@ class UViTModel(ModelMixin, ConfigMixin):
         conv: bool = True,
         skip: bool = True,
         attention: str = "cog",
+        keep_softmax_first: int = 1,
+        keep_softmax_last: int = 1,
         attention_backend: str = "auto",
     ) -> None:
         super().__init__()
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         if img_size % patch_size:
@@ -159,6 +166,9 @@ class UViTModel(ModelMixin, ConfigMixin):
             raise ValueError("a model is class-conditional (num_classes > 0) or text-conditional (clip_dim), not both")
         if depth < 2:
             raise ValueError(f"depth must be at least 2 (one in-block and one out-block), got {depth}")
+        # Each block's attention kind in execution order: n in-blocks, the mid block, n out-blocks.
+        n = depth // 2
+        kinds = attention_placement(2 * n + 1, keep_softmax_first, keep_softmax_last, attention)
         self.gradient_checkpointing = False
 
         # 1. Input tokens. Creation order = the official state_dict order.
@@ -178,16 +188,13 @@ class UViTModel(ModelMixin, ConfigMixin):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.extras + num_patches, embed_dim))
 
         # 2. Blocks. U-ViC keeps softmax in the first and last executed blocks (CogAttn U-ViC/libs/uvit_t2i.py).
-        n = depth // 2
-
-        def block(outermost: bool, **kwargs: Any) -> UViTBlock:
-            kind = "softmax" if outermost else attention
-            return UViTBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, attention=kind,
+        def block(position: int, **kwargs: Any) -> UViTBlock:
+            return UViTBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, attention=kinds[position],
                              attention_backend=attention_backend, **kwargs)
 
-        self.in_blocks = nn.ModuleList([block(i == 0) for i in range(n)])
-        self.mid_block = block(False)
-        self.out_blocks = nn.ModuleList([block(i == n - 1, skip=skip) for i in range(n)])
+        self.in_blocks = nn.ModuleList([block(i) for i in range(n)])
+        self.mid_block = block(n)
+        self.out_blocks = nn.ModuleList([block(n + 1 + i, skip=skip) for i in range(n)])
 
         # 3. Output head.
         self.norm = nn.LayerNorm(embed_dim)
@@ -408,7 +415,9 @@ def _load_official_state_dict(model: UViTModel, checkpoint_path: str | os.PathLi
 
 
 def _init_keys() -> set[str]:
-    return set(inspect.signature(UViTModel.__init__).parameters) - {"self", "attention", "attention_backend"}
+    # Not in official configs: the kind comes from `np`, its placement is U-ViC's (the defaults).
+    placement = {"attention", "keep_softmax_first", "keep_softmax_last", "attention_backend"}
+    return set(inspect.signature(UViTModel.__init__).parameters) - {"self", *placement}
 
 
 def build_preset(name: str, **overrides: Any) -> UViTModel:

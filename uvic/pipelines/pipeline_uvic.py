@@ -25,8 +25,11 @@ from diffusers.utils.torch_utils import randn_tensor
 # that are already imported (it will not import a module named in a config file). This module imports the other
 # one that holds uvic's scheduler classes, `scheduling_vpsde`.
 import uvic.schedulers.scheduling_dpmsolver_uvit  # noqa: F401
+from uvic.guidance import official_to_guidance_scale
 from uvic.models import UViTModel
 from uvic.pipelines.export import ExportedPipelineMixin
+from uvic.presets import official_nnet
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS
 from uvic.schedulers.timesteps import network_timestep_for
 
 
@@ -79,33 +82,27 @@ def postprocess_images(images: torch.Tensor, output_type: str) -> torch.Tensor |
     return DiffusionPipeline.numpy_to_pil(images) if output_type == "pil" else images
 
 
-# The released class-conditional U-ViT models (baofff/U-ViT configs/imagenet*_uvit_*.py): the `nnet` section, the
-# forward process, the label dropout (`dataset.p_uncond`) and the guidance (`sample.scale`) of each config. The
-# README trains and evaluates the L latent models with train_ldm.py / eval_ldm.py (the continuous VP-SDE, as
-# ImageNet 64) and the H ones with train_ldm_discrete.py / eval_ldm_discrete.py (the discrete SD schedule).
-_L = {"embed_dim": 1024, "depth": 20, "num_heads": 16}
-_H = {"embed_dim": 1152, "depth": 28, "num_heads": 16, "conv": False}
-_COMMON = {"name": "uvit", "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False}
+# The released class-conditional U-ViT models (baofff/U-ViT configs/imagenet*_uvit_*.py): the model preset of the
+# `nnet` section, the forward process (a preset of `SCHEDULE_PRESETS`), the label dropout (`dataset.p_uncond`) and
+# the guidance (`sample.scale`) of each config. The README trains and evaluates the L latent models with
+# train_ldm.py / eval_ldm.py (the continuous VP-SDE, as ImageNet 64) and the H ones with train_ldm_discrete.py /
+# eval_ldm_discrete.py (the discrete SD schedule).
+_OFFICIAL_IMAGENET_PRESETS: dict[str, tuple[str, str, float, float]] = {
+    # name: (model preset, diffusion preset, p_uncond, scale)
+    "imagenet64_uvit_mid": ("uvit-m4-imagenet64", "vpsde", 0.0, 0.0),
+    "imagenet64_uvit_large": ("uvit-l4-imagenet64", "vpsde", 0.0, 0.0),
+    "imagenet256_uvit_large": ("uvit-l2-imagenet256", "vpsde", 0.15, 0.4),
+    "imagenet256_uvit_huge": ("uvit-h2-imagenet256", "stable-diffusion", 0.1, 0.4),
+    "imagenet512_uvit_large": ("uvit-l4-imagenet512", "vpsde", 0.15, 0.7),
+    "imagenet512_uvit_huge": ("uvit-h4-imagenet512", "stable-diffusion", 0.1, 0.7),
+}
+# name -> {"nnet": the official nnet config, "preset", "diffusion": the presets, "schedule": "vpsde" | "discrete",
+# "p_uncond", "scale"}.
 OFFICIAL_IMAGENET: dict[str, dict[str, Any]] = {
-    "imagenet64_uvit_mid": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 3, "embed_dim": 768,
-                                     "depth": 16, "num_heads": 12, "num_classes": 1000},
-                            "schedule": "vpsde", "p_uncond": 0.0, "scale": 0.0},
-    "imagenet64_uvit_large": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 3, **_L,
-                                       "num_classes": 1000},
-                              "schedule": "vpsde", "p_uncond": 0.0, "scale": 0.0},
-    "imagenet256_uvit_large": {"nnet": {**_COMMON, "img_size": 32, "patch_size": 2, "in_chans": 4, **_L,
-                                        "num_classes": 1001},
-                               "schedule": "vpsde", "p_uncond": 0.15, "scale": 0.4},
-    "imagenet256_uvit_huge": {"nnet": {**_COMMON, "img_size": 32, "patch_size": 2, "in_chans": 4, **_H,
-                                       "num_classes": 1001},
-                              "schedule": "discrete", "p_uncond": 0.1, "scale": 0.4},
-    "imagenet512_uvit_large": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 4, **_L,
-                                        "num_classes": 1001},
-                               "schedule": "vpsde", "p_uncond": 0.15, "scale": 0.7},
-    "imagenet512_uvit_huge": {"nnet": {**_COMMON, "img_size": 64, "patch_size": 4, "in_chans": 4, **_H,
-                                       "num_classes": 1001},
-                              "schedule": "discrete", "p_uncond": 0.1, "scale": 0.7},
-}  # fmt: skip
+    name: {"nnet": official_nnet(preset), "preset": preset, "diffusion": diffusion,
+           "schedule": SCHEDULE_PRESETS[diffusion]["schedule"], "p_uncond": p_uncond, "scale": scale}
+    for name, (preset, diffusion, p_uncond, scale) in _OFFICIAL_IMAGENET_PRESETS.items()
+}
 
 
 class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
@@ -221,13 +218,10 @@ class UViCPipeline(ExportedPipelineMixin, DiffusionPipeline):
         nnet = spec["nnet"] if nnet_config is None else nnet_config
         transformer = uvit_from_official(nnet, nnet_path, attention_backend=attention_backend).eval()
         vae = load_ldm_autoencoder(autoencoder_path, scaling_factor=LATENT_SCALE, config=vae_config) if latent else None
-        # U-ViT's samplers: the SD scaled_linear betas (discrete), or the VP-SDE beta 0.1 -> 20 with time 999 t.
-        process = (DiffusionConfig(schedule="discrete", beta_schedule="scaled_linear", beta_start=0.00085,
-                                   beta_end=0.012) if spec["schedule"] == "discrete" else DiffusionConfig(schedule="vpsde"))
-        scheduler = build_scheduler("uvit_dpm_solver", process)
+        scheduler = build_scheduler("uvit_dpm_solver", DiffusionConfig.from_preset(spec["diffusion"]))
         return cls(transformer=transformer, scheduler=scheduler, vae=vae, null_class=latent,
                    label_dropout=spec["p_uncond"], class_counts=class_counts,
-                   default_guidance_scale=1.0 + spec["scale"])
+                   default_guidance_scale=official_to_guidance_scale(spec["scale"]))
 
     @torch.no_grad()
     def __call__(

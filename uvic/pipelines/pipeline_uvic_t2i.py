@@ -18,6 +18,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
+from uvic.guidance import DEFAULT_GUIDANCE_SCALE, official_to_guidance_scale
 from uvic.models import UViTModel
 from uvic.models.text_encoder import CLIPTextEncoder
 from uvic.pipelines.export import ExportedPipelineMixin
@@ -25,11 +26,6 @@ from uvic.pipelines.pipeline_uvic import denoise, guided_epsilon, postprocess_im
 
 
 __all__ = ["UViCText2ImagePipeline", "guided_epsilon", "official_to_guidance_scale"]
-
-
-def official_to_guidance_scale(scale: float) -> float:
-    """U-ViT `config.sample.scale` -> diffusers `guidance_scale` (1.0 -> 2.0)."""
-    return 1.0 + scale
 
 
 class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
@@ -83,19 +79,18 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
             autoencoder_path: `assets/stable-diffusion/autoencoder_kl.pth` (LDM format, scale 0.23010).
             attention: "cog" for U-ViC (`uvit_t2i_np`, np=True), "softmax" for U-ViT; the weights cannot tell.
             text_encoder: e.g. `CLIPTextEncoder.from_open_clip()`; None for stored-feature sampling.
-            nnet_config: official `config.nnet` (default: U-ViT `configs/mscoco_uvit_small.py`'s, S/2).
+            nnet_config: official `config.nnet` (default: U-ViT `configs/mscoco_uvit_small.py`'s, S/2, the preset
+                "uvit-s2-mscoco").
             vae_config: AutoencoderKL kwargs (default: SD v1 KL-f8).
         """
+        from uvic.attention import check_attention_kind
         from uvic.models.autoencoder import UVIT_VAE_SCALE, load_ldm_autoencoder
         from uvic.models.uvit import uvit_from_official
+        from uvic.presets import official_nnet
         from uvic.schedulers.scheduling_dpmsolver_uvit import UViTDPMSolverScheduler
 
-        if attention not in ("cog", "softmax"):
-            raise ValueError(f"attention must be 'cog' or 'softmax', got {attention!r}")
-        nnet = dict(nnet_config) if nnet_config is not None else {
-            "name": "uvit_t2i", "img_size": 32, "in_chans": 4, "patch_size": 2, "embed_dim": 512, "depth": 12,
-            "num_heads": 8, "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False, "clip_dim": 768,
-            "num_clip_token": 77}
+        check_attention_kind(attention)
+        nnet = dict(nnet_config) if nnet_config is not None else official_nnet("uvit-s2-mscoco")
         nnet["np"] = attention == "cog"
         transformer = uvit_from_official(nnet, nnet_path, attention_backend=attention_backend).eval()
         vae = load_ldm_autoencoder(autoencoder_path, scaling_factor=UVIT_VAE_SCALE, config=vae_config)
@@ -139,7 +134,7 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
         prompt_embeds: torch.Tensor | None = None,
         negative_prompt: str | list[str] | None = None,
         negative_prompt_embeds: torch.Tensor | None = None,
-        guidance_scale: float = 2.0,
+        guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
         num_inference_steps: int = 50,
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,

@@ -14,21 +14,23 @@ opens pipeline directories (`load_pretrained`), so it never imports the training
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, SchedulerMixin
 from PIL import Image
 from tqdm.auto import tqdm
 
-from uvic.io import atomic_write, to_uint8
+from uvic.io import atomic_write, check_model_dir, to_uint8
 from uvic.pipelines.export import pipeline_class_name
 from uvic.pipelines.pipeline_uvic import UViCPipeline
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
@@ -38,8 +40,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "PIPELINE_CLASSES",
+    "ImageConditions",
     "attach_text_encoder",
     "balanced_class_labels",
+    "check_model_dir",
     "class_labels_for",
     "random_class_labels",
     "check_grid_size",
@@ -78,6 +82,11 @@ def load_pretrained(
         text_encoder: for a text-to-image pipeline without one (training exports hold none): a
             `CLIPTextEncoder` directory, or an open_clip tag such as "openai" / a checkpoint file. Needed for
             text prompts; ignored when the pipeline has a text encoder or is not text-to-image.
+    Raises:
+        FileNotFoundError: no model_index.json. ValueError: one line for an unreadable index, another pipeline
+            class, a component of a class the pipeline does not take (checked before and after loading), a
+            component whose config describes another model than its weights (`check_model_dir`, before anything is
+            allocated), or a missing or damaged file.
     """
     from uvic.schedulers import convert_scheduler
 
@@ -85,38 +94,115 @@ def load_pretrained(
     if not is_pipeline_dir(path):
         raise FileNotFoundError(f"{path} is not a pipeline directory (no model_index.json)")
     try:
-        name = pipeline_class_name(json.loads((path / "model_index.json").read_text()))
+        index = json.loads((path / "model_index.json").read_text())
+        name = pipeline_class_name(index)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path / 'model_index.json'} is unreadable ({type(e).__name__}: {e})") from e
     if name not in PIPELINE_CLASSES:
         raise ValueError(f"{path} holds a {name!r} pipeline; expected one of {sorted(PIPELINE_CLASSES)}")
+    cls = PIPELINE_CLASSES[name]
+    # The component classes `cls.__init__` takes (diffusers reads the same annotations).
+    components = {component: wanted for component, types in cls._get_signature_types().items()
+                  if (wanted := tuple(t for t in types if isinstance(t, type)
+                                      and issubclass(t, (torch.nn.Module, SchedulerMixin))))}  # fmt: skip
+    # Before diffusers builds anything: each component is of a class the pipeline takes, and fits its weights.
+    for component, wanted in components.items():
+        if isinstance(index.get(component), list) and index[component] != [None, None]:
+            named = _component_class(path, component, index[component], cls, wanted)
+            if issubclass(named, torch.nn.Module):
+                check_model_dir(named, path / component, f"the {component} of {path}")
     try:
-        pipe = PIPELINE_CLASSES[name].from_pretrained(str(path))
+        pipe = cls.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
         raise ValueError(f"cannot load the pipeline in {path}, a file in it is missing or damaged "
                          f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
+    for component, wanted in components.items():  # and after: what diffusers built is what the pipeline takes
+        value = getattr(pipe, component, None)
+        if value is not None and not isinstance(value, wanted):
+            raise ValueError(f"the {component} of the pipeline in {path} is a {type(value).__name__}; a {cls.__name__} "
+                             f"takes a {_names(wanted)}")  # fmt: skip
     if sampler is not None:
         pipe.scheduler = convert_scheduler(pipe.scheduler, sampler)
     return attach_text_encoder(pipe, text_encoder)
 
 
+def _names(types: Sequence[type]) -> str:
+    return " or ".join(t.__name__ for t in types if t is not type(None))
+
+
+def _component_class(path: Path, component: str, entry: list, cls: type, wanted: tuple[type, ...]) -> type:
+    """The class model_index.json names for `component`, if it is one of `wanted` (checked before diffusers imports
+    and builds it). Only classes of diffusers, transformers and uvic are looked up; nothing else is imported."""
+    where = f"{path / 'model_index.json'} names"
+    if len(entry) != 2 or not all(isinstance(x, str) for x in entry):
+        raise ValueError(f"{where} {entry!r} as the {component}; expected [library, class name]")
+    library, class_name = entry
+    if library.split(".")[0] not in ("diffusers", "transformers", "uvic"):
+        raise ValueError(f"{where} {library}.{class_name} as the {component}; a {cls.__name__} takes a "
+                         f"{_names(wanted)}")  # fmt: skip
+    try:
+        named = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{where} {library}.{class_name} as the {component}, which does not exist ({e})") from e
+    if not (isinstance(named, type) and issubclass(named, wanted)):
+        raise ValueError(f"{where} {library}.{class_name} as the {component}; a {cls.__name__} takes a "
+                         f"{_names(wanted)}")  # fmt: skip
+    return named
+
+
 def attach_text_encoder(pipe: DiffusionPipeline, text_encoder: str | None) -> DiffusionPipeline:
     """Give a text-to-image pipeline without a text encoder the `CLIPTextEncoder` named by `text_encoder` (a
-    directory, an open_clip tag such as "openai", or a checkpoint file); any other pipeline is returned as is."""
+    directory, an open_clip tag such as "openai", or a checkpoint file); any other pipeline is returned as is.
+
+    Raises:
+        ValueError: a directory that holds no loadable `CLIPTextEncoder` (no or a damaged config or weights file,
+            pickled weights that are not plain tensors, a config that does not fit the weights).
+    """
     if text_encoder is not None and isinstance(pipe, UViCText2ImagePipeline) and pipe.text_encoder is None:
         from uvic.models.text_encoder import CLIPTextEncoder
 
-        te = (CLIPTextEncoder.from_pretrained(text_encoder) if Path(text_encoder).is_dir()
-              else CLIPTextEncoder.from_open_clip(text_encoder))
-        pipe.register_modules(text_encoder=te.eval())
+        pipe.register_modules(text_encoder=CLIPTextEncoder.from_spec(text_encoder))
     return pipe
 
 
-def balanced_class_labels(pipe: DiffusionPipeline, indices: Sequence[int]) -> list[int] | None:
-    """Class i % K for image i (a balanced set; K = `pipe.num_labels`, no null class) for a class-conditional
-    `UViCPipeline`, else None."""
-    k = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
-    return [i % k for i in indices] if k > 0 else None
+def balanced_class_labels(num_labels: int, indices: Sequence[int]) -> list[int] | None:
+    """Class i % K for image i (a balanced set; K = `num_labels`, the classes without the null class, as
+    `UViCPipeline.num_labels` counts them); None for K <= 0 (an unconditional model)."""
+    return [i % num_labels for i in indices] if num_labels > 0 else None
+
+
+@dataclass(frozen=True)
+class ImageConditions:
+    """The conditions of images 0..num_images-1 of one job (a training task's sample grid or FID set), as
+    `generate` takes them: `kwargs(indices)` for the images `indices`.
+
+    Attributes:
+        num_images: N.
+        class_labels: (N,) class ids, or None.
+        prompt_embeds: caption features indexable by an index array -> (n, L, D) (a tensor, or the stored rows of
+            `mscoco_prompt_embeds`), or None.
+        negative_prompt_embeds: (L, D) unconditional features, with `prompt_embeds`.
+        guidance_scale: diffusers' convention; None: the pipeline's default (a class-conditional model's own).
+    """
+
+    num_images: int
+    class_labels: Sequence[int] | None = None
+    prompt_embeds: Any = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    guidance_scale: float | None = None
+
+    def kwargs(self, indices: Sequence[int]) -> dict[str, Any]:
+        """`generate`'s condition arguments for images `indices` (taken modulo N, so a process's padded share
+        past the last image is valid)."""
+        idx = np.asarray(indices, dtype=np.int64) % self.num_images
+        out: dict[str, Any] = {}
+        if self.class_labels is not None:
+            out["class_labels"] = [self.class_labels[i] for i in idx]
+        if self.prompt_embeds is not None:
+            out.update(prompt_embeds=self.prompt_embeds[idx], negative_prompt_embeds=self.negative_prompt_embeds)
+        if self.guidance_scale is not None:
+            out["guidance_scale"] = self.guidance_scale
+        return out
 
 
 def random_class_labels(pipe: UViCPipeline, num_images: int, seed: int = 0) -> list[int]:
@@ -160,7 +246,7 @@ def class_labels_for(pipe: DiffusionPipeline, num_images: int, class_labels: Seq
         raise ValueError(f"--guidance-scale {guidance_scale} needs a class-conditional model with a null class; "
                          f"{source} has none (use --guidance-scale 1)")
     if not class_labels:
-        return balanced_class_labels(pipe, range(num_images))
+        return balanced_class_labels(pipe.num_labels, range(num_images))
     if pipe.num_labels <= 0:
         raise ValueError(f"{source} is not class-conditional; --class-labels does not apply")
     if list(class_labels) == ["random"]:
@@ -290,7 +376,8 @@ def sample_to_folder(
     _remove_stale_temporaries(out_dir, set(mine))
     todo = [i for i in mine if not _is_complete_png(out_dir / f"{i:06d}.png")]
     if class_labels is None and not isinstance(pipe, UViCText2ImagePipeline):
-        class_labels = balanced_class_labels(pipe, range(num_images))
+        num_labels = pipe.num_labels if isinstance(pipe, UViCPipeline) else 0
+        class_labels = balanced_class_labels(num_labels, range(num_images))
     with _progress_bar(len(mine), f"sampling to {out_dir}", not progress, initial=len(mine) - len(todo)) as bar:
         for k in range(0, len(todo), batch_size):
             chunk = todo[k : k + batch_size]

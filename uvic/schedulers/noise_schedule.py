@@ -10,6 +10,10 @@ alpha_bar(t) = alpha_t^2 and sigma_t^2 = 1 - alpha_bar(t) (docs/conventions.md, 
   time as DPM-Solver's `NoiseScheduleVP("discrete")` does: knots t_n = n / N (n = 1..N) with
   log alpha_bar(t_n) = sum_{i<=n} log(1 - beta_i), piecewise linear in t between them.
 
+`SCHEDULE_PRESETS` names the forward processes U-ViT trains on and is the one place their constants are written:
+a config's `diffusion: {preset: NAME}`, `uvic.config.DiffusionConfig` and the schedules' and schedulers' defaults
+read it.
+
 Both subclass `NoiseSchedule`, which derives alpha_bar, sigma and lambda (half log-SNR, DPM-Solver's lambda_t)
 from the subclass's `log_alpha_bar` in one way; a subclass adds only its `log_alpha_bar` and the inverse
 `t_from_lambda`. The network input for time t is `uvic.schedulers.timesteps.network_timestep`.
@@ -18,12 +22,35 @@ from the subclass's `log_alpha_bar` in one way; a subclass adds only its `log_al
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 
-__all__ = ["DiscreteSchedule", "NoiseSchedule", "VPSDE"]
+__all__ = ["DiscreteSchedule", "NoiseSchedule", "SCHEDULE_PRESETS", "VPSDE", "schedule_preset"]
+
+# Named forward processes, as `uvic.config.DiffusionConfig` fields (docs/conventions.md, "Schedules").
+SCHEDULE_PRESETS: dict[str, dict[str, Any]] = {
+    # U-ViT's continuous VP-SDE (CIFAR-10, ImageNet 64, the L latent models; U-ViT `sde.py`): beta 0.1 -> 20,
+    # network time 999 t.
+    "vpsde": {"schedule": "vpsde", "beta_min": 0.1, "beta_max": 20.0, "time_scale": 999.0},
+    # DDPM's discrete linear betas (Ho et al. 2020; diffusers' `DDPMScheduler` defaults).
+    "ddpm": {"schedule": "discrete", "num_train_timesteps": 1000, "beta_schedule": "linear", "beta_start": 0.0001,
+             "beta_end": 0.02},
+    # Stable Diffusion's discrete "scaled_linear" betas, linspace(sqrt(0.00085), sqrt(0.012), 1000)^2 (U-ViT's
+    # MS-COCO and ImageNet H models; U-ViT `stable_diffusion_beta_schedule`).
+    "stable-diffusion": {"schedule": "discrete", "num_train_timesteps": 1000, "beta_schedule": "scaled_linear",
+                         "beta_start": 0.00085, "beta_end": 0.012},
+}
+_VP, _SD = SCHEDULE_PRESETS["vpsde"], SCHEDULE_PRESETS["stable-diffusion"]
+
+
+def schedule_preset(name: str) -> dict[str, Any]:
+    """The `DiffusionConfig` fields of the named forward process `name` (a copy of `SCHEDULE_PRESETS[name]`)."""
+    if name not in SCHEDULE_PRESETS:
+        raise ValueError(f"unknown schedule preset {name!r}; available: {sorted(SCHEDULE_PRESETS)}")
+    return dict(SCHEDULE_PRESETS[name])
 
 Time = float | np.ndarray | torch.Tensor
 
@@ -71,11 +98,11 @@ class NoiseSchedule:
 
 @dataclass(frozen=True)
 class VPSDE(NoiseSchedule):
-    """Linear-beta VP-SDE on t in [0, 1]. Defaults are U-ViT's (beta 0.1 -> 20). Works on floats, numpy arrays
-    and tensors alike."""
+    """Linear-beta VP-SDE on t in [0, 1]. Defaults are U-ViT's (`SCHEDULE_PRESETS["vpsde"]`). Works on floats,
+    numpy arrays and tensors alike."""
 
-    beta_min: float = 0.1
-    beta_max: float = 20.0
+    beta_min: float = _VP["beta_min"]
+    beta_max: float = _VP["beta_max"]
 
     def beta(self, t: Time) -> Time:
         return self.beta_min + t * (self.beta_max - self.beta_min)
@@ -111,8 +138,8 @@ class DiscreteSchedule(NoiseSchedule):
 
     Args:
         num_train_timesteps: N, the number of training steps (knots t_n = n / N).
-        beta_start, beta_end, beta_schedule: "scaled_linear" (Stable Diffusion's, U-ViT's MS-COCO with 0.00085 ->
-            0.012) or "linear", as diffusers' `DDPMScheduler` names them.
+        beta_start, beta_end, beta_schedule: "scaled_linear" or "linear", as diffusers' `DDPMScheduler` names
+            them; the defaults are Stable Diffusion's (`SCHEDULE_PRESETS["stable-diffusion"]`, U-ViT's MS-COCO).
         trained_betas: explicit (N,) betas instead of a named schedule.
 
     Attributes:
@@ -122,10 +149,10 @@ class DiscreteSchedule(NoiseSchedule):
 
     def __init__(
         self,
-        num_train_timesteps: int = 1000,
-        beta_start: float = 0.00085,
-        beta_end: float = 0.012,
-        beta_schedule: str = "scaled_linear",
+        num_train_timesteps: int = _SD["num_train_timesteps"],
+        beta_start: float = _SD["beta_start"],
+        beta_end: float = _SD["beta_end"],
+        beta_schedule: str = _SD["beta_schedule"],
         trained_betas: list[float] | None = None,
     ) -> None:
         if trained_betas is not None:

@@ -42,8 +42,11 @@ import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.schedulers.scheduling_utils import SchedulerMixin, SchedulerOutput
 
-from uvic.schedulers.noise_schedule import DiscreteSchedule, NoiseSchedule
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, DiscreteSchedule, NoiseSchedule
 from uvic.schedulers.scheduling_vpsde import _VPSDESchedulerBase
+
+
+_VP, _SD = SCHEDULE_PRESETS["vpsde"], SCHEDULE_PRESETS["stable-diffusion"]
 
 
 __all__ = ["UViTDPMSolverScheduler", "VPSDEDPMSolverFastScheduler"]
@@ -230,7 +233,8 @@ class UViTDPMSolverScheduler(_SingleStepDPMSolver, SchedulerMixin, ConfigMixin):
     Args:
         num_train_timesteps: number of discrete training steps N (knots t_n = n / N, n = 1..N).
         beta_start, beta_end, beta_schedule, trained_betas: the discrete schedule (`DiscreteSchedule`), as in
-            diffusers' `DDPMScheduler` ("scaled_linear" 0.00085 -> 0.012 is Stable Diffusion's and U-ViT's MS-COCO).
+            diffusers' `DDPMScheduler`; the defaults are Stable Diffusion's, U-ViT's MS-COCO schedule
+            (`SCHEDULE_PRESETS["stable-diffusion"]`).
         solver_order: 3 gives the official pattern ([3] * (K - 1) + [2] for NFE % 3 == 2, ...); 2 and 1 are
             the lower-order single-step variants of the same code.
         skip_type: "time_uniform" (official) or "logSNR" spacing of the grid.
@@ -247,10 +251,10 @@ class UViTDPMSolverScheduler(_SingleStepDPMSolver, SchedulerMixin, ConfigMixin):
     @register_to_config
     def __init__(
         self,
-        num_train_timesteps: int = 1000,
-        beta_start: float = 0.00085,
-        beta_end: float = 0.012,
-        beta_schedule: str = "scaled_linear",
+        num_train_timesteps: int = _SD["num_train_timesteps"],
+        beta_start: float = _SD["beta_start"],
+        beta_end: float = _SD["beta_end"],
+        beta_schedule: str = _SD["beta_schedule"],
         trained_betas: list[float] | None = None,
         solver_order: int = 3,
         skip_type: str = "time_uniform",
@@ -375,9 +379,9 @@ class VPSDEDPMSolverFastScheduler(_SingleStepDPMSolver, _VPSDESchedulerBase):
     @register_to_config
     def __init__(
         self,
-        beta_min: float = 0.1,
-        beta_max: float = 20.0,
-        time_scale: float = 999.0,
+        beta_min: float = _VP["beta_min"],
+        beta_max: float = _VP["beta_max"],
+        time_scale: float = _VP["time_scale"],
         t_eps: float = 1e-4,
         num_train_timesteps: int = 1000,
         solver_order: int = 3,

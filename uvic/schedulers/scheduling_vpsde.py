@@ -30,7 +30,10 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.schedulers.scheduling_utils import SchedulerMixin, SchedulerOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from uvic.schedulers.noise_schedule import VPSDE
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, VPSDE
+
+
+_VP = SCHEDULE_PRESETS["vpsde"]  # U-ViT's VP-SDE, the defaults of both schedulers
 
 
 class _VPSDESchedulerBase(SchedulerMixin, ConfigMixin):
@@ -146,9 +149,9 @@ class VPSDEEulerMaruyamaScheduler(_VPSDESchedulerBase):
     @register_to_config
     def __init__(
         self,
-        beta_min: float = 0.1,
-        beta_max: float = 20.0,
-        time_scale: float = 999.0,
+        beta_min: float = _VP["beta_min"],
+        beta_max: float = _VP["beta_max"],
+        time_scale: float = _VP["time_scale"],
         t_eps: float = 1e-3,
         num_train_timesteps: int = 1000,
     ):
@@ -190,9 +193,9 @@ class VPSDEDPMSolverScheduler(_VPSDESchedulerBase):
     @register_to_config
     def __init__(
         self,
-        beta_min: float = 0.1,
-        beta_max: float = 20.0,
-        time_scale: float = 999.0,
+        beta_min: float = _VP["beta_min"],
+        beta_max: float = _VP["beta_max"],
+        time_scale: float = _VP["time_scale"],
         t_eps: float = 1e-4,
         num_train_timesteps: int = 1000,
     ):

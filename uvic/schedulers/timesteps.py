@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS
 from uvic.schedulers.scheduling_vpsde import _VPSDESchedulerBase
 
 
@@ -32,7 +33,9 @@ Schedule = Literal["vpsde", "discrete"]
 DISCRETE_TIMESTEP_OFFSET = 1
 
 
-def network_timestep(t: torch.Tensor, schedule: Schedule, time_scale: float = 999.0) -> torch.Tensor:
+def network_timestep(
+    t: torch.Tensor, schedule: Schedule, time_scale: float = SCHEDULE_PRESETS["vpsde"]["time_scale"]
+) -> torch.Tensor:
     """Time t -> the value the network embeds: `time_scale * t` ("vpsde") or `t + 1` ("discrete").
 
     Args:

@@ -57,7 +57,6 @@ from torch import nn
 
 from uvic.errors import CheckpointError, StorageError, describe_os_error
 from uvic.io import fsync_dir, fsync_tree, load_torch_data, sha256_file
-from uvic.training.evaluation import best_checkpoint
 
 
 logger = logging.getLogger(__name__)
@@ -80,6 +79,12 @@ _WRITE_REASONS = [(r"No space left|os error 28", "disk full"), (r"Disk quota", "
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """The directory of the checkpoint of `step`: `run_dir/checkpoints/step_{step:09d}` (`run_dir="."`: the name
+    relative to a run dir, as eval.jsonl records it)."""
+    return checkpoints_dir(run_dir) / f"step_{step:09d}"
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -244,9 +249,10 @@ def save_checkpoint(
     keep: int = 3,
     *,
     state: TrainingState | None = None,
+    keep_also: Path | None = None,
 ) -> Path:
-    """Save `state`, the RNG states and `extra_models` atomically as `checkpoints/step_{step:09d}`; keep the last
-    `keep`.
+    """Save `state`, the RNG states and `extra_models` atomically as `checkpoint_dir(run_dir, step)`; keep the last
+    `keep`, and `keep_also` whatever its age (the best FID's checkpoint, which `best.json` names).
 
     Call on every process (each writes its own RNG states). Returns the checkpoint path.
 
@@ -257,7 +263,7 @@ def save_checkpoint(
     from accelerate.utils import broadcast_object_list
 
     root = checkpoints_dir(run_dir)
-    final = root / f"step_{step:09d}"
+    final = checkpoint_dir(run_dir, step)
     # One name per launch: the main process's PID, the same on every process of the launch.
     pid = broadcast_object_list([os.getpid()])[0] if accelerator.num_processes > 1 else os.getpid()
     tmp = root / f".tmp-{final.name}-{pid}"
@@ -290,12 +296,10 @@ def save_checkpoint(
         last = latest_checkpoint(run_dir) if root.is_dir() else None
         raise StorageError(f"could not save checkpoint {final}: {failure}. The partial checkpoint was removed; "
                            f"the last complete checkpoint is {last or 'none'}")
-    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal. The
-    # checkpoint with the best FID so far (best.json, `uvic.training.evaluation`) is kept whatever its age.
+    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal.
     if main:
-        best = best_checkpoint(run_dir)
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            if best is not None and old.name == best.name:
+            if keep_also is not None and old.resolve() == Path(keep_also).resolve():
                 continue
             try:
                 remove_dir(old)

@@ -4,8 +4,8 @@
 `_build` (model, EMA, optimizer, data, `accelerator.prepare`), `_resume`, then `_train_step` per micro-batch and
 `_periodic_work` after each optimizer step (log, sample, checkpoint), and `_finish` (export, loss curve). What is
 trained comes from the task (`uvic.training.tasks`); everything here is task-agnostic. Periodic work is one
-`_due` test and one function per job: a new job (an evaluation, say) is one line in `_periodic_work` plus its
-function.
+`_due` test and one function per job (log, sample, validate, save, evaluate): a new job is one line in
+`_periodic_work` plus its function.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from torch import nn
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from uvic.config import RunConfig, TrainConfig, validate_ranges
+from uvic.config import RunConfig, TrainConfig
 from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     TrainingState,
     abandon_newer_checkpoints,
     agree,
+    checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
@@ -40,12 +41,21 @@ from uvic.training.checkpoint import (
 )
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
-from uvic.training.evaluation import Evaluator, abandon_evaluations_after
+from uvic.training.evaluation import (
+    Evaluator,
+    abandon_evaluations_after,
+    best_checkpoint,
+    read_best,
+    read_evaluations,
+    refresh_best,
+)
 from uvic.training.lock import hold_run_dir
-from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_curve
+from uvic.training.logs import append_metrics, check_metrics, move_metrics_after, plot_loss_curve
+from uvic.training.preflight import check_run_config
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import Task, build_task
 from uvic.training.trackers import log_samples, start_trackers, tracker_names
+from uvic.training.validation import Validator
 
 
 logger = get_logger(__name__)
@@ -71,14 +81,19 @@ def train(cfg: RunConfig) -> Path:
     The run dir is locked for the life of the run (`uvic.training.lock`), and leftovers of interrupted saves are
     swept before anything is read from it.
 
+    Every check of the config that needs no data (`uvic.training.preflight.check_run_config`) runs before the run
+    dir is touched, and the run's own records (`eval.jsonl`, `best.json`, `metrics.jsonl`) are checked before
+    anything is written into it.
+
     Raises:
-        ConfigError: a config value out of range (`uvic.config.validate_ranges`).
+        ConfigError: a config value no run can use (`check_run_config`).
+        RunRecordError: a record of the run dir that is damaged or edited into something the run never writes.
         RunLockedError: another run holds the run dir.
         StorageError: a write failed (disk full, read-only, not a directory); names the last complete checkpoint.
         CheckpointError: the checkpoint to resume fails verification.
         FloatingPointError: the loss became NaN/Inf.
     """
-    validate_ranges(cfg)  # configs built in Python skip load_config's check
+    check_run_config(cfg)  # before the run dir is touched; configs built in Python skip load_config's checks
     run_dir = Path(cfg.train.run_dir)
     try:
         with ExitStack() as stack:  # holds the run-dir lock, taken by _setup once the accelerator exists
@@ -93,11 +108,14 @@ def train(cfg: RunConfig) -> Path:
 def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     accelerator, resume = _setup(cfg, stack)
     run = _build(cfg, accelerator, resume)
-    # FID while training: its reference, weights and sizes are checked now, before any training.
+    # The held-out set of the validation loss, and FID while training (its reference, weights and sizes): checked
+    # now, before any training.
+    run.validator = Validator(cfg, run.task, accelerator) if cfg.train.val_every > 0 else None
     run.evaluator = Evaluator(cfg, run.task, accelerator) if cfg.train.eval_every > 0 else None
     _resume(run)
     with logging_redirect_tqdm():  # log lines go above the progress bar, never onto it
-        if run.evaluator is not None and run.resume is not None and run.evaluator.pending(run.run_dir, run.step):
+        if (run.evaluator is not None and run.resume is not None and _due(run.step, run.tc.eval_every, _last(run))
+                and not run.evaluator.recorded(run.run_dir, run.step)):
             logger.info(f"the evaluation of step {run.step} did not finish (killed?): evaluating it again")
             _evaluate(run)
         pbar = tqdm(total=run.tc.max_steps, initial=run.step, disable=not accelerator.is_local_main_process,
@@ -162,6 +180,7 @@ class _Run:
     resume: Path | None
     step: int = 0
     last_good: Path | None = None  # the newest complete checkpoint, named when the run fails
+    validator: Validator | None = None  # the held-out validation loss (train.val_every > 0)
     evaluator: Evaluator | None = None  # FID while training (train.eval_every > 0)
 
     @property
@@ -215,8 +234,9 @@ def _setup(cfg: RunConfig, stack: ExitStack) -> tuple[Accelerator, Path | None]:
             f"train.batch_size={tc.batch_size} must be divisible by processes x grad_accum_steps = "
             f"{world} x {tc.grad_accum_steps}"
         )
-    # Located before config.yaml is written, so that a refused start leaves the run dir as it was.
+    # Located and checked before config.yaml is written, so that a refused start leaves the run dir as it was.
     resume = resume_checkpoint(run_dir, tc.resume)
+    check_run_records(run_dir)
     set_seed(tc.seed, device_specific=True)
     torch.backends.cuda.matmul.allow_tf32 = tc.allow_tf32
     torch.backends.cudnn.allow_tf32 = tc.allow_tf32
@@ -286,6 +306,10 @@ def _resume(run: _Run) -> None:
             if abandoned is not None:
                 move_metrics_after(run.metrics_path, run.step, abandoned / "metrics.jsonl")
                 abandon_evaluations_after(run.run_dir, run.step, abandoned / "eval.jsonl")
+            else:  # the lines a killed run wrote after its last checkpoint: this run logs those steps again
+                move_metrics_after(run.metrics_path, run.step, None)
+    if accelerator.is_main_process:
+        refresh_best(run.run_dir)  # a best checkpoint deleted by hand is reported; best.json names one that exists
     accelerator.wait_for_everyone()
     run.last_good = latest_checkpoint(run.run_dir)
     if accelerator.is_main_process:
@@ -330,24 +354,32 @@ def _due(step: int, every: int, last: bool) -> bool:
     return every > 0 and (step % every == 0 or last)
 
 
+def _last(run: _Run) -> bool:
+    """Whether the run is at its last step (`train.max_steps`)."""
+    return run.step == run.tc.max_steps
+
+
 def _periodic_work(run: _Run) -> None:
     """Log, sample and checkpoint when due. The NaN/Inf check comes first on any of these steps, so nothing is
     logged, drawn or saved from a diverged model, whatever the intervals are."""
-    tc, step = run.tc, run.step
-    last = step == tc.max_steps
+    tc, step, last = run.tc, run.step, _last(run)
     log_now = _due(step, tc.log_every, last)
     sample_now = _due(step, tc.sample_every, last)
-    eval_now = run.evaluator is not None and run.evaluator.due(step)
+    val_now = run.validator is not None and _due(step, tc.val_every, last)
+    eval_now = run.evaluator is not None and _due(step, tc.eval_every, last)
     # The last step is always saved, and so is an evaluated one: best.json names a checkpoint, and a kill during
-    # the evaluation resumes from it and evaluates again.
+    # the evaluation resumes from it and evaluates again. A validation comes before the save: a kill during it
+    # resumes from an earlier checkpoint, which validates this step again.
     save_now = _due(step, tc.save_every, last) or last or eval_now
-    if not (log_now or sample_now or save_now):
+    if not (log_now or sample_now or val_now or save_now):
         return
     _check_finite(run)
     if log_now:
         _log(run)
     if sample_now:
         _sample(run)
+    if val_now:
+        _validate(run)
     if save_now:
         _save(run)
     if eval_now:
@@ -388,18 +420,33 @@ def _sample(run: _Run) -> None:
     run.accelerator.wait_for_everyone()
 
 
+def _validate(run: _Run) -> None:
+    """The validation loss of the sampling weights (every process scores its share): trackers, metrics.jsonl and
+    the console. Its time is left out of the next `steps/s`."""
+    t0 = time.time()
+    with _eval_mode(run.sampling_model) as model:
+        metrics = run.validator.validate(model)
+    run.accelerator.log(metrics, step=run.step)
+    if run.accelerator.is_main_process:
+        append_metrics(run.metrics_path, {"step": run.step, **metrics})
+    logger.info(f"step={run.step:07d} " + " ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
+    run.meter.since += time.time() - t0
+
+
 def _evaluate(run: _Run) -> None:
     """FID of the sampling weights (every process samples its share): eval.jsonl, best.json and `eval/fid`."""
     with _eval_mode(run.sampling_model) as model:
-        fid = run.evaluator.evaluate(model, run.step, run.run_dir, f"checkpoints/step_{run.step:09d}")
+        fid = run.evaluator.evaluate(model, run.step, run.run_dir, checkpoint_dir(".", run.step).as_posix())
     run.accelerator.log({"eval/fid": fid}, step=run.step)
     run.accelerator.wait_for_everyone()
 
 
 def _save(run: _Run) -> None:
     """A checkpoint of this step (every process takes part), rotated to `train.keep_checkpoints`."""
+    # The best FID's checkpoint (best.json, a checked path inside the run dir) survives rotation whatever its age.
     run.last_good = save_checkpoint(run.accelerator, run.run_dir, run.step, run.cfg.to_dict(),
-                                    run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state)
+                                    run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state,
+                                    keep_also=best_checkpoint(run.run_dir))
     logger.info(f"saved checkpoint {run.last_good}")
 
 
@@ -446,6 +493,18 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
+
+
+def check_run_records(run_dir: str | Path) -> None:
+    """Check the records a run keeps about itself and reads back (every process, before anything is written).
+
+    Raises:
+        RunRecordError: a line of eval.jsonl or metrics.jsonl, or best.json, that is not a record as the run writes
+            it (the file and the line are named).
+    """
+    read_evaluations(run_dir)
+    read_best(run_dir)
+    check_metrics(Path(run_dir) / "metrics.jsonl")
 
 
 def resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:

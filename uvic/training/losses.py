@@ -2,6 +2,8 @@
 
 One epsilon loss (`eps_prediction_loss`, U-ViT's `LSimple`) serves every diffusion task; the text-to-image task
 adds classifier-free-guidance context dropout and latents drawn from stored VAE moments (`text_to_image_loss`).
+The validation loss is the same per-sample loss (`eps_losses`) at times stratified over the schedule and noise
+drawn per example (`stratified_eps_losses`).
 
 A noise process picks the time, perturbs x_0 and says which timestep value the network embeds (always through
 `uvic.schedulers.timesteps.network_timestep`, which the pipelines use too):
@@ -18,13 +20,15 @@ import torch
 from diffusers import DDPMScheduler
 
 from uvic.models.autoencoder import sample_latents
-from uvic.schedulers.noise_schedule import VPSDE
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, VPSDE
 from uvic.schedulers.timesteps import network_timestep
 from uvic.training.rng import ShardedRNG
 
 
 class NoiseProcess(Protocol):
     def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor: ...
+
+    def time_at(self, q: torch.Tensor) -> torch.Tensor: ...
 
     def alpha_bar(self, t: torch.Tensor) -> torch.Tensor: ...
 
@@ -34,12 +38,16 @@ class NoiseProcess(Protocol):
 class VPSDENoise:
     """Continuous VP-SDE; `t` is (B,) float in [0, 1)."""
 
-    def __init__(self, sde: VPSDE, time_scale: float = 999.0) -> None:
+    def __init__(self, sde: VPSDE, time_scale: float = SCHEDULE_PRESETS["vpsde"]["time_scale"]) -> None:
         self.sde = sde
         self.time_scale = time_scale
 
     def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor:
         return rng.rand(batch_size)
+
+    def time_at(self, q: torch.Tensor) -> torch.Tensor:
+        """The q-quantile of `sample_time`'s distribution, U(0, 1): q itself."""
+        return q
 
     def alpha_bar(self, t: torch.Tensor) -> torch.Tensor:
         return self.sde.alpha_bar(t)
@@ -63,6 +71,10 @@ class DiscreteNoise:
 
     def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor:
         return rng.randint(self.num_train_timesteps, batch_size)
+
+    def time_at(self, q: torch.Tensor) -> torch.Tensor:
+        """The q-quantile of `sample_time`'s distribution, U{0..T-1}: floor(q T), int64."""
+        return (q * self.num_train_timesteps).floor().long().clamp(0, self.num_train_timesteps - 1)
 
     def alpha_bar(self, t: torch.Tensor) -> torch.Tensor:
         return self.alphas_cumprod.to(t.device)[t]
@@ -95,13 +107,47 @@ def eps_prediction_loss(
     Returns:
         A scalar float32 loss.
     """
-    b = x0.shape[0]
-    t = noise.sample_time(rng, b)
+    t = noise.sample_time(rng, x0.shape[0])
     eps = rng.randn(*x0.shape).to(x0.dtype)
+    return eps_losses(model, x0, t, eps, noise, **model_kwargs).mean()
+
+
+def eps_losses(model: torch.nn.Module, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, noise: NoiseProcess,
+               **model_kwargs: Any) -> torch.Tensor:
+    """Per-sample epsilon loss at given times and noise: mean over C, H, W of (eps - model(x_t, t))^2.
+
+    Args:
+        x0: (B, C, H, W) clean data; t: (B,) times of `noise`; eps: (B, C, H, W) the noise of x_t.
+    Returns:
+        (B,) float32.
+    """
+    b = x0.shape[0]
     ab = noise.alpha_bar(t).to(torch.float32).view(b, *([1] * (x0.dim() - 1)))
     x_t = ab.sqrt() * x0 + (1.0 - ab).sqrt() * eps
     eps_hat = model(x_t, noise.model_time(t), **model_kwargs).sample
-    return (eps - eps_hat.float()).pow(2).flatten(1).mean(1).mean()
+    return (eps - eps_hat.float()).pow(2).flatten(1).mean(1)
+
+
+def stratified_eps_losses(model: torch.nn.Module, x0: torch.Tensor, noise: NoiseProcess,
+                          generators: list[torch.Generator], num_times: int, **model_kwargs: Any) -> torch.Tensor:
+    """Per-example epsilon loss averaged over `num_times` = K times spanning the schedule (the validation loss).
+
+    Example b's k-th time is the (k + u_bk) / K quantile of the training distribution of t (stratified sampling:
+    one time in each K-quantile), with its own noise; u_b (K,) and then eps_b (K, C, H, W) are drawn on the CPU from
+    `generators[b]`, so the value does not depend on the batch it is in.
+
+    Args:
+        x0: (B, C, H, W) clean data; generators: B generators, one per example.
+    Returns:
+        (B,) float32: the mean over the K times of `eps_losses`.
+    """
+    device = x0.device
+    u = torch.stack([torch.rand(num_times, generator=g) for g in generators])  # (B, K)
+    eps = torch.stack([torch.randn(num_times, *x0.shape[1:], generator=g) for g in generators])  # (B, K, C, H, W)
+    t = noise.time_at((torch.arange(num_times) + u) / num_times).to(device)
+    eps = eps.to(device=device, dtype=x0.dtype)
+    total = sum(eps_losses(model, x0, t[:, k], eps[:, k], noise, **model_kwargs) for k in range(num_times))
+    return total / num_times
 
 
 def drop_context(context: torch.Tensor, empty_context: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from uvic.config import load_config
+from uvic.config import load_config, task_class
+from uvic.errors import ConfigError
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import TASKS, DiffusionTask, build_task
+from uvic.training.tasks import build_task
+from uvic.training.tasks.diffusion import DiffusionTask
 
 
 class _Spy(torch.nn.Module):
@@ -48,8 +50,8 @@ def test_random_flip_mirrors_exactly_the_rows_it_draws(random_flip):
 
 def test_registry_and_weight_decay_on_every_parameter():
     cfg = load_config(None, ["model.depth=2", "model.embed_dim=16", "model.num_heads=2"])
-    assert TASKS["diffusion"] is DiffusionTask and isinstance(build_task(cfg), DiffusionTask)
-    with pytest.raises(ValueError, match="unknown task"):
+    assert task_class("diffusion") is DiffusionTask and isinstance(build_task(cfg), DiffusionTask)
+    with pytest.raises(ConfigError, match="config key task: 'nope' is not one of \\['diffusion', 't2i'"):
         build_task(SimpleNamespace(task="nope"))
     task = build_task(cfg)
     model = task.build_model()

@@ -208,3 +208,32 @@ def test_lm_resume_is_exact_and_export_loads(tmp_path, monkeypatch):
     assert type(model).__name__ == "CogformerForCausalLM"
     for k, v in model.state_dict().items():  # the export is the trained model (no EMA for LMs)
         torch.testing.assert_close(v, a[k], rtol=0, atol=0)
+
+
+def test_validation_scores_the_held_out_tail_with_transformers_own_loss(tmp_path):
+    """With `train.val_every`, the last `data.val_fraction` of the blocks are held out (training stops before
+    them); each held-out block's value is the model's own next-token loss (`labels=input_ids`), the logged
+    perplexity its exponential, and a run logs both."""
+    text = small_text(tmp_path / "data.txt")
+    cfg = load_config(TINY, _overrides(tmp_path / "run", text, **{"train.val_every": 3, "data.val_fraction": 0.2,
+                                                                  "train.val_batch_size": 5}))
+    task = LMTask(cfg)
+    tokens = build_dataset(cfg.data).tokens
+    blocks = len(tokens) // 32
+    trained, held = task.build_dataset(), task.validation_set()
+    assert len(held) == round(0.2 * blocks) and len(trained) == blocks - len(held)
+    assert np.array_equal(held.tokens, tokens[len(tokens) - 32 * len(held) :])  # the tail, whole blocks
+    assert len(trained.tokens) + len(held.tokens) == len(tokens) and np.array_equal(
+        trained.tokens, tokens[: len(trained.tokens)])
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    batch = {"input_ids": torch.stack([held[i]["input_ids"] for i in range(3)])}
+    with torch.no_grad():
+        got = task.validation_losses(model, batch, torch.arange(3))["val_loss"]
+        for i in range(3):
+            ids = batch["input_ids"][i : i + 1]
+            torch.testing.assert_close(got[i], model(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+    assert task.validation_metrics({"val_loss": 2.0}) == {"val_loss": 2.0, "val_ppl": math.exp(2.0)}
+    run = train(cfg)
+    val = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in val] == [3, 6] and all(r["val_ppl"] == math.exp(r["val_loss"]) for r in val)

@@ -1,20 +1,20 @@
-"""The t2i task: the epsilon loss with CFG context dropout on stored latents, the n = t + 1 convention, and the
-task in the training loop."""
+"""The t2i task: the epsilon loss with CFG context dropout on stored latents, the n = t + 1 convention, the
+validation loss on held-out captions, and the task in the training loop."""
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
-from tiny_models import tiny_t2i_config
+from tiny_models import SpyDenoiser, tiny_t2i_config
 
 from uvic.models import build_preset
 from uvic.schedulers.timesteps import network_timestep
 from uvic.training.losses import DiscreteNoise, drop_context, text_to_image_loss
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import Text2ImageTask
+from uvic.training.tasks.text2image import Text2ImageTask
+from uvic.training.validation import VALIDATION_SEED
 
 
 def _abar():
@@ -37,19 +37,8 @@ def test_drop_context_replaces_whole_context():
     assert (out[drop] == empty).all() and (out[~drop] == ctx[~drop]).all()
 
 
-class _Spy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(()))
-        self.calls = []
-
-    def forward(self, x, t, encoder_hidden_states=None):
-        self.calls.append((x, t, encoder_hidden_states))
-        return SimpleNamespace(sample=x * self.w)
-
-
 def test_loss_feeds_t_plus_one_noised_latents_and_drops_context():
-    spy, abar = _Spy(), _abar()
+    spy, abar = SpyDenoiser("encoder_hidden_states"), _abar()
     B = 2000
     moments = torch.zeros(B, 8, 16, 16)
     moments[:, 4:] = -30.0  # (almost) deterministic latent: z0 = scale * mean = 0
@@ -97,13 +86,13 @@ def test_a_few_training_steps_reduce_the_loss():
 
 
 def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
-    """`train(cfg)` with the t2i task from the task registry: trains, writes a sample grid and checkpoints, and
+    """`train(cfg)` with the t2i task from the task table: trains, writes a sample grid and checkpoints, and
     exports a t2i pipeline that carries the config's latent scale and sampler."""
+    from uvic.config import task_class
     from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
     from uvic.training.loop import train
-    from uvic.training.tasks import TASKS
 
-    assert TASKS["t2i"] is Text2ImageTask
+    assert task_class("t2i") is Text2ImageTask
     root, vae, _ = make_tiny_coco(tmp_path, 8, splits=("train", "val"))
     vae_dir = tmp_path / "vae"
     vae.save_pretrained(vae_dir)
@@ -123,3 +112,40 @@ def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
     assert type(pipe.scheduler).__name__ == "UViTDPMSolverScheduler"
     assert pipe.vae.config.scaling_factor == pytest.approx(0.2301)
     assert pipe.transformer.config.attention == "cog"
+
+
+@pytest.mark.parametrize("splits", [("train", "val"), ("train",)])
+def test_validation_uses_the_val_split_or_holds_out_whole_images(tmp_path, make_tiny_coco, splits):
+    """The held-out set is the extracted val split, else `data.val_fraction` of the train images with all their
+    captions; each example's value is recomputed here from its own draws: a latent from its moments, then stratified
+    DDPM steps t (network time t + 1) with noise, and its own caption's features (never the empty caption's)."""
+    root, vae, _ = make_tiny_coco(tmp_path, 10, splits=splits)
+    cfg = tiny_t2i_config(root, tmp_path / "run", "", train={"val_every": 2, "val_timesteps": 2},
+                          data={"val_fraction": 0.2})
+    task = Text2ImageTask(cfg)
+    trained, held = task.build_dataset(), task.validation_set()
+    if splits == ("train", "val"):
+        assert held.split == "val" and trained.split == "train" and len(trained) == 20  # 10 images x 2 captions
+    else:
+        images = task._data().caption_image
+        assert len(held) == 4 and len(trained) == 16  # 2 of the 10 images, with both captions
+        assert set(images[held.indices]).isdisjoint(images[trained.indices])
+    spy = SpyDenoiser("encoder_hidden_states")
+    index = torch.tensor([3, 1])
+    items = [held[int(i)] for i in index]
+    batch = {k: torch.stack([it[k] for it in items]) for k in ("x", "context")}
+    got = task.validation_losses(spy, batch, index)["val_loss"]
+    abar = _abar()
+    for b, i in enumerate(index.tolist()):
+        g = torch.Generator().manual_seed(VALIDATION_SEED + i)
+        mean, logvar = batch["x"][b].chunk(2)
+        z0 = 0.2301 * (mean + torch.exp(0.5 * logvar.clamp(-30, 20)) * torch.randn(4, 8, 8, generator=g))
+        u, eps = torch.rand(2, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+        t = ((torch.arange(2) + u) / 2 * 1000).floor().long()
+        x_t = abar[t].sqrt()[:, None, None, None] * z0 + (1 - abar[t]).sqrt()[:, None, None, None] * eps
+        for k in range(2):
+            seen_x, seen_n, seen_c = spy.calls[k]
+            torch.testing.assert_close(seen_x[b], x_t[k].float(), rtol=1e-5, atol=1e-5)
+            assert seen_n[b] == t[k] + 1 and torch.equal(seen_c[b], batch["context"][b])
+        # The spy predicts zero noise: the loss is the mean square of the noise.
+        torch.testing.assert_close(got[b], eps.pow(2).mean(), rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Class-conditional ImageNet training as U-ViT does it (`cfg.task == "class_cond"`).
+"""Class-conditional ImageNet training as U-ViT does it (task "class_cond").
 
 Two recipes (U-ViT `train.py` with `configs/imagenet64_uvit_*.py`; `train_ldm_discrete.py` with
 `configs/imagenet{256,512}_uvit_*.py`; docs in README "ImageNet"):
@@ -17,15 +17,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from diffusers import AutoencoderKL
 from torch import nn
 from torch.utils.data import Dataset
 
 from uvic.data.imagenet import ImageNet, ImageNetFeatures
-from uvic.models.autoencoder import sample_latents
+from uvic.models.autoencoder import load_vae, sample_latents
 from uvic.pipelines import UViCPipeline
-from uvic.pipelines.sampling import generate, save_grid
 from uvic.schedulers import build_scheduler
 from uvic.training.losses import eps_prediction_loss
 from uvic.training.rng import ShardedRNG
@@ -69,7 +69,7 @@ class ClassConditionalTask(DiffusionTask):
                              f"model.num_classes={d.num_classes + 1}")
         if cfg.sample.guidance_scale > 1 and not self.null_class:
             raise ValueError(f"sample.guidance_scale={cfg.sample.guidance_scale} needs a null class, and the model has "
-                             "none: set sample.guidance_scale=1")
+                             "none: set sample.guidance_scale=1, or data.p_uncond > 0 to train one")
         if d.source == "features" and d.random_flip:
             raise ValueError("data.random_flip: the features already hold every image as is and flipped; set "
                              "data.random_flip=false")
@@ -80,7 +80,31 @@ class ClassConditionalTask(DiffusionTask):
     def latent(self) -> bool:
         return self.cfg.data.source == "features"
 
-    def build_dataset(self) -> Dataset:
+    @property
+    def num_labels(self) -> int:
+        return self.cfg.model.num_classes - int(self.null_class)
+
+    @property
+    def grid_scale(self) -> int:
+        """1: ImageNet images are drawn as they are."""
+        return 1
+
+    def _test_split(self) -> None:
+        """None: U-ViT's ImageNet reader has no test split (validation holds out `data.val_fraction`)."""
+        return None
+
+    def _holdout_groups(self) -> np.ndarray | None:
+        """Features: item j is image j % N (as is and flipped), held out together."""
+        return np.arange(len(self._data())) % len(self._data().labels) if self.latent else None
+
+    def _validation_inputs(self, batch: dict[str, torch.Tensor],
+                           generators: list[torch.Generator]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The pixels as stored, or a latent drawn from the stored moments; the labels (never the null class)."""
+        x = self._latents(batch["x"], generators) if self.latent else batch["x"]
+        return x, {"class_labels": batch["label"]}
+
+    def _read_data(self) -> Dataset:
+        """ImageNet features or pixels, checked against the model (and the VAE, when set)."""
         d, m = self.cfg.data, self.cfg.model
         if self.latent:
             dataset = ImageNetFeatures(d.root)
@@ -91,7 +115,8 @@ class ClassConditionalTask(DiffusionTask):
             if tuple(dataset[0]["x"].shape) != want:
                 raise ValueError(f"features in {d.root} have moments {tuple(dataset[0]['x'].shape)}, but the model "
                                  f"expects (2 * in_chans, img_size, img_size) = {want}")
-            self.load_vae()  # a VAE that does not fit the model is an error before training, not at the first grid
+            if d.vae:
+                self.load_vae()  # a VAE that does not fit the model is an error before training, not at a grid
             return dataset
         dataset = ImageNet(d.root, resolution=d.image_size, num_classes=d.num_classes)
         if (m.in_chans, m.img_size) != (3, d.image_size):
@@ -118,12 +143,13 @@ class ClassConditionalTask(DiffusionTask):
         return eps_prediction_loss(model, x0, self.noise, rng, class_labels=labels)
 
     def load_vae(self) -> AutoencoderKL | None:
-        """The autoencoder named by `data.vae` (scale `data.latent_scale`), or None if unset; checked against the model."""
-        from uvic.data.features import load_vae_spec
-
-        if not self.cfg.data.vae:
+        """The autoencoder named by `data.vae` (scale `data.latent_scale`), checked against the model; None for a
+        pixel model. Raises ValueError for a latent model without `data.vae`."""
+        if not self.latent:
             return None
-        vae = load_vae_spec(self.cfg.data.vae, self.cfg.data.latent_scale)
+        if not self.cfg.data.vae:
+            raise ValueError("data.vae is not set: a latent model's pipeline needs the autoencoder")
+        vae = load_vae(self.cfg.data.vae, self.cfg.data.latent_scale)
         if vae.config.latent_channels != self.cfg.model.in_chans:
             raise ValueError(f"data.vae has {vae.config.latent_channels} latent channels, model.in_chans is "
                              f"{self.cfg.model.in_chans}: they must match")
@@ -141,8 +167,6 @@ class ClassConditionalTask(DiffusionTask):
         """A `UViCPipeline` around `model` with `sampler` and (features) `vae`; defaults: the configured ones."""
         if self.latent:
             vae = vae if vae is not None else self.load_vae()
-            if vae is None:
-                raise ValueError("data.vae is not set: a latent model's pipeline needs the autoencoder")
         elif vae is not None:
             raise ValueError("an ImageNet pixel model's pipeline takes no vae")
         scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
@@ -151,31 +175,12 @@ class ClassConditionalTask(DiffusionTask):
                             label_dropout=self.cfg.data.p_uncond, class_counts=self.class_counts(),
                             default_guidance_scale=guidance)
 
-    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> Path | None:
-        """A grid of classes i % num_labels (with the configured guidance); the file written, None without a VAE."""
-        if self.latent and not self.cfg.data.vae:
-            logger.warning("data.vae is not set: no sample grid at step %d", step)
-            return None
-        s = self.cfg.sample
-        device = next(model.parameters()).device
-        pipe = self.pipeline(model)
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        seeds = list(range(s.seed, s.seed + s.num_images))
-        labels = [i % pipe.num_labels for i in range(len(seeds))]
-        images = generate(pipe, seeds, batch_size=s.batch_size, num_inference_steps=s.num_inference_steps,
-                          class_labels=labels, guidance_scale=pipe.config.default_guidance_scale)
-        path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
-        save_grid(images, path)
-        logger.info("wrote %s", path)
-        return path
-
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """The model as a `UViCPipeline` (a latent model needs `data.vae`; otherwise only `out_dir/transformer`)."""
         model = copy.deepcopy(model).float().cpu()
         if self.latent and not self.cfg.data.vae:
             model.save_pretrained(Path(out_dir) / "transformer")
-            logger.warning("data.vae is not set: exported only %s/transformer", out_dir)
+            # `out_dir` is the temporary name the export is renamed from: not a name to show.
+            logger.warning("data.vae is not set: exported only the transformer (pipeline/transformer)")
             return
         self.pipeline(model).save_pretrained(str(out_dir))
-        logger.info("exported the model as a UViCPipeline to %s", out_dir)

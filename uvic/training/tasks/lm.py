@@ -1,4 +1,4 @@
-"""Cogformer language modelling (`cfg.task == "lm"`), trained by the same loop as the diffusion tasks.
+"""Cogformer language modelling (task "lm"), trained by the same loop as the diffusion tasks.
 
 The recipe is the paper's (Sec. 4.1; the `LMTrainConfig` defaults in `uvic.config`): AdamW betas (0.9, 0.95),
 weight decay 0.1 on weight matrices and embeddings only (norm gains and biases are not decayed: `param_groups`),
@@ -11,21 +11,27 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+import torch.nn.functional as F
 
 from uvic.config import LMDataConfig, LMModelConfig
 from uvic.lm.data import TokenDataset, load_tokenizer, load_tokens
 from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 from uvic.training.optim import decay_matrices
 from uvic.training.rng import ShardedRNG
+from uvic.training.tasks import sample_path
 
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LMTask", "build_dataset", "build_model", "lm_loss"]
+
+_NO_IMAGES = ("an 'lm' run has no image pipeline to sample from; load its exported pipeline/ with transformers' "
+              "AutoModelForCausalLM and call generate()")
 
 
 def build_model(cfg: LMModelConfig) -> CogformerForCausalLM:
@@ -65,13 +71,16 @@ class LMTask:
     the data was tokenized with one), loadable by `AutoModelForCausalLM` and lm-eval's `hf` model.
     """
 
+    makes_images = False
     sample_prompt = "The"
     sample_tokens = 64
 
     def __init__(self, cfg: Any) -> None:
         self.model_cfg: LMModelConfig = cfg.model
         self.data_cfg: LMDataConfig = cfg.data
+        self.validating = cfg.train.val_every > 0
         self._tokenizer = None
+        self._dataset: TokenDataset | None = None
 
     @property
     def tokenizer(self):
@@ -84,11 +93,36 @@ class LMTask:
         return build_model(self.model_cfg)
 
     def build_dataset(self) -> TokenDataset:
-        dataset = build_dataset(self.data_cfg)
-        top = int(dataset.tokens.max())
-        if top >= self.model_cfg.vocab_size:
-            raise ValueError(f"the data holds token id {top} but model.vocab_size is {self.model_cfg.vocab_size}")
-        return dataset
+        """Windows of the data's tokens; when validating (`train.val_every` > 0), of those before the held-out
+        tail."""
+        data = self._data()
+        return TokenDataset(data.tokens[: self._held_out_start()], data.block_size) if self.validating else data
+
+    def validation_set(self) -> TokenDataset:
+        """The last round(`data.val_fraction` x blocks) whole blocks of the data, in order (a held-out tail, as
+        nanoGPT's val split: training text never continues into it)."""
+        data = self._data()
+        return TokenDataset(data.tokens[self._held_out_start() :], data.block_size)
+
+    def _data(self) -> TokenDataset:
+        """All the data's windows (read once), checked against the vocabulary."""
+        if self._dataset is None:
+            dataset = build_dataset(self.data_cfg)
+            top = int(dataset.tokens.max())
+            if top >= self.model_cfg.vocab_size:
+                raise ValueError(f"the data holds token id {top} but model.vocab_size is {self.model_cfg.vocab_size}")
+            self._dataset = dataset
+        return self._dataset
+
+    def _held_out_start(self) -> int:
+        """The first token of the held-out tail."""
+        tokens, size, fraction = self._data().tokens, self.data_cfg.block_size, self.data_cfg.val_fraction
+        blocks = len(tokens) // size
+        k = round(fraction * blocks)
+        if not 1 <= k < blocks:
+            raise ValueError(f"data.val_fraction={fraction} of {blocks} blocks of {size} tokens holds out {k}: the "
+                             "validation loss needs at least one held-out block and one to train on")
+        return len(tokens) - k * size
 
     def param_groups(self, model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         """Decay on weight matrices and embeddings; none on RMSNorm gains (and biases, were there any)."""
@@ -98,10 +132,29 @@ class LMTask:
         """Next-token loss; `rng` is unused (the LM loss has no randomness)."""
         return lm_loss(model, batch)
 
+    def validation_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                          index: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`val_loss`: each held-out block's mean next-token cross-entropy (nats); the LM loss draws nothing."""
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids, use_cache=False).logits  # (B, L, V)
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L - 1)
+        return {"val_loss": nll.mean(1)}
+
+    def validation_metrics(self, means: dict[str, float]) -> dict[str, float]:
+        """The mean cross-entropy per token (every block has L - 1 targets) and its perplexity, `val_ppl`."""
+        return {**means, "val_ppl": math.exp(means["val_loss"])}
+
+    def load_vae(self) -> NoReturn:
+        """Always raises: a language model makes no images."""
+        raise ValueError(_NO_IMAGES)
+
     def pipeline(self, model: torch.nn.Module, *, sampler: str | None = None, vae: None = None) -> NoReturn:
         """Always raises: a language model has no image pipeline (its export is a transformers model)."""
-        raise ValueError("an 'lm' run has no image pipeline to sample from; load its exported pipeline/ with "
-                         "transformers' AutoModelForCausalLM and call generate()")
+        raise ValueError(_NO_IMAGES)
+
+    def image_conditions(self, purpose: str, num_images: int) -> NoReturn:
+        """Always raises: a language model makes no images."""
+        raise ValueError(_NO_IMAGES)
 
     @torch.no_grad()
     def on_sample(self, model: torch.nn.Module, step: int, run_dir: Path) -> Path:
@@ -113,7 +166,7 @@ class LMTask:
         out = model.generate(ids, max_new_tokens=self.sample_tokens, do_sample=False)
         model.train(was_training)
         text = tok.decode(out[0].tolist())
-        path = Path(run_dir) / "samples" / f"step_{step:07d}.txt"
+        path = sample_path(run_dir, step, ".txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         logger.info("sample at step %d: %r", step, text)

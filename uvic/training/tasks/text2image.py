@@ -1,4 +1,4 @@
-"""MS-COCO text-to-image training on extracted features, as U-ViT trains it (`cfg.task == "t2i"`).
+"""MS-COCO text-to-image training on extracted features, as U-ViT trains it (task "t2i").
 
 Discrete-time latent diffusion (docs/conventions.md, "MS-COCO text-to-image"): the latent is re-drawn from the
 stored VAE moments at every step, the whole context is replaced by the empty-caption features with probability
@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,9 +19,9 @@ from diffusers import AutoencoderKL
 from torch import nn
 
 from uvic.data.mscoco import MSCOCOFeatures, load_empty_context
-from uvic.models.autoencoder import load_ldm_autoencoder
+from uvic.models.autoencoder import load_vae
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
-from uvic.pipelines.sampling import generate, save_grid
+from uvic.pipelines.sampling import ImageConditions, mscoco_prompt_embeds
 from uvic.schedulers import build_scheduler
 from uvic.training.losses import text_to_image_loss
 from uvic.training.rng import ShardedRNG
@@ -32,16 +32,18 @@ logger = logging.getLogger(__name__)
 
 
 class Text2ImageTask(DiffusionTask):
-    """MS-COCO text-to-image training on extracted features (`cfg.task == "t2i"`; `uvic.training.tasks` API).
+    """MS-COCO text-to-image training on extracted features (task "t2i"; `uvic.training.tasks` API).
 
-    The model, the noise process and the parameter groups are `DiffusionTask`'s; the data, the loss (context
-    dropout), the sample grid and the pipeline are text-to-image ones.
+    The model, the noise process, the parameter groups and the sample grid are `DiffusionTask`'s; the data, the
+    loss (context dropout), the conditions of the images (captions) and the pipeline are text-to-image ones.
 
     Reads: `cfg.model` (a text-conditional UViTConfig), `cfg.diffusion` (discrete, scaled_linear), `cfg.data.root`
     (the output of `python -m uvic.data.mscoco`, split "train"), `cfg.data.p_uncond`, `cfg.data.latent_scale`,
     `cfg.data.vae` (autoencoder for sample grids and the exported pipeline; "" skips both), `cfg.sample.sampler`
     ("uvit_dpm_solver" is the official sampler), `cfg.sample.guidance_scale` and `cfg.sample.num_inference_steps`.
     """
+
+    latent = True
 
     def __init__(self, cfg: Any) -> None:
         if cfg.diffusion.schedule != "discrete":
@@ -51,7 +53,8 @@ class Text2ImageTask(DiffusionTask):
         super().__init__(cfg)
         self._empty_context: torch.Tensor | None = None
 
-    def build_dataset(self) -> MSCOCOFeatures:
+    def _read_data(self) -> MSCOCOFeatures:
+        """The "train" split of the features, checked against the model."""
         dataset = MSCOCOFeatures(self.cfg.data.root, "train")
         m = self.cfg.model
         item = dataset[0]
@@ -62,6 +65,20 @@ class Text2ImageTask(DiffusionTask):
             raise ValueError(f"features in {self.cfg.data.root} have contexts {tuple(item['context'].shape)}, but the "
                              f"model expects (num_clip_token, clip_dim) = {(m.num_clip_token, m.clip_dim)}")
         return dataset
+
+    def _test_split(self) -> Callable[[], MSCOCOFeatures] | None:
+        """The "val" split of the features (MS-COCO val2014, U-ViT's FID captions), when extracted."""
+        root = Path(self.cfg.data.root)
+        return (lambda: MSCOCOFeatures(root, "val")) if (root / "val" / "meta.json").is_file() else None
+
+    def _holdout_groups(self) -> np.ndarray:
+        """The image of each caption row: an image is held out with all its captions."""
+        return self._data().caption_image
+
+    def _validation_inputs(self, batch: dict[str, torch.Tensor],
+                           generators: list[torch.Generator]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A latent drawn from the stored moments, and the caption's features (never the empty caption's)."""
+        return self._latents(batch["x"], generators), {"encoder_hidden_states": batch["context"]}
 
     @property
     def empty_context(self) -> torch.Tensor:
@@ -74,56 +91,53 @@ class Text2ImageTask(DiffusionTask):
         return text_to_image_loss(model, batch["x"], batch["context"], self.empty_context, self.noise,
                                   self.cfg.data.latent_scale, rng, p_uncond=self.cfg.data.p_uncond)
 
-    def load_vae(self) -> AutoencoderKL | None:
-        """The autoencoder named by `cfg.data.vae` with `scaling_factor = cfg.data.latent_scale`, or None if unset."""
-        spec = self.cfg.data.vae
-        if not spec:
-            return None
-        if Path(spec).is_dir():
-            return AutoencoderKL.from_pretrained(spec, scaling_factor=self.cfg.data.latent_scale)
-        return load_ldm_autoencoder(spec, scaling_factor=self.cfg.data.latent_scale)
+    @property
+    def num_labels(self) -> int:
+        return 0
+
+    @property
+    def grid_scale(self) -> int:
+        """1: MS-COCO images are drawn as they are."""
+        return 1
+
+    def load_vae(self) -> AutoencoderKL:
+        """The autoencoder named by `cfg.data.vae` with `scaling_factor = cfg.data.latent_scale`. Raises ValueError
+        when `data.vae` is not set."""
+        if not self.cfg.data.vae:
+            raise ValueError("data.vae is not set: a text-to-image pipeline needs the autoencoder")
+        return load_vae(self.cfg.data.vae, self.cfg.data.latent_scale)
 
     def pipeline(self, model: nn.Module, *, sampler: str | None = None,
                  vae: AutoencoderKL | None = None) -> UViCText2ImagePipeline:
         """A `UViCText2ImagePipeline` around `model` with `sampler` and `vae` (defaults: the configured ones)."""
         vae = vae if vae is not None else self.load_vae()
-        if vae is None:
-            raise ValueError("data.vae is not set: a text-to-image pipeline needs the autoencoder")
         scheduler = build_scheduler(sampler or self.cfg.sample.sampler, self.cfg.diffusion)
         return UViCText2ImagePipeline(transformer=model, vae=vae, scheduler=scheduler)
 
-    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> Path | None:
-        """A grid for the first `num_images` captions of the val split (train if there is none)."""
-        vae = self.load_vae()
-        if vae is None:
-            logger.warning("data.vae is not set: no sample grid at step %d", step)
-            return
+    def image_conditions(self, purpose: str, num_images: int) -> ImageConditions:
+        """Caption features, the empty caption's as the negative, `sample.guidance_scale`. A grid shows the first
+        `num_images` captions of the val split (train if there is none; fewer if it holds fewer); FID takes U-ViT's
+        protocol, a random caption of a random val image for each image (drawn from `sample.seed`)."""
         s, root = self.cfg.sample, Path(self.cfg.data.root)
-        split = "val" if (root / "val" / "meta.json").is_file() else "train"
-        features = MSCOCOFeatures(root, split)
-        rows = np.arange(min(s.num_images, len(features)))
-        device = next(model.parameters()).device
-        pipe = self.pipeline(model, vae=vae.to(device))
-        pipe.set_progress_bar_config(disable=True)
-        images = generate(pipe, [s.seed + int(r) for r in rows], batch_size=s.batch_size,
-                          num_inference_steps=s.num_inference_steps, prompt_embeds=features.context(rows),
-                          negative_prompt_embeds=self.empty_context, guidance_scale=s.guidance_scale)
-        path = Path(run_dir) / "samples" / f"step_{step:07d}.png"
-        save_grid(images, path)
-        logger.info("wrote %s", path)
-        return path
+        if purpose == "fid":
+            embeds, empty, _ = mscoco_prompt_embeds(root, num_images, s.seed)
+            return ImageConditions(num_images, prompt_embeds=embeds, negative_prompt_embeds=empty,
+                                   guidance_scale=s.guidance_scale)
+        features = MSCOCOFeatures(root, "val" if self._test_split() is not None else "train")
+        rows = np.arange(min(num_images, len(features)))
+        return ImageConditions(len(rows), prompt_embeds=features.context(rows),
+                               negative_prompt_embeds=self.empty_context, guidance_scale=s.guidance_scale)
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """The model as a `UViCText2ImagePipeline` (needs `data.vae`; otherwise only `out_dir/transformer`), with
         the text encoder of the features (`text_encoder_spec`) when it loads and reproduces them, so that the
         export samples from prompts offline."""
         model = copy.deepcopy(model).float().cpu()
-        vae = self.load_vae()
-        if vae is None:
+        if not self.cfg.data.vae:
             model.save_pretrained(Path(out_dir) / "transformer")
             logger.warning("data.vae is not set: exported only the transformer (pipeline/transformer)")
             return
-        pipe = self.pipeline(model, vae=vae)
+        pipe = self.pipeline(model)
         self.attach_text_encoder(pipe)
         pipe.save_pretrained(str(out_dir))
 

@@ -1,9 +1,9 @@
 """Side-by-side benchmark of Cog attention against softmax attention (a script, not a test).
 
-    python -m uvic.kernels.bench                      # time + memory, on CUDA if present else CPU
-    python -m uvic.kernels.bench --what time --rounds 30
-    python -m uvic.kernels.bench --what memory
-    python -m uvic.kernels.bench --what generate      # one decode step of a Cogformer with a 2048-token cache
+    python benchmarks/bench_attention.py                      # time + memory, on CUDA if present else CPU
+    python benchmarks/bench_attention.py --what time --rounds 30
+    python benchmarks/bench_attention.py --what memory
+    python benchmarks/bench_attention.py --what generate      # one decode step of a Cogformer, 2048-token cache
 
 Every number is a ratio measured in the same run: the implementations run round-robin (one call each per round)
 and the reported ratio is the median over rounds of time(impl) / time(softmax) within the round, which stays
@@ -37,11 +37,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from uvic.attention import cog_attention, softmax_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's uvic, installed or not
+from uvic.attention import ATTENTIONS, cog_attention, softmax_attention  # noqa: E402
 
 
 SHAPES = {
@@ -151,10 +154,10 @@ def time_generate_step(device, dtype, rounds: int, cache_len: int = 2048, warmup
 
     torch.manual_seed(0)
     models = {}
-    for attention in ("softmax", "cog"):
+    for attention in ATTENTIONS:  # one model per kind, all with the first one's weights
         model = CogformerForCausalLM(CogformerConfig(attention=attention)).to(device=device, dtype=dtype).eval()
         if models:
-            model.load_state_dict(models["softmax"].state_dict())
+            model.load_state_dict(next(iter(models.values())).state_dict())
         models[attention] = model
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, models["cog"].config.vocab_size, (1, cache_len), generator=g).to(device)
@@ -220,7 +223,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     """Peak extra MiB per implementation at MEMORY_SHAPE, each in its own subprocess."""
     out = {}
     for name in implementations(device):
-        cmd = [sys.executable, "-m", "uvic.kernels.bench", "--memory-child", name, "--device", device.type]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name, "--device", device.type]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[name] = json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"] / 2**20
     return out

@@ -1,0 +1,115 @@
+"""Compare training configs the paper's way, with error bars: arms x seeds on common random numbers, one report.
+
+    python compare.py run configs/demo_digits.yaml train.max_steps=600 \\
+        --arm uvit model.attention=softmax --arm uvic --seeds 0 1 2 --out runs/cmp_digits --jobs 2
+    python compare.py plan configs/cifar10_uvic_s2.yaml --arm uvit model.attention=softmax --arm uvic \\
+        --seeds 0 1 2 --out runs/cmp_cifar10 --launcher "accelerate launch --num_processes 8" > jobs.txt
+    python compare.py report runs/cmp_cifar10        # whatever has finished; `run` ends with it too
+
+Overrides right after CONFIG apply to every arm; each `--arm NAME` takes its own; the first arm is the baseline.
+Run (arm, seed) is the ordinary run dir OUT/<arm>/seed_<seed>/, trained by `train.py CONFIG ... train.seed=<seed>
+train.run_dir=OUT/<arm>/seed_<seed> --resume`. `run` trains them here and is resumable (the same command after a
+kill finishes the job); `plan` prints the commands, one per line, for a scheduler, and writes OUT/plan.json.
+"""
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from uvic.errors import cli_errors, configure_logging, int_at_least
+
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _script(name: str) -> str:
+    """The script `name` beside this one, relative to the working directory when it is below it."""
+    script = ROOT / name
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    parsers = {}
+    for name, text in [("run", "train every run here (resumable), then write the report"),
+                       ("plan", "print one train.py command per run and write OUT/plan.json; trains nothing")]:
+        q = sub.add_parser(name, help=text, description=text)
+        q.add_argument("config", help="YAML file of deltas from the defaults in uvic/config.py")
+        q.add_argument("overrides", nargs="*", help="dotted key=value applied to every arm")
+        q.add_argument("--arm", nargs="+", action="append", required=True, metavar=("NAME", "KEY=VALUE"),
+                       help="an arm and its own overrides (repeat; the first is the baseline)")
+        q.add_argument("--seeds", nargs="+", type=int, required=True, metavar="S", help="training seeds")
+        q.add_argument("--out", required=True, help="the comparison directory")
+        q.add_argument("--launcher", default=None,
+                       help='what starts train.py, e.g. "accelerate launch --num_processes 8" (default: python)')
+        parsers[name] = q
+    parsers["run"].add_argument("--jobs", type=int_at_least(1), default=1, help="runs trained at once (default 1)")
+    q = sub.add_parser("report", help="write the report of whatever has finished",
+                       description="write OUT/report.{json,md,html} and OUT/figures/ from the finished runs")
+    q.add_argument("out", help="the comparison directory")
+    parsers["report"] = q
+    args = p.parse_args()
+    q = parsers[args.command]
+    configure_logging()
+
+    from uvic.compare.plan import Arm, check_out_dir, make_plan, shell_command, write_plan
+    from uvic.compare.report import write_report
+    from uvic.compare.run import pending_runs, run_plan
+    from uvic.errors import ConfigError
+
+    if args.command != "report":
+        try:  # everything is checked before anything is written or trained
+            launcher = shlex.split(args.launcher) if args.launcher else None
+            arms = [Arm(name, tuple(overrides)) for name, *overrides in args.arm]
+            plan = make_plan(args.config, args.overrides, arms, args.seeds, args.out)
+            check_out_dir(plan)
+            if args.command == "run":
+                pending_runs(plan)  # refuses run dirs of another config before anything is written
+        except (ConfigError, FileNotFoundError, ValueError) as e:
+            q.error(str(e))
+        with cli_errors():
+            write_plan(plan)
+            if args.command == "plan":
+                logging.info(f"wrote {plan.out / 'plan.json'}; run the commands from {Path.cwd()}, then "
+                             f"`python {_script('compare.py')} report {plan.out}`")
+                for run in plan.runs:
+                    print(shell_command(plan.command(run, launcher or ["python"], _script("train.py"))))
+                return
+            # A `kill` (SIGTERM) stops the runs in training too, as Ctrl-C does.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+            try:
+                failed = run_plan(plan, jobs=args.jobs, train_script=_script("train.py"), launcher=launcher)
+            except KeyboardInterrupt:  # Ctrl-C: the runs were stopped (run_plan says so); no traceback
+                sys.exit(130)
+    with cli_errors():
+        try:
+            data = write_report(args.out)
+        except (FileNotFoundError, ConfigError) as e:  # not a comparison directory: a usage error
+            q.error(str(e))
+    _print_summary(args.out, data)
+    if args.command == "run" and failed:
+        sys.exit(f"error: {len(failed)} run(s) failed: {', '.join(r.label for r in failed)}; see "
+                 f"{os.path.join(args.out, 'report.md')}")
+
+
+def _print_summary(out: str, data: dict) -> None:
+    """The verdicts, one line per (metric, arm), and where the report is."""
+    for name, entry in data["metrics"].items():
+        for arm, vs in entry["vs_baseline"].items():
+            ci = f"[{vs['ci95'][0]:.4g}, {vs['ci95'][1]:.4g}]" if vs["ci95"] else "n/a"
+            diff = f"{vs['mean_diff']:.4g}" if vs["mean_diff"] is not None else "n/a"
+            print(f"{name}: {arm} - {data['baseline']} = {diff} (95% interval {ci}, {vs['n']} seeds): {vs['verdict']}")
+    states = [s["state"] for seeds in data["runs"].values() for s in seeds.values()]
+    print(f"{states.count('finished')} of {len(states)} runs finished; report: {os.path.join(out, 'report.html')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The metric and curve registries: what each entry reads from a run's logs."""
+
+from pathlib import Path
+
+import pytest
+
+from uvic.compare.metrics import CURVES, METRICS
+from uvic.compare.rundirs import RunLogs
+
+
+def _logs(losses=(), val=(), fids=()):
+    return RunLogs(Path("."), [{"step": i + 1, "loss": v, "lr": 0.1} for i, v in enumerate(losses)],
+                   [{"step": s, "val_loss": v} for s, v in val], [{"step": s, "fid": v} for s, v in fids])
+
+
+def _read(name, logs):
+    return next(m for m in METRICS if m.name == name).read(logs)
+
+
+def test_names_and_directions_are_unique_and_documented():
+    assert [m.name for m in METRICS] == ["val_loss", "train_loss", "fid_last", "fid_best"]
+    assert all(m.lower_is_better and m.description for m in METRICS)
+    assert len({c.name for c in CURVES}) == len(CURVES)
+
+
+@pytest.mark.parametrize("n, tail", [(100, 5), (1000, 50), (30, 2), (19, 1), (1, 1)])
+def test_train_loss_is_the_mean_of_the_last_5_percent_of_logged_steps(n, tail):
+    losses = [float(i * i) for i in range(n)]  # ceil(0.05 n) lines, at least one
+    assert _read("train_loss", _logs(losses)) == sum(losses[-tail:]) / tail
+
+
+def test_val_loss_is_the_last_validation_and_fid_the_last_and_best():
+    logs = _logs([1.0], val=[(10, 0.5), (20, 0.4), (30, 0.45)], fids=[(10, 9.0), (20, 7.0), (30, 8.0)])
+    assert (_read("val_loss", logs), _read("fid_last", logs), _read("fid_best", logs)) == (0.45, 8.0, 7.0)
+
+
+def test_absent_or_non_finite_values_are_none():
+    empty = _logs()
+    assert all(m.read(empty) is None for m in METRICS)
+    assert _read("train_loss", _logs([1.0, float("nan")])) is None
+    assert _read("fid_best", _logs(fids=[(1, float("inf")), (2, 3.0)])) == 3.0
+
+
+def test_curves_are_step_to_value():
+    logs = _logs([2.0, 1.0], val=[(2, 1.5)], fids=[(2, 30.0)])
+    assert {c.name: c.read(logs) for c in CURVES} == {"train_loss": {1: 2.0, 2: 1.0}, "val_loss": {2: 1.5},
+                                                       "fid": {2: 30.0}}

@@ -1,0 +1,164 @@
+"""Planning a comparison: the runs and their train.py commands, plan.json, and every bad input refused up front.
+
+The command line is `compare.py` run in this process (conftest's `run_script`): each refusal is exit status 2 with
+one `error:` line, no traceback, and nothing written."""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from synthetic_runs import CONFIG
+
+from uvic.compare.plan import Arm, Plan, config_difference, load_plan, make_plan, plan_difference
+from uvic.errors import ConfigError
+
+
+ARMS = ["--arm", "uvit", "model.attention=softmax", "--arm", "uvic"]
+
+
+def _refused(run_script, *args):
+    code, out, err = run_script("compare.py", *args)
+    assert code == 2, err
+    assert "Traceback" not in err and out == ""
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def test_plan_prints_one_train_command_per_run_and_writes_plan_json(tmp_path, run_script):
+    out = tmp_path / "cmp"
+    code, stdout, err = run_script("compare.py", "plan", CONFIG, "train.max_steps=50", *ARMS, "--seeds", "3", "1",
+                                   "--out", out, "--launcher", "accelerate launch --num_processes 8")
+    assert code == 0, err
+    commands = [shlex.split(line) for line in stdout.splitlines()]
+    assert len(commands) == 4
+    expected = [(arm, seed) for seed in (3, 1) for arm in ("uvit", "uvic")]  # seed by seed: pairs finish together
+    for argv, (arm, seed) in zip(commands, expected):
+        assert argv[:5] == ["accelerate", "launch", "--num_processes", "8", "train.py"]
+        assert argv[5] == CONFIG and argv[-1] == "--resume"
+        overrides = argv[6:-1]
+        assert overrides[0] == "train.max_steps=50"
+        assert overrides[-2:] == [f"train.seed={seed}", f"train.run_dir={out / arm / f'seed_{seed}'}"]
+        assert ("model.attention=softmax" in overrides) == (arm == "uvit")
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["config"], plan["overrides"], plan["seeds"]) == (CONFIG, ["train.max_steps=50"], [3, 1])
+    assert [(a["name"], a["overrides"]) for a in plan["arms"]] == [("uvit", ["model.attention=softmax"]),
+                                                                   ("uvic", [])]
+    assert plan["arms"][0]["config"]["model"]["attention"] == "softmax"
+    assert plan["arms"][1]["config"]["train"]["max_steps"] == 50 and "seed" not in plan["arms"][1]["config"]["train"]
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json"]  # nothing trained
+    # Without a launcher: python.
+    code, stdout, _ = run_script("compare.py", "plan", CONFIG, "train.max_steps=50", *ARMS, "--seeds", "3", "1",
+                                 "--out", out)
+    assert code == 0 and all(line.startswith("python train.py ") for line in stdout.splitlines())
+
+
+def test_the_plan_round_trips_through_plan_json(tmp_path):
+    plan = make_plan(CONFIG, ["train.max_steps=5"], [Arm("a", ("train.lr=0.01",)), Arm("b")], [0, 2], tmp_path)
+    from uvic.compare.plan import write_plan
+
+    write_plan(plan)
+    assert load_plan(tmp_path) == plan
+    assert [r.run_dir for r in plan.runs] == [tmp_path / "a/seed_0", tmp_path / "b/seed_0", tmp_path / "a/seed_2",
+                                              tmp_path / "b/seed_2"]
+
+
+def test_an_arm_with_the_baselines_config_is_a_warning(tmp_path, run_script):
+    code, _, err = run_script("compare.py", "plan", CONFIG, "--arm", "a", "--arm", "b", "model.attention=cog",
+                              "--seeds", "0", "--out", tmp_path / "cmp")
+    assert code == 0 and "arm 'b' has the same config as the baseline 'a': this is an A/A comparison" in err
+    code, _, err = run_script("compare.py", "plan", CONFIG, *ARMS, "--seeds", "0", "--out", tmp_path / "cmp2")
+    assert code == 0 and "A/A" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*ARMS[:3], "--arm", "uvic", "model.attn=cog"], "arm 'uvic' (seed 0): unknown config key(s) ['model.attn']"),
+    (["train.lr=-1", *ARMS], "with the shared overrides: config key train.lr: must be > 0, got -1"),
+    ([*ARMS, "--arm", "uvit"], "duplicate arm name 'uvit'"),
+    (["--arm", "uvit"], "a comparison needs at least two arms"),
+    ([*ARMS, "--arm", "model.attention=cog"], "arm name 'model.attention=cog' must be letters"),
+    ([*ARMS, "--arm", "a/b"], "arm name 'a/b' must be letters"),
+    ([*ARMS, "--arm", "figures"], "arm name 'figures' must be"),
+    ([*ARMS, "--arm", "x", "train.seed=3"], "arm 'x': train.seed is set by the comparison for each run"),
+    (["train.run_dir=/tmp/x", *ARMS], "the shared overrides: train.run_dir is set by the comparison"),
+])  # fmt: skip
+def test_bad_arms_are_refused_before_anything_is_written(tmp_path, run_script, args, message):
+    out = tmp_path / "cmp"
+    for command in ("plan", "run"):
+        line = _refused(run_script, command, CONFIG, *args, "--seeds", "0", "1", "--out", out)
+        assert message in line
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("seeds, message", [(["1", "2", "1"], "duplicate seed 1"),
+                                            (["-1"], "config key train.seed: must be in [0, 2**32), got -1")])
+def test_bad_seeds_are_refused(tmp_path, run_script, seeds, message):
+    assert message in _refused(run_script, "run", CONFIG, *ARMS, "--seeds", *seeds, "--out", tmp_path / "cmp")
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_jobs_below_one_and_a_missing_config_are_refused(tmp_path, run_script):
+    line = _refused(run_script, "run", CONFIG, *ARMS, "--seeds", "0", "--out", tmp_path / "cmp", "--jobs", "0")
+    assert "--jobs: must be >= 1, got 0" in line
+    line = _refused(run_script, "run", tmp_path / "no.yaml", *ARMS, "--seeds", "0", "--out", tmp_path / "cmp")
+    assert "config file not found" in line
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_an_out_dir_of_another_comparison_is_refused_naming_the_difference(tmp_path, run_script):
+    out = tmp_path / "cmp"
+    code, _, err = run_script("compare.py", "plan", CONFIG, "train.max_steps=50", *ARMS, "--seeds", "0", "1",
+                              "--out", out)
+    assert code == 0, err
+    before = (out / "plan.json").read_bytes()
+    cases = [
+        (["train.max_steps=50", *ARMS, "--arm", "x"], ["0", "1"],
+         "arms ['uvit', 'uvic'] there, ['uvit', 'uvic', 'x'] here (the first is the baseline)"),
+        (["train.max_steps=50", "--arm", "uvic", "--arm", "uvit", "model.attention=softmax"], ["0", "1"],
+         "arms ['uvit', 'uvic'] there, ['uvic', 'uvit'] here (the first is the baseline)"),
+        (["train.max_steps=50", *ARMS], ["0", "1", "2"], "seeds [0, 1] there, [0, 1, 2] here"),
+        (["train.max_steps=60", *ARMS], ["0", "1"], "arm 'uvit': train.max_steps is 50 there, 60 here"),
+    ]
+    for args, seeds, message in cases:
+        line = _refused(run_script, "run", CONFIG, *args, "--seeds", *seeds, "--out", out)
+        assert f"--out {out} holds another comparison ({message}); the results of two plans are never mixed" in line
+        assert (out / "plan.json").read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["plan.json"]
+    # The same comparison, spelled differently (seed order, a neutral key, another spelling of a value), is accepted.
+    code, _, err = run_script("compare.py", "plan", CONFIG, "train.max_steps=50", "train.lr=0.0015",
+                              "train.cpu_threads=1", *ARMS, "--seeds", "1", "0", "--out", out)
+    assert code == 0, err
+
+
+def test_an_out_dir_that_is_not_a_comparison_is_never_written(tmp_path, run_script):
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    line = _refused(run_script, "plan", CONFIG, *ARMS, "--seeds", "0", "--out", out)
+    assert "is not empty and holds no plan.json" in line and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    line = _refused(run_script, "report", out)
+    assert "holds no plan.json: not a comparison directory" in line
+    (out / "plan.json").write_text("{not json")
+    assert "is not a comparison plan (JSONDecodeError" in _refused(run_script, "report", out)
+
+
+def test_a_run_dir_of_another_config_is_not_overwritten(tmp_path, run_script):
+    out = tmp_path / "cmp"
+    assert run_script("compare.py", "plan", CONFIG, *ARMS, "--seeds", "0", "--out", out)[0] == 0
+    run_dir = out / "uvic" / "seed_0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("train: {seed: 0, max_steps: 3}\n")
+    line = _refused(run_script, "run", CONFIG, *ARMS, "--seeds", "0", "--out", out)
+    assert f"{run_dir}: its config.yaml differs from the plan:" in line and "it is not overwritten" in line
+
+
+def test_plan_and_config_differences():
+    a = {"model": {"depth": 12, "attention": "cog"}, "train": {"lr": 1e-3, "cpu_threads": 0}}
+    b = {"model": {"depth": 12, "attention": "softmax"}, "train": {"lr": 1e-3, "cpu_threads": 4}}
+    assert config_difference(a, b) == "model.attention is 'cog' there, 'softmax' here"
+    assert config_difference(a, {**a, "train": {"lr": 1e-3, "cpu_threads": 2}}) is None
+    assert config_difference(a, {"model": a["model"]}) == "train.lr is 0.001 there, '(unset)' here"
+    plan = Plan("c.yaml", (), (Arm("a"), Arm("b")), (0, 1), Path("."), {"a": a, "b": a})
+    assert plan_difference(plan, plan) is None
+    with pytest.raises(ConfigError, match="needs at least one seed"):
+        make_plan(CONFIG, [], [Arm("a"), Arm("b")], [], "x")

@@ -1,0 +1,207 @@
+"""Training a plan: resumable, `--jobs` at a time, failures recorded; and end to end on tiny real runs: a kill and
+the same command again give the report of the plan's commands run by hand, and an A/A comparison is exact.
+
+The orchestration tests run a stand-in for train.py (a few lines of Python that write what a finished run leaves,
+or fail): they check `run_plan` itself in milliseconds. The end-to-end test trains real tiny U-ViTs."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.numpy import load_file
+from synthetic_runs import CONFIG
+
+from uvic.compare.plan import Arm, make_plan, write_plan
+from uvic.compare.run import pending_runs, run_plan
+from uvic.compare.rundirs import read_attempts
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A stand-in for train.py: `train.run_dir=...` from its argv; writes the last checkpoint and pipeline/ of
+# train.max_steps=N, records its argv and start / end times, and fails (exit 1, an `error:` line) for arm "bad".
+FAKE_TRAIN = """
+import json, os, sys, time
+args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
+run = args["train.run_dir"]
+os.makedirs(run, exist_ok=True)
+start = time.time()
+time.sleep(0.3)
+if "/bad/" in run:
+    print("error: the loss became NaN or Inf at or before step 3", file=sys.stderr)
+    sys.exit(1)
+step = int(args.get("train.max_steps", 3200))
+os.makedirs(f"{run}/checkpoints/step_{step:09d}", exist_ok=True)
+open(f"{run}/checkpoints/step_{step:09d}/meta.json", "w").write("{}")
+os.makedirs(f"{run}/pipeline", exist_ok=True)
+json.dump({"argv": sys.argv, "start": start, "end": time.time()}, open(f"{run}/fake.json", "w"))
+"""
+
+
+def _plan(tmp_path, arms=("a", "b"), seeds=(0, 1), overrides=()):
+    plan = make_plan(CONFIG, ["train.max_steps=7", *overrides], [Arm(a) for a in arms], list(seeds), tmp_path / "cmp")
+    write_plan(plan)
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    return plan, str(script)
+
+
+def test_failures_are_recorded_and_the_other_runs_go_on(tmp_path):
+    plan, script = _plan(tmp_path, arms=("a", "bad", "c"))
+    failed = run_plan(plan, train_script=script)
+    assert [r.label for r in failed] == ["bad seed 0", "bad seed 1"]
+    attempts = read_attempts(plan.out)
+    assert attempts["bad/seed_1"] == {"exit_code": 1, "log": "bad/seed_1.log",
+                                      "error": "error: the loss became NaN or Inf at or before step 3"}
+    assert attempts["a/seed_0"] == {"exit_code": 0, "error": "", "log": "a/seed_0.log"}
+    assert all((plan.out / arm / f"seed_{s}" / "fake.json").is_file() for arm in ("a", "c") for s in (0, 1))
+    # The log holds the command and its output.
+    log = (plan.out / "bad" / "seed_0.log").read_text().splitlines()
+    assert log[0].startswith("=== ") and shlex.split(log[0].split(": ", 1)[1])[1] == script and "error:" in log[1]
+    # Run again: the finished runs are skipped, only the failed ones are attempted again.
+    before = {p: p.stat().st_mtime_ns for p in plan.out.glob("[ac]/seed_*/fake.json")}
+    assert [r.label for r in pending_runs(plan)] == ["bad seed 0", "bad seed 1"]
+    assert len(run_plan(plan, train_script=script)) == 2
+    assert {p: p.stat().st_mtime_ns for p in plan.out.glob("[ac]/seed_*/fake.json")} == before
+    assert len([line for line in (plan.out / "bad" / "seed_0.log").read_text().splitlines()
+                if line.startswith("=== ")]) == 2
+
+
+def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path):
+    plan, script = _plan(tmp_path, seeds=(0, 1, 2))
+    assert run_plan(plan, jobs=3, train_script=script) == []
+    records = [json.loads((r.run_dir / "fake.json").read_text()) for r in plan.runs]
+    # At most 3 at once, and the first 3 overlap.
+    for t in [r["start"] for r in records] + [r["end"] - 1e-3 for r in records]:
+        assert sum(r["start"] <= t < r["end"] for r in records) <= 3
+    first = records[:3]
+    assert max(r["start"] for r in first) < min(r["end"] for r in first)
+    threads = max(1, len(os.sched_getaffinity(0)) // 3)
+    for run, record in zip(plan.runs, records):
+        argv = record["argv"]
+        assert argv[1:] == [CONFIG, *run.overrides, f"train.cpu_threads={threads}", "--resume"]
+    # A config that sets its threads keeps them; one job at a time changes nothing.
+    plan, script = _plan(tmp_path / "t", overrides=["train.cpu_threads=5"])
+    run_plan(plan, jobs=2, train_script=script)
+    assert not any("train.cpu_threads=1" in a for r in plan.runs
+                   for a in json.loads((r.run_dir / "fake.json").read_text())["argv"])
+
+
+def test_a_run_that_exits_0_without_finishing_is_a_failure(tmp_path):
+    plan, _ = _plan(tmp_path, seeds=(0,))
+    fails, quits = tmp_path / "fails.py", tmp_path / "quits.py"
+    fails.write_text("import sys\nsys.exit('error: an earlier attempt')\n")
+    quits.write_text("print('something odd')\n")
+    assert len(run_plan(plan, train_script=str(fails))) == 2
+    assert read_attempts(plan.out)["a/seed_0"]["error"] == "error: an earlier attempt"
+    assert len(run_plan(plan, train_script=str(quits))) == 2
+    # The error of the last attempt (the log holds both).
+    error = read_attempts(plan.out)["a/seed_0"]["error"]
+    assert error == "train.py exited with status 0 but the run is not complete (something odd)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end, real training
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _tiny_shared(image_dir):
+    """The shared overrides: a 2-block U-ViT on 8x8 images, 16 steps, a checkpoint every 4, a grid at the end."""
+    overrides = ["model.img_size=8", "model.patch_size=2", "model.embed_dim=16", "model.depth=2", "model.num_heads=2",
+                 "data.name=image_folder", f"data.root={image_dir}", "data.image_size=8", "data.num_workers=0",
+                 "train.batch_size=4", "train.max_steps=16", "train.warmup_steps=2", "train.lr=1e-3",
+                 "train.ema_decay=0.9", "train.log_every=1", "train.sample_every=16", "train.save_every=4",
+                 "train.log_with=none", "train.cpu_threads=1", "sample.num_images=4", "sample.num_inference_steps=2"]
+    from uvic.config import TrainConfig
+
+    if "val_every" in {f.name for f in fields(TrainConfig)}:  # the validation loss, once training has it
+        overrides.append("train.val_every=4")
+    return overrides
+
+
+def _wait_unlocked(run_dirs, timeout=120.0):
+    """Wait until no process holds the run dirs (the killed comparison's trainings have exited)."""
+    from uvic.errors import RunLockedError
+    from uvic.training.lock import RunDirLock
+
+    deadline = time.time() + timeout
+    for run_dir in run_dirs:
+        while True:
+            lock = RunDirLock(run_dir)
+            try:
+                lock.acquire()
+                lock.release()
+                break
+            except RunLockedError:
+                assert time.time() < deadline, f"{run_dir} is still held"
+                time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_run_killed_then_run_again_equals_the_plan_run_by_hand_and_aa_is_exact(tmp_path, image_dir, run_script):
+    shared = _tiny_shared(image_dir)
+    arms = ["--arm", "a", "--arm", "b"]  # A/A: the same overrides
+    args = [str(ROOT / "configs" / "cifar10_uvic_s2.yaml"), *shared, *arms, "--seeds", "0", "1"]
+
+    # 1. The plan's commands, run by hand (in this process), then `report`.
+    hand = tmp_path / "hand"
+    code, stdout, err = run_script("compare.py", "plan", *args, "--out", hand)
+    assert code == 0 and "A/A comparison" in err, err
+    for line in stdout.splitlines():
+        python, script, *rest = shlex.split(line)
+        assert (python, script) == ("python", "train.py")
+        code, _, err = run_script(script, *rest)
+        assert code == 0, err[-3000:]
+    code, _, err = run_script("compare.py", "report", hand)
+    assert code == 0, err
+    by_hand = json.loads((hand / "report.json").read_text())
+
+    # 2. `run`, killed (SIGKILL: no clean-up) once a run has its first checkpoint, then the same command again.
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "compare.py"), "run", *map(str, args), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen, deadline = out / "a" / "seed_0", time.time() + 300  # the first run of the plan
+    while not (seen / "checkpoints" / "step_000000004" / "meta.json").is_file():
+        assert first.poll() is None and time.time() < deadline, first.stderr.read().decode()[-3000:]
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    first.stderr.close()
+    _wait_unlocked([seen])  # its training dies with its parent
+    assert not (seen / "pipeline").exists()  # killed mid-run
+    report = out / "report.json"
+    assert not report.exists()
+    again = subprocess.run([*command, "--jobs", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "4 of 4 runs finished" in again.stdout
+    log = (seen.parent / f"{seen.name}.log").read_text()
+    assert [line[:4] for line in log.splitlines() if line.startswith("=== ")] == ["=== "] * 2  # two attempts
+    assert "resumed from" in log
+    by_run = json.loads(report.read_text())
+
+    # 3. The same numbers, bit for bit; A/A: identical arms, a difference of exactly 0.
+    assert by_run["metrics"] == by_hand["metrics"]
+    metrics = by_run["metrics"]
+    assert "train_loss" in metrics and ("val_loss" in metrics) == ("train.val_every=4" in shared)
+    for name, entry in metrics.items():
+        assert entry["values"]["a"] == entry["values"]["b"] and len(entry["values"]["a"]) == 2, name
+        assert entry["vs_baseline"]["b"] == {"n": 2, "mean_diff": 0.0, "ci95": [0.0, 0.0], "p_value": None,
+                                             "relative": 0.0, "verdict": "inconclusive"}, name
+    for seed in (0, 1):
+        weights = [load_file(out / arm / f"seed_{seed}" / "pipeline" / "transformer" /
+                             "diffusion_pytorch_model.safetensors") for arm in ("a", "b")]
+        assert weights[0].keys() == weights[1].keys()
+        assert all(np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
+        grids = [np.asarray(Image.open(out / arm / f"seed_{seed}" / "samples" / "step_0000016.png")) for arm in "ab"]
+        assert np.array_equal(*grids)
+    assert (out / "report.html").is_file() and (out / "figures" / "samples.png").is_file()

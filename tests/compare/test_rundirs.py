@@ -1,0 +1,87 @@
+"""Reading a run dir: logs kept apart by kind, partial lines skipped, a run's state from what is on disk."""
+
+import json
+
+import pytest
+import yaml
+from synthetic_runs import MAX_STEPS, write_run
+
+from uvic.compare.rundirs import latest_samples, read_attempts, read_logs, record_attempt, run_state
+
+
+def test_training_and_validation_lines_of_one_step_are_both_kept(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.0, "lr": 0.1}\n{"step": 2, "loss": 1.5, "lr": 0.1}\n{"step": 2, "val_loss": 1.7}\n'
+        '{"step": 2, "attn_neg_share": {"1": 0.25}}\n'  # a line of extras: merged into the step's validation
+        # A run resumed from step 1 logs step 2 again: the latest record of each kind wins.
+        '{"step": 2, "loss": 1.4, "lr": 0.1}\n{"step": 3, "loss": 1.0, "lr": 0.1}\n{"step": 3, "val_loss": 1.2, "val_'
+    )  # the last line was cut short by a kill
+    (tmp_path / "eval.jsonl").write_text('{"step": 3, "fid": 40.0, "checkpoint": "checkpoints/step_000000003"}\n')
+    logs = read_logs(tmp_path)
+    assert [(r["step"], r["loss"]) for r in logs.train] == [(1, 2.0), (2, 1.4), (3, 1.0)]
+    assert logs.val == [{"step": 2, "val_loss": 1.7, "attn_neg_share": {"1": 0.25}}]
+    assert logs.evals == [{"step": 3, "fid": 40.0, "checkpoint": "checkpoints/step_000000003"}]
+
+
+def test_a_damaged_middle_line_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"st\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match="line 2 is not a metrics record"):
+        read_logs(tmp_path)
+
+
+def test_a_run_dir_without_logs_reads_as_empty(tmp_path):
+    logs = read_logs(tmp_path)
+    assert (logs.train, logs.val, logs.evals) == ([], [], [])
+
+
+def test_run_states(make_comparison):
+    plan = make_comparison(seeds=(0, 1, 2, 3, 4))
+    write_run(plan, "uvit", 0, losses={1: 1.0})
+    write_run(plan, "uvit", 1, losses=dict.fromkeys(range(1, 31), 1.0), finished=False)
+    write_run(plan, "uvit", 2, losses=dict.fromkeys(range(1, 31), 1.0), finished=False)
+    record_attempt(plan.out, plan.run("uvit", 2), 1, "error: the loss became NaN", "uvit/seed_2.log")
+    record_attempt(plan.out, plan.run("uvit", 1), 0, "", "uvit/seed_1.log")  # exited 0 earlier, resumed since
+    d = write_run(plan, "uvit", 3, losses={1: 1.0})
+    (d / "checkpoints" / f"step_{MAX_STEPS:09d}" / "meta.json").unlink()  # export of an earlier step by hand
+    attempts = read_attempts(plan.out)
+    assert set(attempts) == {"uvit/seed_1", "uvit/seed_2"}
+    state = {seed: run_state(plan, plan.run("uvit", seed), attempts) for seed in range(5)}
+    assert (state[0].state, state[0].detail) == ("finished", "")
+    assert (state[1].state, state[1].detail) == ("unfinished", f"last checkpoint at step 15 of {MAX_STEPS}")
+    assert (state[2].state, state[2].detail) == ("failed", f"error: the loss became NaN; last checkpoint at step 15 "
+                                                           f"of {MAX_STEPS}")
+    assert state[3].state == "unfinished"  # pipeline/ alone is not completion: the last checkpoint must exist
+    assert (state[4].state, state[4].detail) == ("missing", "")
+
+
+def test_a_run_dir_of_another_config_is_a_mismatch_but_neutral_keys_do_not_count(make_comparison):
+    plan = make_comparison(seeds=(0, 1))
+    d = write_run(plan, "uvic", 0, losses={1: 1.0})
+    text = (d / "config.yaml").read_text()
+    (d / "config.yaml").write_text(text.replace("cpu_threads: 0", "cpu_threads: 1").replace("num_workers: 0",
+                                                                                           "num_workers: 3"))
+    assert run_state(plan, plan.run("uvic", 0), {}).state == "finished"
+    (d / "config.yaml").write_text(text.replace("attention: cog", "attention: softmax"))
+    state = run_state(plan, plan.run("uvic", 0), {})
+    assert state.state == "mismatch" and "model.attention is 'cog' there, 'softmax' here" in state.detail
+    d = write_run(plan, "uvic", 1, losses={1: 1.0})
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg["train"]["seed"] = 7  # another seed's run copied here
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert "train.seed is 1 there, 7 here" in run_state(plan, plan.run("uvic", 1), {}).detail
+
+
+def test_latest_samples_is_the_highest_step(tmp_path):
+    assert latest_samples(tmp_path) is None
+    (tmp_path / "samples").mkdir()
+    for name in ["step_0000900.png", "step_0001000.png", "step_0000100.png", "step_x.png", "grid.png"]:
+        (tmp_path / "samples" / name).write_bytes(b"")
+    assert latest_samples(tmp_path).name == "step_0001000.png"
+
+
+def test_attempts_are_rewritten_whole(tmp_path, make_comparison):
+    plan = make_comparison(seeds=(0,))
+    record_attempt(plan.out, plan.run("uvic", 0), 1, "error: x", "uvic/seed_0.log")
+    record_attempt(plan.out, plan.run("uvic", 0), 0, "", "uvic/seed_0.log")
+    assert json.loads((plan.out / "attempts.json").read_text()) == {
+        "uvic/seed_0": {"exit_code": 0, "error": "", "log": "uvic/seed_0.log"}}

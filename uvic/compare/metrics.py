@@ -1,0 +1,87 @@
+"""The report's registries: the numbers compared per run (`METRICS`) and the curves drawn over steps (`CURVES`).
+
+A new metric is one `Metric` entry: its name (the key in report.json), whether lower is better (which side of 0
+a difference is better on), and how it is read from a finished run's logs (`RunLogs`: the training and validation
+lines of metrics.jsonl, eval.jsonl, and `path` for anything else the run dir holds). It returns None where the run
+has no value (e.g. no validation or no FID while training); a metric no run has is left out of the report. The
+statistics, tables, paired dot plots and report.json pick the entry up with no other edit. A new curve is one
+`Curve` entry likewise: {step: value} from the logs, drawn per arm (mean over seeds) and as the paired difference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from uvic.compare.rundirs import RunLogs, finite
+
+
+# Share of the logged training steps whose mean loss is `train_loss` (the last 5%: a single step's loss is noise).
+TRAIN_LOSS_TAIL = 0.05
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One number per finished run."""
+
+    name: str
+    lower_is_better: bool
+    read: Callable[[RunLogs], float | None]
+    description: str
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One value per logged step of a finished run."""
+
+    name: str
+    title: str
+    read: Callable[[RunLogs], dict[int, float]]
+    lower_is_better: bool
+    log_scale: bool = False
+
+
+def last(records: list[dict[str, Any]], key: str) -> float | None:
+    """`key` of the last record (by step) that has it."""
+    values = [r[key] for r in records if key in r]
+    return finite(values[-1]) if values else None
+
+
+def lowest(records: list[dict[str, Any]], key: str) -> float | None:
+    """The smallest finite `key` of the records."""
+    values = [v for r in records if (v := finite(r.get(key))) is not None]
+    return min(values) if values else None
+
+
+def tail_mean(records: list[dict[str, Any]], key: str, fraction: float) -> float | None:
+    """Mean of `key` over the last `fraction` of the records (at least one); None if any of them is not finite."""
+    values = [r[key] for r in records if key in r]
+    if not values:
+        return None
+    tail = [finite(v) for v in values[-max(1, math.ceil(fraction * len(values))):]]
+    return None if None in tail else sum(tail) / len(tail)
+
+
+def series(records: list[dict[str, Any]], key: str) -> dict[int, float]:
+    """{step: key} of the records with a finite `key`."""
+    return {int(r["step"]): v for r in records if (v := finite(r.get(key))) is not None}
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("val_loss", True, lambda run: last(run.val, "val_loss"),
+           "held-out validation loss at the last step (train.val_every)"),
+    Metric("train_loss", True, lambda run: tail_mean(run.train, "loss", TRAIN_LOSS_TAIL),
+           f"training loss, mean over the last {TRAIN_LOSS_TAIL:.0%} of logged steps"),
+    Metric("fid_last", True, lambda run: last(run.evals, "fid"),
+           "FID while training (train.eval_every) at the last evaluation"),
+    Metric("fid_best", True, lambda run: lowest(run.evals, "fid"),
+           "FID while training (train.eval_every), the lowest evaluation"),
+)  # fmt: skip
+
+CURVES: tuple[Curve, ...] = (
+    Curve("train_loss", "training loss", lambda run: series(run.train, "loss"), True, log_scale=True),
+    Curve("val_loss", "validation loss", lambda run: series(run.val, "val_loss"), True, log_scale=True),
+    Curve("fid", "FID while training", lambda run: series(run.evals, "fid"), True),
+)

@@ -1,0 +1,340 @@
+"""The report of a comparison directory: report.json, report.md, a self-contained report.html and figures/*.png.
+
+    data = write_report("runs/cmp")     # reads runs/cmp/plan.json and whatever runs have finished
+
+report.json has this shape (for other tools; `runs` names every run's state, see `uvic.compare.rundirs`):
+
+    {"baseline": "uvit", "arms": ["uvit", "uvic"], "seeds": [0, 1, 2],
+     "metrics": {"val_loss": {"lower_is_better": true,
+                              "values": {"uvit": {"0": 0.0712, ...}, "uvic": {...}},
+                              "vs_baseline": {"uvic": {"n": 3, "mean_diff": -0.0011, "ci95": [-0.0019, -0.0003],
+                                                       "p_value": 0.03, "relative": -0.0155, "verdict": "better"}}},
+                 "train_loss": {...}},
+     "runs": {"uvit": {"0": {"state": "finished", "detail": ""}, ...}, ...}}
+
+`values` holds finished runs only, and `vs_baseline` pairs the seeds both arms finished (`uvic.compare.stats`);
+a metric no finished run has (`uvic.compare.metrics.METRICS`) is left out. report.md and report.html are the
+same document (one list of blocks, two renderers): the runs, a table of every metric with the verdicts, per-seed
+values, and the figures; the HTML embeds them as base64 PNG data URIs, so it opens offline with nothing beside it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from uvic.compare import figures
+from uvic.compare.metrics import CURVES, METRICS, Curve, Metric
+from uvic.compare.plan import Plan, load_plan, shell_command
+from uvic.compare.rundirs import RunLogs, RunState, latest_samples, read_attempts, read_logs, run_state
+from uvic.compare.stats import paired_by_seed
+from uvic.io import atomic_write
+
+
+FIGURES = "figures"
+VERDICTS = ("better", "worse", "inconclusive")
+
+
+@dataclass
+class _Gathered:
+    """The plan, every run's state and the logs of the finished runs, read once."""
+
+    plan: Plan
+    states: dict[tuple[str, int], RunState]
+    logs: dict[tuple[str, int], RunLogs]
+
+
+def _gather(out: Path) -> _Gathered:
+    plan = load_plan(out)
+    attempts = read_attempts(out)
+    states, logs = {}, {}
+    for run in plan.runs:
+        key = (run.arm, run.seed)
+        states[key] = run_state(plan, run, attempts)
+        if states[key].state == "finished":
+            try:
+                logs[key] = read_logs(run.run_dir)
+            except ValueError as e:  # a damaged metrics.jsonl: named, never counted
+                states[key] = RunState("failed", f"unreadable logs: {e}")
+    return _Gathered(plan, states, logs)
+
+
+def _values(g: _Gathered, metric: Metric) -> dict[str, dict[int, float]]:
+    """{arm: {seed: value}} of `metric` over the finished runs that have it."""
+    out: dict[str, dict[int, float]] = {}
+    for (arm, seed), run in g.logs.items():
+        value = metric.read(run)
+        if value is not None:
+            out.setdefault(arm, {})[seed] = value
+    return out
+
+
+def build_report(out: str | Path) -> dict[str, Any]:
+    """The report.json data of comparison directory `out` (nothing is written)."""
+    return _report_data(_gather(Path(out)))
+
+
+def _report_data(g: _Gathered) -> dict[str, Any]:
+    plan = g.plan
+    arms, base = plan.arm_names, plan.baseline
+    metrics = {}
+    for metric in METRICS:
+        values = _values(g, metric)
+        if not values:
+            continue
+        vs = {arm: paired_by_seed(values.get(arm, {}), values.get(base, {}), metric.lower_is_better).to_dict()
+              for arm in arms[1:]}
+        metrics[metric.name] = {
+            "lower_is_better": metric.lower_is_better,
+            "values": {arm: {str(s): v for s, v in sorted(values.get(arm, {}).items())} for arm in arms},
+            "vs_baseline": vs,
+        }
+    runs = {arm: {str(seed): {"state": g.states[arm, seed].state, "detail": g.states[arm, seed].detail}
+                  for seed in plan.seeds} for arm in arms}
+    return {"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics, "runs": runs}
+
+
+def write_report(out: str | Path) -> dict[str, Any]:
+    """Write report.json, report.md, report.html and figures/*.png into comparison directory `out`; returns the
+    report.json data.
+
+    Raises:
+        FileNotFoundError: `out` holds no plan.json. ConfigError: the plan does not parse.
+    """
+    out = Path(out)
+    g = _gather(out)
+    data = _report_data(g)
+    with atomic_write(out / "report.json", "w") as f:
+        json.dump(data, f, indent=1, allow_nan=False)
+    blocks = _document(g, data, _draw(g, data, out / FIGURES))
+    with atomic_write(out / "report.md", "w") as f:
+        f.write(to_markdown(blocks, out))
+    with atomic_write(out / "report.html", "w") as f:
+        f.write(to_html(blocks, title=f"Comparison: {' vs '.join(data['arms'])}"))
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Figures
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _draw(g: _Gathered, data: dict[str, Any], folder: Path) -> dict[str, Path]:
+    """Draw every figure the finished runs allow; returns {figure key: PNG path}. Figures of an earlier report
+    that no longer apply are removed, so the folder always matches the report."""
+    arms = g.plan.arm_names
+    drawn: dict[str, Path] = {}
+    for curve in CURVES:
+        series = _curve_data(g, curve)
+        if any(series.values()):
+            drawn[f"curve_{curve.name}"] = figures.curve_figure(
+                curve.title, arms, series, folder / f"curve_{curve.name}.png", log_scale=curve.log_scale,
+                lower_is_better=curve.lower_is_better)
+    for name, entry in data["metrics"].items():
+        values = {arm: {int(s): v for s, v in by_seed.items()} for arm, by_seed in entry["values"].items()}
+        drawn[f"paired_{name}"] = figures.paired_dots(name, arms, values, folder / f"paired_{name}.png",
+                                                      lower_is_better=entry["lower_is_better"])
+    grids: dict[str, dict[int, Path]] = {}
+    for (arm, seed), run in g.logs.items():
+        if (grid := latest_samples(run.path)) is not None:
+            grids.setdefault(arm, {})[seed] = grid
+    if (samples := figures.samples_figure(arms, grids, folder / "samples.png")) is not None:
+        drawn["samples"] = samples
+    if folder.is_dir():
+        for stale in set(folder.glob("*.png")) - set(drawn.values()):
+            stale.unlink()
+    return drawn
+
+
+def _curve_data(g: _Gathered, curve: Curve) -> dict[str, dict[int, dict[int, float]]]:
+    out: dict[str, dict[int, dict[int, float]]] = {}
+    for (arm, seed), run in sorted(g.logs.items()):
+        points = curve.read(run)
+        if points:
+            out.setdefault(arm, {})[seed] = points
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The document: blocks, rendered as Markdown or HTML
+# ---------------------------------------------------------------------------------------------------------
+# A block is ("h1" | "h2" | "h3" | "p", text), ("list", [text]), ("table", header, rows) or ("figure", path, caption).
+# Text may hold `code` spans; a table cell that is a verdict is emphasised by both renderers.
+
+
+def _fmt(value: float | None, spec: str = ".4g") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _document(g: _Gathered, data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
+    """The report's blocks: what was compared, the runs, the results, the figures, and how to read a verdict."""
+    return [*_header_blocks(g.plan, data), *_run_blocks(g), *_result_blocks(data, drawn),
+            *_figure_blocks(data, drawn), ("h2", "What a verdict means"), ("p", MEANING)]
+
+
+MEANING = ("The interval covers the uncertainty from the training seeds of this comparison: which initial weights, data "
+           "order and noise a run drew. It says whether the difference is larger than what another set of seeds would "
+           "plausibly give, in this setting (this config, data, steps and model size); it says nothing about other "
+           "settings. Each arm and metric is tested on its own, without a correction for testing several; with 2 or 3 "
+           "seeds only large, consistent differences can be `better` or `worse`.")
+
+
+def _header_blocks(plan: Plan, data: dict[str, Any]) -> list[tuple]:
+    shared = shell_command(plan.overrides) if plan.overrides else "none"
+    return [
+        ("h1", f"Comparison: {' vs '.join(data['arms'])}"),
+        ("p", f"Config `{plan.config}`, shared overrides `{shared}`; baseline `{data['baseline']}`; training seeds "
+              f"{', '.join(map(str, plan.seeds))}. Every run of one seed starts from the same initial weights and sees "
+              f"the same data order and noise, so the arms differ only by their overrides."),
+        ("table", ["arm", "overrides"], [[arm.name, f"`{shell_command(arm.overrides)}`" if arm.overrides else "none"]
+                                         for arm in plan.arms]),
+    ]
+
+
+def _run_blocks(g: _Gathered) -> list[tuple]:
+    done = [key for key, s in g.states.items() if s.state == "finished"]
+    others = [(key, s) for key, s in g.states.items() if s.state != "finished"]
+    if not others:
+        return [("h2", "Runs"), ("p", f"All {len(done)} runs finished.")]
+    return [("h2", "Runs"),
+            ("p", f"{len(done)} of {len(g.states)} runs finished. Only finished runs are counted; these are left out "
+                  f"of the statistics and figures:"),
+            ("list", [f"{arm} seed {seed}: {s.state}" + (f" ({s.detail})" if s.detail else "")
+                      for (arm, seed), s in others])]
+
+
+def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
+    """The table of every metric and arm with the verdicts, then each metric's per-seed values and dot plot."""
+    arms, base = data["arms"], data["baseline"]
+    if not data["metrics"]:
+        return [("h2", "Results"), ("p", "No finished run yet: nothing to compare.")]
+    rows = []
+    for name, entry in data["metrics"].items():
+        better = "lower" if entry["lower_is_better"] else "higher"
+        for arm in arms:
+            vals = list(entry["values"][arm].values())
+            spread = f" ± {_fmt(statistics.stdev(vals))}" if len(vals) > 1 else ""
+            cell = f"{_fmt(statistics.fmean(vals))}{spread}" if vals else "n/a"
+            if arm == base:
+                rows.append([f"{name} ({better} is better)", arm, cell, str(len(vals)), "", "", "", "baseline"])
+                continue
+            vs = entry["vs_baseline"][arm]
+            ci = f" [{_fmt(vs['ci95'][0])}, {_fmt(vs['ci95'][1])}]" if vs["ci95"] else ""
+            relative = "n/a" if vs["relative"] is None else f"{100 * vs['relative']:+.3g}%"
+            rows.append(["", arm, cell, str(vs["n"]), f"{_fmt(vs['mean_diff'])}{ci}", relative,
+                         _fmt(vs["p_value"], ".2g"), vs["verdict"]])
+    blocks: list[tuple] = [
+        ("h2", "Results"),
+        ("table", ["metric", "arm", "mean ± sd over seeds", "n", f"difference vs {base} (95% interval)", "relative",
+                   "p", "verdict"], rows),
+        ("p", "n: the finished seeds of the baseline, and the seeds both arms finished (the pairs) of the others. "
+              "Difference: the mean over those seeds of (arm - baseline), with its 95% Student-t interval; p: the "
+              "two-sided paired t-test; relative: the difference over the baseline's mean. A verdict is `better` or "
+              "`worse` when the whole interval lies on one side of 0, else `inconclusive` (always with fewer than 2 "
+              "seeds)."),
+    ]
+    described = {m.name: m.description for m in METRICS}
+    for name, entry in data["metrics"].items():
+        table = []
+        for seed in sorted({int(s) for v in entry["values"].values() for s in v}):
+            vals = [entry["values"][arm].get(str(seed)) for arm in arms]
+            diffs = [None if v is None or vals[0] is None else v - vals[0] for v in vals[1:]]
+            table.append([str(seed), *map(_fmt, vals), *map(_fmt, diffs)])
+        blocks += [("h3", name), ("p", described[name] + "."),
+                   ("table", ["seed", *arms, *(f"{arm} - {base}" for arm in arms[1:])], table)]
+        if f"paired_{name}" in drawn:
+            blocks.append(("figure", drawn[f"paired_{name}"], f"{name} per seed: a line joins the arms of one seed"))
+    return blocks
+
+
+def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
+    blocks: list[tuple] = []
+    curves = [(c, drawn[f"curve_{c.name}"]) for c in CURVES if f"curve_{c.name}" in drawn]
+    if curves:
+        blocks.append(("h2", "Curves"))
+        blocks += [("figure", path, f"{curve.title}: per arm, and the paired difference from {data['baseline']}")
+                   for curve, path in curves]
+    if "samples" in drawn:
+        blocks += [("h2", "Samples"), ("figure", drawn["samples"], "each run's last sample grid; every grid is drawn "
+                                                                   "from the same sampling seeds")]
+    return blocks
+
+
+_CODE = re.compile(r"`([^`]*)`")
+
+
+def to_markdown(blocks: list[tuple], root: Path) -> str:
+    """Render `blocks` as Markdown; figure paths are made relative to `root` (the report's folder)."""
+    lines: list[str] = []
+    for block in blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            lines += ["#" * int(kind[1]) + " " + block[1], ""]
+        elif kind == "p":
+            lines += [block[1], ""]
+        elif kind == "list":
+            lines += [f"- {item}" for item in block[1]] + [""]
+        elif kind == "table":
+            header, rows = block[1], block[2]
+            cell = lambda text: (f"**{text}**" if text in VERDICTS else text).replace("|", "\\|")
+            lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows] + [""]
+        elif kind == "figure":
+            lines += [f"![{block[2]}]({block[1].relative_to(root).as_posix()})", ""]
+    return "\n".join(lines)
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 72rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
+table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
+th, td { border: 1px solid #ccc; padding: 0.25rem 0.6rem; text-align: left; }
+th { background: #f3f3f3; }
+code { background: #f3f3f3; padding: 0 0.2rem; }
+figure { margin: 1rem 0; }
+figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { font-size: 0.85rem; color: #555; }
+.verdict { font-weight: bold; }
+.better { color: #1a7f37; } .worse { color: #b42318; } .inconclusive { color: #6b6b6b; }
+"""
+
+
+def _inline(text: str) -> str:
+    return _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", html.escape(text, quote=False))
+
+
+def to_html(blocks: list[tuple], title: str) -> str:
+    """Render `blocks` as one self-contained HTML page (figures as data URIs, styles inline, no script)."""
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"]
+    for block in blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            parts.append(f"<{kind}>{_inline(block[1])}</{kind}>")
+        elif kind == "p":
+            parts.append(f"<p>{_inline(block[1])}</p>")
+        elif kind == "list":
+            parts.append("<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in block[1]) + "</ul>")
+        elif kind == "table":
+            header, rows = block[1], block[2]
+
+            def cell(text: str) -> str:
+                if text in VERDICTS:
+                    return f'<td><span class="verdict {text}">{text}</span></td>'
+                return f"<td>{_inline(text)}</td>"
+
+            parts.append("<table><thead><tr>" + "".join(f"<th>{_inline(h)}</th>" for h in header) + "</tr></thead>"
+                         "<tbody>" + "".join("<tr>" + "".join(cell(c) for c in row) + "</tr>" for row in rows)
+                         + "</tbody></table>")
+        elif kind == "figure":
+            png = base64.b64encode(block[1].read_bytes()).decode("ascii")
+            alt = html.escape(block[2])
+            parts.append(f'<figure><img src="data:image/png;base64,{png}" alt="{alt}"><figcaption>{alt}'
+                         "</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

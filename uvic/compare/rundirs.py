@@ -1,0 +1,152 @@
+"""What the report reads from the run dirs of a comparison: each run's state, and the logs of a finished one.
+
+A run dir is an ordinary `train.py` run dir (`config.yaml`, `checkpoints/step_*`, `metrics.jsonl`, `eval.jsonl`,
+`samples/step_*.png`, `pipeline/`). A run is finished when its export `pipeline/` exists and it has a checkpoint at
+`train.max_steps` (the export is written last, after that checkpoint). Only finished runs enter the statistics and
+the figures; the others are named in the report with their state:
+
+    finished     complete
+    unfinished   started, not complete (killed, still running, or trained by hand and not yet done)
+    failed       not complete, and its last attempt under `compare.py run` exited with an error (attempts.json)
+    missing      never started
+    mismatch     its config.yaml is not the plan's config for it (trained by another command): never counted
+
+`compare.py run` records each attempt's exit status in `DIR/attempts.json` and its output in
+`DIR/<arm>/seed_<seed>.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from uvic.compare.plan import Plan, Run, config_difference
+from uvic.io import atomic_write
+from uvic.training.checkpoint import list_checkpoints
+from uvic.training.evaluation import read_evaluations
+from uvic.training.logs import _records
+
+
+ATTEMPTS_FILE = "attempts.json"
+# libyaml's safe loader where PyYAML has it: ten times faster than the Python one, which took most of a report.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+State = Literal["finished", "unfinished", "failed", "missing", "mismatch"]
+
+
+@dataclass(frozen=True)
+class RunLogs:
+    """The logs of one finished run, each a list of records sorted by step (a key logged twice keeps the last).
+
+    train: `metrics.jsonl` training lines {"step", "loss", "lr"}; val: its other lines, the validation ones
+    {"step", "val_loss", ...extras}; evals: `eval.jsonl` lines {"step", "fid", ...} (FID while training).
+    """
+
+    path: Path
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A run's state and, unless finished, a few words on why (its step, error line or config difference)."""
+
+    state: State
+    detail: str = ""
+
+
+def read_logs(run_dir: str | Path) -> RunLogs:
+    """The training, validation and evaluation records of `run_dir`. A partial last line of metrics.jsonl (a kill
+    during a write) is skipped.
+
+    Raises:
+        ValueError: metrics.jsonl is damaged before its last line.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    train: dict[int, dict[str, Any]] = {}
+    val: dict[int, dict[str, Any]] = {}
+    # Training and validation lines of one step are two records, so they are kept apart; lines of one kind and step
+    # are merged, the later winning (a run resumed from a checkpoint logs the steps after it again).
+    for _, record in _records(path) if path.is_file() else []:
+        (train if "loss" in record else val).setdefault(int(record["step"]), {}).update(record)
+    return RunLogs(run_dir, [train[s] for s in sorted(train)], [val[s] for s in sorted(val)],
+                   read_evaluations(run_dir))
+
+
+def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
+    """The state of `run` (see the module docstring); `attempts` is `read_attempts(plan.out)`."""
+    run_dir = run.run_dir
+    if not run_dir.is_dir():
+        return RunState("missing")
+    max_steps = plan.configs[run.arm]["train"]["max_steps"]
+    why = _config_mismatch(plan, run)
+    if why is not None:
+        return RunState("mismatch", why)
+    steps = [step for step, _ in list_checkpoints(run_dir)]
+    if (run_dir / "pipeline").is_dir() and max_steps in steps:
+        return RunState("finished")
+    progress = f"last checkpoint at step {steps[-1]} of {max_steps}" if steps else f"no checkpoint yet (of {max_steps} steps)"
+    attempt = attempts.get(run.key)
+    if attempt is not None and attempt.get("exit_code") != 0:
+        return RunState("failed", f"{attempt.get('error') or 'exit status ' + str(attempt.get('exit_code'))}; {progress}")
+    return RunState("unfinished", progress)
+
+
+def _config_mismatch(plan: Plan, run: Run) -> str | None:
+    """How the run's config.yaml differs from what the plan trains there (None if it agrees or is not written)."""
+    path = run.run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        actual = yaml.load(path.read_text(), Loader=_YAML_LOADER)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"{path} is unreadable ({type(e).__name__})"
+    expected = json.loads(json.dumps(plan.configs[run.arm]))
+    expected["train"].update(seed=run.seed)
+    actual = actual if isinstance(actual, dict) else {}
+    actual_train = actual.get("train") if isinstance(actual.get("train"), dict) else {}
+    actual = {**actual, "train": {k: v for k, v in actual_train.items() if k not in ("run_dir", "resume")}}
+    why = config_difference(expected, actual)
+    return f"its config.yaml differs from the plan: {why}" if why else None
+
+
+def read_attempts(out: str | Path) -> dict[str, Any]:
+    """{"<arm>/seed_<seed>": {"exit_code", "error", "log"}} of the last attempt of each run under `compare.py run`."""
+    path = Path(out) / ATTEMPTS_FILE
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def record_attempt(out: str | Path, run: Run, exit_code: int, error: str, log: str) -> None:
+    """Record the outcome of an attempt at `run` in `out/attempts.json` (rewritten atomically)."""
+    attempts = read_attempts(out)
+    attempts[run.key] = {"exit_code": exit_code, "error": error, "log": log}
+    with atomic_write(Path(out) / ATTEMPTS_FILE, "w") as f:
+        json.dump(attempts, f, indent=1)
+
+
+def finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite number, else None (a missing or non-finite metric)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def latest_samples(run_dir: str | Path) -> Path | None:
+    """The sample grid of the run's last sampled step (`samples/step_*.png`), or None."""
+    grids = []
+    for p in (Path(run_dir) / "samples").glob("step_*.png"):
+        try:
+            grids.append((int(p.stem.removeprefix("step_")), p))
+        except ValueError:
+            continue
+    return max(grids)[1] if grids else None
