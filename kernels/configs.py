@@ -89,6 +89,7 @@ _C = KernelConfig
 
 # Preprocess (D = rowsum(dO * O)) is memory-bound and tiny; block_n is unused. (fp32 hd 256: 230-236 registers.)
 _PRE = [_C(64, 16, 4, 1)]
+_PRE_FP32 = {80: [_C(64, 16, 8, 1)]}  # by head dim: (64, 16, 4, 1) spills 4-8 bytes at fp32 hd 80 (sm_80 and sm_90)
 
 # 16-bit inputs (fp16 / bf16). Keys: (arch, head dim). Head dims 16 and 32 are cheap at any tile: one config.
 # Head dim 256 holds (rows x 256) fp32 accumulators per program: one small 8-warp tile per kernel, the largest tried
@@ -202,6 +203,30 @@ _HEAD_DIM_16 = {  # four chunks (128 + 64 + 32 + 16)
     (90, 240, "bwd_dkdv"): [_C(16, 16, 8, 1)],
 }
 
+# fp32 at head dims that are not powers of two. ptxas fits the 16 x 16 FMA tiles into a register budget of its own
+# choosing (64 or 80 registers with 8 warps, 128 or 168 with 4) and spills 4-48 bytes to stay in it at some head
+# dims and not at the next: with their table head dim's fp32 tiles, 118 of the 702 fp32 kernels of head dims 8-248
+# spilled (e.g. sm_80 hd 56 dK/dV, hd 96 dQ, hd 168 forward, hd 240 banded dQ). So each (arch, kernel, plain or
+# banded) has the tile that compiled spill-free at most of those head dims, and by head dim another where that one
+# spilled (triton 3.8, Cog and softmax; searched over 2-16 warps, 1-4 stages and 16-64 wide tiles, within SMEM_NEEDED).
+# Two stages are no pipelining choice here: they move ptxas's budget. Sm_80 hd 248 banded dQ spilled with every
+# tile of 2-8 warps (8-52 bytes; (16, 16, 4, 1) in softmax mode only): it takes 16 warps (84-90 registers, 96 KB).
+_F4S1, _F4S2, _F8S1, _F8S2 = _C(16, 16, 4, 1), _C(16, 16, 4, 2), _C(16, 16, 8, 1), _C(16, 16, 8, 2)
+_CHUNKED_FP32 = {  # (arch, kernel, banded) -> (tile, {head dim: tile where that one spills})
+    (80, "fwd", False): (_F4S1, {56: _F4S2, 96: _F4S2, 232: _F4S2, 240: _F4S2}),
+    (80, "fwd", True): (_F4S2, {104: _F4S1, 168: _F8S1}),
+    (80, "bwd_dkdv", False): (_F8S2, {232: _F8S1}),
+    (80, "bwd_dkdv", True): (_F8S2, {}),
+    (80, "bwd_dq", False): (_F4S2, {24: _F8S1, 56: _F8S1, 96: _F4S1, 120: _F4S1}),
+    (80, "bwd_dq", True): (_F4S2, {112: _F4S1, 248: _C(32, 16, 16, 1)}),
+    (90, "fwd", False): (_F4S2, {}),
+    (90, "fwd", True): (_F4S1, {}),
+    (90, "bwd_dkdv", False): (_F8S2, {24: _F8S1}),
+    (90, "bwd_dkdv", True): (_F8S2, {24: _F4S1}),
+    (90, "bwd_dq", False): (_F4S2, {}),
+    (90, "bwd_dq", True): (_F4S1, {}),
+}
+
 
 def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded: bool = False) -> list[KernelConfig]:
     """Every config the autotuner may pick for one kernel on one architecture (sm_80 or sm_90).
@@ -212,7 +237,7 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
             nearest: < 90 -> 80, >= 90 -> 90).
         dtype: "fp16", "bf16" or "fp32".
         head_dim: a multiple of 8 up to 256 (`HEAD_DIMS`); one not in `TABLE_HEAD_DIMS` gets the candidates of
-            `table_head_dim(head_dim)`.
+            `table_head_dim(head_dim)` where they compile spill-free, for fp32 the tiles of `_CHUNKED_FP32`.
         banded: for the sliding-window / softcap kernels (WINDOW or SOFTCAP), which have their own list where
             the plain candidates' banded variants spill.
     """
@@ -223,8 +248,11 @@ def candidate_configs(kernel: str, arch: int, dtype: str, head_dim: int, banded:
     hd = table_head_dim(head_dim)
     arch = 90 if arch >= 90 else 80
     if kernel == "bwd_pre":
-        return list(_PRE)
-    if head_dim != hd and dtype != "fp32":  # chunked (or padded): its own lists where the table's spill
+        return list(_PRE_FP32.get(head_dim, _PRE) if dtype == "fp32" else _PRE)
+    if head_dim != hd and dtype == "fp32":  # chunked (or padded) fp32: tiles of its own, by head dim
+        tile, by_head_dim = _CHUNKED_FP32[(arch, kernel, banded)]
+        return [by_head_dim.get(head_dim, tile)]
+    if head_dim != hd:  # chunked (or padded): its own lists where the table's spill
         own = _HEAD_DIM_16.get((arch, head_dim, kernel))
         if own is None and banded:
             own = _CHUNKED_BANDED_16.get((arch, hd, kernel))
