@@ -197,8 +197,10 @@ _CHUNKED_16 = {
 _CHUNKED_BANDED_16 = {
     (90, 256, "fwd"): [_C(32, 64, 8, 1)],  # (64, 32, 8, 1) spills 36 bytes at hd 232
 }
-_HEAD_DIM_16 = {  # four chunks (128 + 64 + 32 + 16)
-    # (16, 32, 8, 1) spills 4 bytes (softmax, banded), (16, 32, 8, 2) 8, (16, 16, 4, 1) 4 at hd 136
+_HEAD_DIM_16 = {  # (arch, head dim, kernel), plain and banded
+    (80, 80, "bwd_dq"): [_C(64, 32, 8, 2), _C(32, 64, 4, 2)],  # (32, 64, 4, 1) spills 8 bytes at hd 80 (Cog, plain)
+    # four chunks (128 + 64 + 32 + 16): (16, 32, 8, 1) spills 4 bytes (softmax, banded), (16, 32, 8, 2) 8,
+    # (16, 16, 4, 1) 4 at hd 136
     (90, 232, "bwd_dkdv"): [_C(16, 16, 8, 1)],
     (90, 240, "bwd_dkdv"): [_C(16, 16, 8, 1)],
 }
