@@ -49,7 +49,8 @@ def main() -> None:
         q.add_argument("--seeds", nargs="+", type=int, required=True, metavar="S", help="training seeds")
         q.add_argument("--out", required=True, help="the comparison directory")
         q.add_argument("--launcher", default=None,
-                       help='what starts train.py, e.g. "accelerate launch --num_processes 8" (default: python)')
+                       help='what starts train.py, e.g. "accelerate launch --num_processes 8" (default: this '
+                            'Python, sys.executable)')
         parsers[name] = q
     parsers["run"].add_argument("--jobs", type=int_at_least(1), default=1, help="runs trained at once (default 1)")
     q = sub.add_parser("report", help="write the report of whatever has finished",
@@ -81,7 +82,7 @@ def main() -> None:
                 logging.info(f"wrote {plan.out / 'plan.json'}; run the commands from {Path.cwd()}, then "
                              f"`python {_script('compare.py')} report {plan.out}`")
                 for run in plan.runs:
-                    print(shell_command(plan.command(run, launcher or ["python"], _script("train.py"))))
+                    print(shell_command(plan.command(run, launcher, _script("train.py"))))
                 return
             # A `kill` (SIGTERM) stops the runs in training too, as Ctrl-C does.
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -32,7 +32,7 @@ from typing import Any
 from uvic.compare import figures
 from uvic.compare.metrics import CURVES, METRICS, Curve, Metric
 from uvic.compare.plan import Plan, load_plan, shell_command
-from uvic.compare.rundirs import RunLogs, RunState, latest_samples, read_attempts, read_logs, run_state
+from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state
 from uvic.compare.stats import paired_by_seed
 from uvic.io import atomic_write
 
@@ -142,7 +142,7 @@ def _draw(g: _Gathered, data: dict[str, Any], folder: Path) -> dict[str, Path]:
                                                       lower_is_better=entry["lower_is_better"])
     grids: dict[str, dict[int, Path]] = {}
     for (arm, seed), run in g.logs.items():
-        if (grid := latest_samples(run.path)) is not None:
+        if (grid := final_samples(run.path, g.plan.configs[arm]["train"]["max_steps"])) is not None:
             grids.setdefault(arm, {})[seed] = grid
     if (samples := figures.samples_figure(arms, grids, folder / "samples.png")) is not None:
         drawn["samples"] = samples
