@@ -20,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from uvic.errors import cli_errors, configure_logging, int_at_least
+from uvic.errors import cli_errors, configure_logging, int_at_least, one_line
 
 
 ROOT = Path(__file__).resolve().parent
@@ -57,14 +57,28 @@ def main() -> None:
                        description="write OUT/report.{json,md,html} and OUT/figures/ from the finished runs")
     q.add_argument("out", help="the comparison directory")
     parsers["report"] = q
+    for name in ("run", "report"):
+        parsers[name].add_argument(
+            "--gen-seeds", type=int_at_least(1), default=0, metavar="K",
+            help="compute each finished run's protocol FID K times, with disjoint sampling seeds (resumable)")
+        parsers[name].add_argument(
+            "--fid", nargs="+", default=[], metavar="KEY=VALUE",
+            help="the protocol FID's settings in place of the run config's: its train.eval_* keys (not eval_every), "
+                 "e.g. train.eval_reference=ref.npz train.eval_num_images=10000 train.eval_fid_dims=2048")
     args = p.parse_args()
     q = parsers[args.command]
     configure_logging()
+    if args.fid and not args.gen_seeds:
+        q.error("--fid sets the protocol FID of --gen-seeds K: give --gen-seeds too")
 
-    from uvic.compare.plan import Arm, check_out_dir, make_plan, shell_command, write_plan
+    from uvic.compare.plan import Arm, check_out_dir, load_plan, make_plan, shell_command, write_plan
+    from uvic.compare.protocol_fid import Protocol, check_fid_keys, check_protocol, compute_protocol_fids
     from uvic.compare.report import write_report
     from uvic.compare.run import pending_runs, run_plan
-    from uvic.errors import ConfigError
+    from uvic.errors import USER_ERRORS, ConfigError
+
+    protocol = Protocol(args.gen_seeds, tuple(args.fid)) if args.command != "plan" and args.gen_seeds else None
+    failed = []
 
     if args.command != "report":
         try:  # everything is checked before anything is written or trained
@@ -74,6 +88,8 @@ def main() -> None:
             check_out_dir(plan)
             if args.command == "run":
                 pending_runs(plan)  # refuses run dirs of another config before anything is written
+                if protocol:
+                    check_protocol(plan, protocol)
         except (ConfigError, FileNotFoundError, ValueError) as e:
             q.error(str(e))
         with cli_errors():
@@ -90,12 +106,28 @@ def main() -> None:
                 failed = run_plan(plan, jobs=args.jobs, train_script=_script("train.py"), launcher=launcher)
             except KeyboardInterrupt:  # Ctrl-C: the runs were stopped (run_plan says so); no traceback
                 sys.exit(130)
+    elif protocol:
+        try:
+            plan = load_plan(args.out)
+            check_fid_keys(protocol)
+        except (FileNotFoundError, ConfigError) as e:  # not a comparison directory, a bad --fid: usage errors
+            q.error(str(e))
+    fid_error = None
+    if protocol:
+        try:
+            compute_protocol_fids(plan, protocol)
+        except USER_ERRORS as e:  # the report of what there is is still written
+            fid_error = e
+        except KeyboardInterrupt:  # the FIDs computed so far are kept; the same command continues
+            sys.exit(130)
     with cli_errors():
         try:
             data = write_report(args.out)
         except (FileNotFoundError, ConfigError) as e:  # not a comparison directory: a usage error
             q.error(str(e))
     _print_summary(args.out, data)
+    if fid_error is not None:
+        sys.exit(f"error: the protocol FID: {one_line(str(fid_error))}")
     if args.command == "run" and failed:
         sys.exit(f"error: {len(failed)} run(s) failed: {', '.join(r.label for r in failed)}; see "
                  f"{os.path.join(args.out, 'report.md')}")
