@@ -1,15 +1,19 @@
 """Compare training configs the paper's way, with error bars: arms x seeds on common random numbers, one report.
 
-    python compare.py run configs/demo_digits.yaml train.max_steps=600 \\
-        --arm uvit model.attention=softmax --arm uvic --seeds 0 1 2 --out runs/cmp_digits --jobs 2
+    python compare.py run configs/compare_digits.yaml --arm uvit model.attention=softmax --arm uvic \\
+        --seeds 0 1 2 --out runs/cmp_digits --jobs 2                 # make compare-demo: minutes on a CPU
     python compare.py plan configs/cifar10_uvic_s2.yaml --arm uvit model.attention=softmax --arm uvic \\
         --seeds 0 1 2 --out runs/cmp_cifar10 --launcher "accelerate launch --num_processes 8" > jobs.txt
     python compare.py report runs/cmp_cifar10        # whatever has finished; `run` ends with it too
+    accelerate launch --num_processes 8 compare.py report runs/cmp_cifar10 --gen-seeds 3 \\
+        --fid train.eval_reference=assets/fid_stats/fid_stats_cifar10_train_pytorch.npz  # each FID 3 times
 
 Overrides right after CONFIG apply to every arm; each `--arm NAME` takes its own; the first arm is the baseline.
 Run (arm, seed) is the ordinary run dir OUT/<arm>/seed_<seed>/, trained by `train.py CONFIG ... train.seed=<seed>
 train.run_dir=OUT/<arm>/seed_<seed> --resume`. `run` trains them here and is resumable (the same command after a
 kill finishes the job); `plan` prints the commands, one per line, for a scheduler, and writes OUT/plan.json.
+`--gen-seeds K` (run, report) computes each finished run's protocol FID K times with disjoint sampling seeds
+(`uvic.compare.protocol_fid`).
 """
 
 import argparse
@@ -120,6 +124,10 @@ def main() -> None:
             fid_error = e
         except KeyboardInterrupt:  # the FIDs computed so far are kept; the same command continues
             sys.exit(130)
+        from accelerate import PartialState
+
+        if not PartialState().is_main_process:  # `accelerate launch compare.py report`: the main process writes
+            sys.exit(1 if fid_error else 0)
     with cli_errors():
         try:
             data = write_report(args.out)

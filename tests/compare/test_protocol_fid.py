@@ -185,3 +185,31 @@ def test_a_task_without_images_has_no_protocol_fid(tmp_path):
                      Arm("b")], [0], tmp_path / "cmp")
     with pytest.raises(ConfigError, match="arm 'a' trains a 'lm' model, which makes no images"):
         check_protocol(plan, Protocol(2, ("train.eval_reference=digits:8",)))
+
+
+@pytest.mark.slow
+def test_two_processes_compute_the_fids_of_one(cmp, trained, run_script, tmp_path):
+    """`accelerate launch compare.py report --gen-seeds K`: the images of each FID are split across the processes,
+    the main process writes; the same numbers as one process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    one = tmp_path / "one"
+    shutil.copytree(cmp, one)
+    assert run_script("compare.py", "report", one, "--gen-seeds", "1", "--fid", *trained["fid"])[0] == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(port), "compare.py", "report", str(cmp), "--gen-seeds",
+                          "1", "--fid", *trained["fid"]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    for arm in ("uvit", "uvic"):
+        for seed in (0, 1):
+            assert _fids(cmp, arm, seed)["fids"] == pytest.approx(_fids(one, arm, seed)["fids"], rel=1e-6)
+    values = [json.loads((d / "report.json").read_text())["metrics"]["fid_protocol"]["values"] for d in (cmp, one)]
+    for arm in ("uvit", "uvic"):
+        assert values[0][arm] == pytest.approx(values[1][arm], rel=1e-6)

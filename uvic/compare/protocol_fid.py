@@ -19,6 +19,7 @@ j = 0 is exactly the images of FID while training, and the K sets are disjoint. 
 same seeds (common random numbers). The settings are each run's own config, with `overrides` of those keys
 (`FID_KEYS`, compare.py's `--fid KEY=VALUE`) on top.
 
+One process (the GPU, when there is one) or several (`accelerate launch compare.py report ...`) compute them.
 On disk, per run: `fid_protocol.json` = {"protocol": {settings}, "fids": [FID of resampling 0, 1, ...]}, rewritten
 atomically after each FID, so a kill loses at most the one in progress and the same command continues. A file of
 other settings is refused, naming the difference: two protocols' FIDs are never mixed, and none is overwritten.
@@ -155,6 +156,9 @@ def compute_protocol_fids(plan: Plan, protocol: Protocol) -> list[Run]:
     """Compute the missing resamplings of every finished run (up to `protocol.gen_seeds` each, in plan order);
     returns the runs that got new FIDs. Unfinished runs are left alone (the report names them).
 
+    Under `accelerate launch`, every process calls this: each FID's images are split across the processes (the
+    numbers do not depend on their count) and the main process writes the files.
+
     Raises:
         ConfigError: a run's settings fail to load, or its `fid_protocol.json` is of other settings.
         FileNotFoundError / ValueError: the reference or the FID network cannot be used (see `Evaluator`).
@@ -189,8 +193,9 @@ def compute_protocol_fids(plan: Plan, protocol: Protocol) -> list[Run]:
         evaluator, n = evaluators[run.arm], cfg.train.eval_num_images
         for j in range(len(fids), protocol.gen_seeds):
             fids.append(evaluator.fid(model, first_seed=cfg.sample.seed + j * n))
-            with atomic_write(path, "w") as f:
-                json.dump({"protocol": expected, "fids": fids}, f, indent=1)
-            logger.info(f"{run.label}: fid{n} of resampling {j + 1}/{protocol.gen_seeds} = {fids[-1]:.4f}")
+            if state.is_main_process:  # every process has read the file: the FID above was a collective
+                with atomic_write(path, "w") as f:
+                    json.dump({"protocol": expected, "fids": fids}, f, indent=1)
+                logger.info(f"{run.label}: fid{n} of resampling {j + 1}/{protocol.gen_seeds} = {fids[-1]:.4f}")
         computed.append(run)
     return computed
