@@ -60,7 +60,8 @@ def trained(tmp_path_factory, weights_file):
         train(load_config(CONFIG, run.overrides))
     fid = [f"train.eval_num_images={N}", f"train.eval_reference={reference}", "train.eval_fid_dims=64",
            f"train.eval_fid_weights={weights_file}", "train.eval_fid_weights_sha256=none"]
-    return {"out": plan.out, "fid": fid, "reference": reference, "weights": weights_file}
+    args = [CONFIG, *shared, "--arm", "uvit", "model.attention=softmax", "--arm", "uvic", "--seeds", "0", "1"]
+    return {"out": plan.out, "fid": fid, "reference": reference, "weights": weights_file, "run_args": args}
 
 
 @pytest.fixture
@@ -135,8 +136,11 @@ def test_the_fids_are_resumable_and_other_settings_are_refused(cmp, trained, run
     fid = Evaluator.fid
     monkeypatch.setattr(Evaluator, "fid", lambda self, model, first_seed=None, step=None:
                         calls.append(first_seed) or fid(self, model, first_seed, step))
-    assert run_script("compare.py", "report", cmp, "--gen-seeds", "1", "--fid", *trained["fid"])[0] == 0
-    assert calls == [10] * 4
+    # `run` with --gen-seeds: the runs are finished (skipped), then the FIDs, then the report.
+    code, _, err = run_script("compare.py", "run", *trained["run_args"], "--out", cmp, "--gen-seeds", "1", "--fid",
+                              *trained["fid"])
+    assert code == 0 and "uvic seed 1: finished, skipped" in err, err
+    assert calls == [10] * 4 and "fid_protocol" in json.loads((cmp / "report.json").read_text())["metrics"]
     first = {(arm, s): _fids(cmp, arm, s)["fids"] for arm in ("uvit", "uvic") for s in (0, 1)}
     # One run's file lost (a kill before its first FID): only that run is computed; more resamplings add to each.
     (cmp / "uvit" / "seed_1" / "fid_protocol.json").unlink()

@@ -191,8 +191,9 @@ def _document(g: _Gathered, data: dict[str, Any], drawn: dict[str, Path]) -> lis
 MEANING = ("The interval covers the uncertainty from the training seeds of this comparison: which initial weights, data "
            "order and noise a run drew. It says whether the difference is larger than what another set of seeds would "
            "plausibly give, in this setting (this config, data, steps and model size); it says nothing about other "
-           "settings. Each arm and metric is tested on its own, without a correction for testing several; with 2 or 3 "
-           "seeds only large, consistent differences can be `better` or `worse`.")
+           "settings. `inconclusive` does not mean equal: these seeds cannot tell, and the interval shows how large a "
+           "difference they rule out. Each arm and metric is tested on its own, without a correction for testing "
+           "several; with 2 or 3 seeds only large, consistent differences can be `better` or `worse`.")
 
 
 def _header_blocks(plan: Plan, data: dict[str, Any]) -> list[tuple]:

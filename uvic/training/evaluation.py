@@ -161,8 +161,9 @@ class Evaluator:
                                         sha256_option="train.eval_fid_weights_sha256=none", **sha_kw)
         self.reference = reference or compute_stats(images, extractor=self.extractor, progress=False)
         self.conditions = task.image_conditions("fid", self.num_images)
-        logger.info("FID every %d steps: fid%d (%d-d features), sampler %s with %d steps, reference %s",
-                    tc.eval_every, self.num_images, self.dims, self.sampler, self.steps, ref)
+        logger.info("FID%s: fid%d (%d-d features), sampler %s with %d steps, reference %s",
+                    f" every {tc.eval_every} steps" if tc.eval_every else "", self.num_images, self.dims, self.sampler,
+                    self.steps, ref)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
