@@ -72,7 +72,8 @@ def main() -> None:
     args = p.parse_args()
     q = parsers[args.command]
     configure_logging()
-    if args.fid and not args.gen_seeds:
+    gen_seeds, fid = getattr(args, "gen_seeds", 0), getattr(args, "fid", [])  # run and report only
+    if fid and not gen_seeds:
         q.error("--fid sets the protocol FID of --gen-seeds K: give --gen-seeds too")
 
     from uvic.compare.plan import Arm, check_out_dir, load_plan, make_plan, shell_command, write_plan
@@ -81,7 +82,7 @@ def main() -> None:
     from uvic.compare.run import pending_runs, run_plan
     from uvic.errors import USER_ERRORS, ConfigError
 
-    protocol = Protocol(args.gen_seeds, tuple(args.fid)) if args.command != "plan" and args.gen_seeds else None
+    protocol = Protocol(gen_seeds, tuple(fid)) if gen_seeds else None
     failed = []
 
     if args.command != "report":
