@@ -34,7 +34,7 @@ args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
 run = args["train.run_dir"]
 os.makedirs(run, exist_ok=True)
 start = time.time()
-time.sleep(0.3)
+time.sleep(float(os.environ.get("FAKE_TRAIN_SECONDS", "0.3")))
 if "/bad/" in run:
     print("error: the loss became NaN or Inf at or before step 3", file=sys.stderr)
     sys.exit(1)
@@ -75,7 +75,8 @@ def test_failures_are_recorded_and_the_other_runs_go_on(tmp_path):
                 if line.startswith("=== ")]) == 2
 
 
-def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path):
+def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN_SECONDS", "2")  # longer than 3 interpreters take to start on a loaded machine
     plan, script = _plan(tmp_path, seeds=(0, 1, 2))
     assert run_plan(plan, jobs=3, train_script=script) == []
     records = [json.loads((r.run_dir / "fake.json").read_text()) for r in plan.runs]
@@ -89,6 +90,7 @@ def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path):
         argv = record["argv"]
         assert argv[1:] == [CONFIG, *run.overrides, f"train.cpu_threads={threads}", "--resume"]
     # A config that sets its threads keeps them; one job at a time changes nothing.
+    monkeypatch.delenv("FAKE_TRAIN_SECONDS")
     plan, script = _plan(tmp_path / "t", overrides=["train.cpu_threads=5"])
     run_plan(plan, jobs=2, train_script=script)
     assert not any("train.cpu_threads=1" in a for r in plan.runs
