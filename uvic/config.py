@@ -230,6 +230,9 @@ class TrainConfig:
     val_examples: int = 10_000
     val_batch_size: int = 64
     val_timesteps: int = 8
+    # With each validation: the share of negative attention weight per block (metrics.jsonl: "attn_neg_share"), on
+    # the first val_probe_examples held-out examples (0 = off).
+    val_probe_examples: int = 4
 
 
 @dataclass(frozen=True)
@@ -612,6 +615,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
     "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1, "train.val_every": _AT_LEAST_0,
     "train.val_examples": _AT_LEAST_0, "train.val_batch_size": _AT_LEAST_1, "train.val_timesteps": _AT_LEAST_1,
+    "train.val_probe_examples": _AT_LEAST_0,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
