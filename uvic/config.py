@@ -38,6 +38,7 @@ from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
 from uvic.guidance import DEFAULT_GUIDANCE_SCALE
 from uvic.lm.data import TOKEN_DTYPES
+from uvic.lm.synthetic import SYNTHETIC_TASKS
 from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
 from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, schedule_preset
@@ -335,8 +336,12 @@ LMModelConfig = model_section(
 
 @dataclass(frozen=True)
 class LMDataConfig:
-    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`)."""
+    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`), or a
+    synthetic task generated on the fly (`uvic.lm.synthetic`)."""
 
+    # "": the tokens of `path`; "mqar" / "induction": synthetic sequences of block_size tokens over model.vocab_size
+    # ids instead (associative recall, a copy task), trained and scored on their answer tokens only.
+    synthetic: str = ""
     path: str = ""
     format: str = "auto"  # "auto" (".bin" suffix -> "bin", else "text"), "bin" or "text"
     tokenizer: str = "byte"  # for text: "byte", a tokenizer.json, a sentencepiece .model, or a tokenizer dir
@@ -344,8 +349,12 @@ class LMDataConfig:
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
     num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
     # With train.val_every > 0: the share of the tokens, at the end of the data, held out for the validation loss
-    # (whole blocks of block_size).
+    # (whole blocks of block_size); of a synthetic source, round(val_fraction x num_sequences) held-out sequences
+    # from their own generators.
     val_fraction: float = 0.01
+    # Synthetic sources: training sequences (each made from its index when read), and MQAR's key-value pairs.
+    num_sequences: int = 100_000
+    num_kv_pairs: int = 8
 
 
 @dataclass(frozen=True)
@@ -604,7 +613,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     # data (images, MS-COCO features, LM tokens)
     "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
     "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1, "data.num_classes": _AT_LEAST_1,
-    "data.val_fraction": _OPEN_FRACTION,
+    "data.val_fraction": _OPEN_FRACTION, "data.num_sequences": _AT_LEAST_1, "data.num_kv_pairs": _AT_LEAST_1,
     # train
     "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
     "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,
@@ -652,6 +661,7 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.attention_backend": lambda: BACKENDS,
     "data.name": lambda: tuple(DATASETS),
     "data.token_dtype": lambda: TOKEN_DTYPES,
+    "data.synthetic": lambda: ("", *SYNTHETIC_TASKS),
     "sample.sampler": sampler_names,
     "train.eval_sampler": lambda: ("", *sampler_names()),
 }
