@@ -275,7 +275,7 @@ def test_synthetic_training_loss_counts_the_answers_only():
     model = CogformerForCausalLM(CogformerConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                                  num_hidden_layers=2, num_attention_heads=2,
                                                  max_position_embeddings=16, attention="softmax"))
-    cfg = load_config(ROOT / "configs" / "lm_mqar.yaml")
+    cfg = load_config(ROOT / "configs" / "lm_mqar.yaml", ["data.num_kv_pairs=4", "data.block_size=16"])
     items = [LMTask(cfg).build_dataset()[i] for i in range(3)]
     batch = {k: torch.stack([item[k] for item in items]) for k in ("input_ids", "labels")}
     with torch.no_grad():
@@ -293,7 +293,7 @@ def test_a_synthetic_run_logs_held_out_accuracy_and_attention_shares(tmp_path):
     cfg = load_config(ROOT / "configs" / "lm_mqar.yaml", [
         f"train.run_dir={tmp_path / 'run'}", "train.max_steps=4", "train.batch_size=8", "train.val_every=2",
         "train.val_examples=16", "train.val_batch_size=8", "train.save_every=0", "train.log_every=2",
-        "train.log_with=none", "data.num_sequences=400"])
+        "train.log_with=none", "train.sample_every=4", "data.num_sequences=400"])
     task = LMTask(cfg)
     assert len(task.build_dataset()) == 400 and len(task.validation_set()) == 4  # round(0.01 x 400)
     assert task.validation_set()[0]["input_ids"].tolist() != task.build_dataset()[0]["input_ids"].tolist()
@@ -307,3 +307,7 @@ def test_a_synthetic_run_logs_held_out_accuracy_and_attention_shares(tmp_path):
         assert shares["model.layers.0"] == shares["model.layers.2"] == 0.0 and 0 < shares["model.layers.1"] < 1
     model = AutoModelForCausalLM.from_pretrained(run / "pipeline")
     assert model.config.vocab_size == 64 and not (run / "pipeline" / "tokenizer.json").exists()
+    # The sample: the first held-out sequence, its answers (one per key-value pair) and the model's.
+    sample = (run / "samples" / "step_0000004.txt").read_text().splitlines()
+    labels = task.validation_set()[0]["labels"]
+    assert sample[1] == f"answers:   {labels[labels != -100].tolist()}" and sample[2].endswith(f"of {cfg.data.num_kv_pairs} right)")

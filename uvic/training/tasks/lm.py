@@ -74,8 +74,8 @@ def lm_loss(model: CogformerForCausalLM, batch: dict[str, torch.Tensor]) -> torc
 class LMTask:
     """The LM task (`uvic.training.tasks.Task`): `cfg.model` is an `LMModelConfig`, `cfg.data` an `LMDataConfig`.
 
-    Batches are `{"input_ids": (B, L)}` windows of `data.block_size` tokens. `on_sample` logs and writes a greedy
-    continuation of `sample_prompt`; `export` writes a `save_pretrained` directory (model, plus the tokenizer when
+    Batches are `{"input_ids": (B, L)}` windows of `data.block_size` tokens (a synthetic task's also hold
+    `"labels": (B, L)`). `on_sample` logs and writes a greedy continuation of `sample_prompt`; `export` writes a `save_pretrained` directory (model, plus the tokenizer when
     the data was tokenized with one), loadable by `AutoModelForCausalLM` and lm-eval's `hf` model.
     """
 
