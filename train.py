@@ -6,6 +6,7 @@
     python train.py configs/cifar10_uvic_s2.yaml --dry-run                # print the resolved config
     python train.py configs/cifar10_uvic_s2.yaml --export [CHECKPOINT]    # EMA -> run_dir/pipeline, no training
     python train.py configs/cifar10_uvic_s2.yaml --export best            # the lowest-FID checkpoint (best.json)
+    python train.py runs/cifar10_uvic_s2 --export best                    # a run dir stands for its config.yaml
 """
 
 import argparse
@@ -13,12 +14,13 @@ import dataclasses
 import os
 
 from uvic.config import load_config
-from uvic.errors import cli_errors, configure_logging
+from uvic.errors import ConfigError, cli_errors, configure_logging, one_line
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML file of deltas from the defaults in uvic/config.py")
+    p.add_argument("config", help="YAML file of deltas from the defaults in uvic/config.py, or a run dir (its "
+                                  "config.yaml, with train.run_dir set to it)")
     p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.lr=2e-4 model.depth=13")
     p.add_argument("-n", "--dry-run", action="store_true", help="print the resolved config and exit")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
@@ -47,11 +49,15 @@ def main() -> None:
         if args.export:
             from uvic.training.runs import export, export_source
 
-            print(export(export_source(cfg.train.run_dir, args.export), f"{cfg.train.run_dir}/pipeline"))
+            source, why = export_source(cfg.train.run_dir, args.export)
+            print(export(source, f"{cfg.train.run_dir}/pipeline", why))
             return
         from uvic.training import train
 
-        train(cfg)
+        try:
+            train(cfg)
+        except ConfigError as e:  # checked before the run dir is touched: a config error, exit status 2
+            p.error(one_line(str(e)))
 
 
 if __name__ == "__main__":

@@ -26,10 +26,19 @@ from pathlib import Path
 from uvic.errors import StorageError, check_writable, cli_errors, int_at_least, storage_errors
 from uvic.io import atomic_write
 
-from .inception import DIMS, MODES, WEIGHTS_ENV, WEIGHTS_NAME, WEIGHTS_SHA256_PREFIX, make_test_weights
-from .inputs import open_source
+from .inception import (
+    DEFAULT_DIMS,
+    DEFAULT_MODE,
+    DIMS,
+    MODES,
+    WEIGHTS_ENV,
+    WEIGHTS_NAME,
+    WEIGHTS_SHA256_PREFIX,
+    make_test_weights,
+)
+from .inputs import DEFAULT_VALUE_RANGE, open_source
 from .metric import compute_fid, fid_from_stats
-from .stats import compute_stats, is_stats_file, load_extractor, load_stats, process_state, save_stats
+from .stats import BATCH_SIZE, compute_stats, is_stats_file, load_extractor, load_stats, process_state, save_stats
 
 
 def _value_range(text: str) -> tuple[float, float]:
@@ -56,19 +65,19 @@ def default_num_workers() -> int:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--mode", choices=MODES, default="pytorch-fid",
+    common.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
                         help="pytorch-fid: U-ViT-comparable (default); tf: torch-fidelity / TTUR pipeline")
     common.add_argument("--dims", type=int, choices=DIMS, default=None,
-                        help="Inception feature layer (default: the reference statistics' layer, else 2048)")
+                        help=f"Inception feature layer (default: the reference statistics' layer, else {DEFAULT_DIMS})")
     common.add_argument("--weights", help=f"path to {WEIGHTS_NAME} (default: ${WEIGHTS_ENV}, then the torch.hub cache)")
     common.add_argument("--weights-sha256", default=WEIGHTS_SHA256_PREFIX,
                         help="expected SHA-256 (prefix) of the weights; 'none' skips the check")
     common.add_argument("--download", action="store_true", help="allow downloading the weights if not found")
-    common.add_argument("--batch-size", type=int_at_least(1), default=50)
+    common.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE)
     common.add_argument("--num-workers", type=int_at_least(0), default=None,
                         help="image decoding workers (default: one per usable CPU core but one, at most 8)")
     common.add_argument("--num-samples", type=int_at_least(1), help="use only the first N images")
-    common.add_argument("--value-range", type=_value_range, default=(0.0, 1.0),
+    common.add_argument("--value-range", type=_value_range, default=DEFAULT_VALUE_RANGE,
                         help="range of float .npz images, e.g. -1,1 (default 0,1)")
     common.add_argument("--recursive", action="store_true", help="read image sub-folders too")
     common.add_argument("--md5-check", action="store_true", help="check the md5 of the CIFAR-10 batch files")
@@ -127,7 +136,7 @@ def _run(args: argparse.Namespace) -> str:
             check_writable(Path(out).parent, str(out))
     if args.command == "stats":
         src = source(args.source)  # checks every image before the network is loaded
-        ext = load_extractor(mode=args.mode, dims=args.dims or 2048, **weights)
+        ext = load_extractor(mode=args.mode, dims=args.dims or DEFAULT_DIMS, **weights)
         stats = compute_stats(src, extractor=ext, num_samples=args.num_samples, **opts)
         save_stats(stats, args.out)
         return f"wrote {args.out}: n={stats.n} dims={stats.dims} mode={stats.mode} source={stats.name}"
@@ -148,7 +157,7 @@ def _run(args: argparse.Namespace) -> str:
         samples = source(args.samples)
         if args.expect_n is not None and hasattr(samples, "__len__"):
             _check_n(min(len(samples), args.num_samples or len(samples)), args.expect_n)
-        dims = getattr(ref, "dims", None) or args.dims or 2048
+        dims = getattr(ref, "dims", None) or args.dims or DEFAULT_DIMS
         if args.dims is not None and dims != args.dims:  # before loading the network
             raise ValueError(f"reference {ref.name!r} holds {dims}-dim statistics, so --dims {args.dims} cannot be "
                              f"compared with it; drop --dims, or compute the reference with --dims {args.dims}")

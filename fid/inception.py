@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["pytorch-fid", "tf"]
 MODES: tuple[str, ...] = ("pytorch-fid", "tf")
+# The defaults of every entry point (the extractor, `compute_stats`, `compute_fid`, the CLI): the U-ViT-comparable
+# pipeline and pool3, the feature layer of the standard FID.
+DEFAULT_MODE: Mode = "pytorch-fid"
+DEFAULT_DIMS = 2048
 # Feature layers the FID-Inception provides (pytorch-fid's --dims); "logits_unbiased" is for the Inception Score.
 DIMS: tuple[int, ...] = (64, 192, 768, 2048)
 
@@ -43,6 +47,9 @@ WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_wei
 TORCH_FIDELITY_WEIGHTS_NAME = "weights-inception-2015-12-05-6726825d.pth"
 # torch.hub naming convention: the suffix of the file name is the start of the file's SHA-256.
 WEIGHTS_SHA256_PREFIX = "6726825d"
+# How a caller of `resolve_weights`, `InceptionExtractor` or `load_extractor` skips the checksum, as the checksum
+# error names it; callers that spell it otherwise pass their own (`sha256_option`).
+SHA256_OPTION = "sha256=None"
 
 _INPUT_SIZE = 299
 _TRUNK = (
@@ -72,7 +79,7 @@ def resolve_weights(
     *,
     sha256: str | None = WEIGHTS_SHA256_PREFIX,
     allow_download: bool = False,
-    sha256_option: str = "sha256=None",
+    sha256_option: str = SHA256_OPTION,
 ) -> tuple[Path, str]:
     """Find the FID-Inception weights file and check its SHA-256.
 
@@ -213,12 +220,12 @@ class InceptionExtractor(nn.Module):
         self,
         weights: str | os.PathLike | None = None,
         *,
-        mode: Mode = "pytorch-fid",
-        dims: int = 2048,
+        mode: Mode = DEFAULT_MODE,
+        dims: int = DEFAULT_DIMS,
         with_logits: bool = False,
         sha256: str | None = WEIGHTS_SHA256_PREFIX,
         allow_download: bool = False,
-        sha256_option: str = "sha256=None",
+        sha256_option: str = SHA256_OPTION,
     ) -> None:
         super().__init__()
         from torch_fidelity import FeatureExtractorInceptionV3

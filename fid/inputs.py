@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from uvic.data.images import read_cifar10_batches, read_rgb, readable_images
 from uvic.data.mscoco import center_crop_resize
 from uvic.errors import DataError
-from uvic.io import read_npz
+from uvic.io import IMAGE_RANGE, read_npz
 from uvic.io import to_uint8 as _quantize
 
 
@@ -39,10 +39,12 @@ LOSSY_EXTENSIONS = (".jpg", ".jpeg", ".webp")
 # PIL modes of the image files FID takes: RGB, and 8-bit grayscale (repeated to RGB).
 IMAGE_MODES = ("RGB", "L")
 ValueRange = tuple[float, float]
+# The (low, high) of float images unless a caller says otherwise: [0, 1], as `uvic.io.to_uint8` takes them.
+DEFAULT_VALUE_RANGE: ValueRange = IMAGE_RANGE
 Batch = Union[torch.Tensor, np.ndarray]
 
 
-def to_uint8(images: Batch, value_range: ValueRange = (0.0, 1.0)) -> torch.Tensor:
+def to_uint8(images: Batch, value_range: ValueRange = DEFAULT_VALUE_RANGE) -> torch.Tensor:
     """Convert a batch to (B, 3, H, W) uint8 RGB, quantising floats like `torchvision.utils.save_image`
     (`uvic.io.to_uint8`, the one quantisation) and repeating the channel of grayscale images.
 
@@ -118,7 +120,7 @@ class ImageArray(Dataset):
         name: label recorded in the stats.
     """
 
-    def __init__(self, images: Batch, *, value_range: ValueRange = (0.0, 1.0), name: str = "array") -> None:
+    def __init__(self, images: Batch, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, name: str = "array") -> None:
         if images.ndim != 4 or not {1, 3} & {images.shape[1], images.shape[-1]}:
             raise ValueError(f"{name}: expected (N, H, W, C) or (N, C, H, W) images with C = 3 (RGB) or 1 "
                              f"(grayscale), got shape {tuple(images.shape)}")
@@ -126,7 +128,7 @@ class ImageArray(Dataset):
 
     @classmethod
     def from_npz(cls, path: str | os.PathLike, *, key: str | None = None,
-                 value_range: ValueRange = (0.0, 1.0)) -> "ImageArray":  # fmt: skip
+                 value_range: ValueRange = DEFAULT_VALUE_RANGE) -> "ImageArray":  # fmt: skip
         """Read an `.npz` of images (``arr_0`` as written by ``np.savez(path, images)``, or the only array)."""
         path = Path(path)
         if not path.is_file():
@@ -251,7 +253,7 @@ class GeneratorSource:
     """
 
     def __init__(self, source: Callable[[int], Batch] | Iterable[Batch], *, num_samples: int | None = None,
-                 value_range: ValueRange = (0.0, 1.0), name: str = "generator") -> None:  # fmt: skip
+                 value_range: ValueRange = DEFAULT_VALUE_RANGE, name: str = "generator") -> None:  # fmt: skip
         if callable(source) and not isinstance(source, Iterable):
             if num_samples is None:
                 raise ValueError("num_samples is required when the source is a callable fn(n) -> images")
@@ -288,7 +290,7 @@ class GeneratorSource:
 Source = Union[str, os.PathLike, Dataset, GeneratorSource, Callable[[int], Batch], Iterable[Batch]]
 
 
-def open_source(spec: Source, *, value_range: ValueRange = (0.0, 1.0), num_samples: int | None = None,
+def open_source(spec: Source, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, num_samples: int | None = None,
                 recursive: bool = False, md5_check: bool = False) -> Dataset | GeneratorSource:  # fmt: skip
     """Turn a source spec into a map-style dataset or a `GeneratorSource`.
 

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import scipy.linalg
 
-from .inception import WEIGHTS_SHA256_PREFIX, InceptionExtractor, Mode, check_mode
-from .inputs import Source
+from .inception import DEFAULT_DIMS, DEFAULT_MODE, WEIGHTS_SHA256_PREFIX, InceptionExtractor, Mode, check_mode
+from .inputs import DEFAULT_VALUE_RANGE, Source, ValueRange
 from .stats import (
+    BATCH_SIZE,
     Features,
     FIDStats,
     extract_features,
@@ -172,14 +173,14 @@ def compute_fid(
     *,
     num_samples: int | None = None,
     extractor: InceptionExtractor | None = None,
-    mode: Mode = "pytorch-fid",
-    dims: int = 2048,
+    mode: Mode = DEFAULT_MODE,
+    dims: int = DEFAULT_DIMS,
     weights: str | os.PathLike | None = None,
     weights_sha256: str | None = WEIGHTS_SHA256_PREFIX,
     allow_download: bool = False,
-    batch_size: int = 50,
+    batch_size: int = BATCH_SIZE,
     num_workers: int = 0,
-    value_range: tuple[float, float] = (0.0, 1.0),
+    value_range: ValueRange = DEFAULT_VALUE_RANGE,
     isc: bool = False,
     kid: bool = False,
     prc: bool = False,
@@ -226,7 +227,8 @@ def compute_fid(
         dims = ref_stats.dims if extractor is None else dims
     if extractor is None:
         extractor = load_extractor(mode=mode, dims=dims, with_logits=isc, weights=weights, sha256=weights_sha256,
-                                   allow_download=allow_download, device=device)  # fmt: skip
+                                   allow_download=allow_download, device=device,
+                                   sha256_option="weights_sha256=None")  # fmt: skip
     elif extractor.mode != mode:
         raise ValueError(f"extractor runs mode={extractor.mode!r} but mode={mode!r} was requested")
     if ref_stats is not None and extractor.dims != ref_stats.dims:

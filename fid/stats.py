@@ -28,8 +28,16 @@ from tqdm.auto import tqdm
 from uvic.errors import DataError
 from uvic.io import atomic_write, read_npz
 
-from .inception import WEIGHTS_SHA256_PREFIX, InceptionExtractor, Mode, check_mode
-from .inputs import GeneratorSource, Source, ValueRange, open_source
+from .inception import (
+    DEFAULT_DIMS,
+    DEFAULT_MODE,
+    SHA256_OPTION,
+    WEIGHTS_SHA256_PREFIX,
+    InceptionExtractor,
+    Mode,
+    check_mode,
+)
+from .inputs import DEFAULT_VALUE_RANGE, GeneratorSource, Source, ValueRange, open_source
 
 
 logger = logging.getLogger(__name__)
@@ -189,14 +197,18 @@ def _gather_rows(local: torch.Tensor, state: Any) -> torch.Tensor:
     return torch.cat([rows[r, :c] for r, c in enumerate(counts)]).cpu()
 
 
+# Images per forward pass per process by default (pytorch-fid's); the features do not depend on it.
+BATCH_SIZE = 50
+
+
 def extract_features(
     source: Source,
     extractor: InceptionExtractor,
     *,
     num_samples: int | None = None,
-    batch_size: int = 50,
+    batch_size: int = BATCH_SIZE,
     num_workers: int = 0,
-    value_range: ValueRange = (0.0, 1.0),
+    value_range: ValueRange = DEFAULT_VALUE_RANGE,
     progress: bool = True,
     name: str | None = None,
 ) -> Features:
@@ -280,8 +292,8 @@ def compute_stats(
     source: Source,
     *,
     extractor: InceptionExtractor | None = None,
-    mode: Mode = "pytorch-fid",
-    dims: int = 2048,
+    mode: Mode = DEFAULT_MODE,
+    dims: int = DEFAULT_DIMS,
     weights: str | os.PathLike | None = None,
     weights_sha256: str | None = WEIGHTS_SHA256_PREFIX,
     allow_download: bool = False,
@@ -300,20 +312,21 @@ def compute_stats(
     """
     if extractor is None:
         extractor = load_extractor(mode=mode, dims=dims, weights=weights, sha256=weights_sha256,
-                                   allow_download=allow_download, device=device)  # fmt: skip
+                                   allow_download=allow_download, device=device,
+                                   sha256_option="weights_sha256=None")  # fmt: skip
     return extract_features(source, extractor, **kwargs).stats()
 
 
 def load_extractor(
     *,
-    mode: Mode = "pytorch-fid",
-    dims: int = 2048,
+    mode: Mode = DEFAULT_MODE,
+    dims: int = DEFAULT_DIMS,
     with_logits: bool = False,
     weights: str | os.PathLike | None = None,
     sha256: str | None = WEIGHTS_SHA256_PREFIX,
     allow_download: bool = False,
     device: torch.device | str | None = None,
-    sha256_option: str = "sha256=None",
+    sha256_option: str = SHA256_OPTION,
 ) -> InceptionExtractor:
     """Build an `InceptionExtractor` on `device` (default: the accelerate process's device); `sha256_option` names
     the caller's way to skip the checksum in its error (`resolve_weights`)."""

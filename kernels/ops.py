@@ -65,20 +65,30 @@ def _(do, q, k, v, out, lse, key_padding_mask, causal, scale, cog, window_left=-
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def _save_context(ctx, inputs: tuple, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """What the backward needs of a forward call (`inputs`: the forward's arguments, in order), for both paths."""
     q, k, v, key_padding_mask, causal, scale, cog, window_left, window_right, softcap = inputs
-    out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
     ctx.causal, ctx.scale, ctx.cog = causal, scale, cog
     ctx.window, ctx.softcap = (window_left, window_right), softcap
-    ctx.mark_non_differentiable(lse)
+
+
+def _gradients(ctx, dout: torch.Tensor, backward) -> tuple:
+    """The forward arguments' gradients (dq, dk, dv, then None for the rest) from `backward`: the backward op
+    (compiled graphs) or the kernels' own function (eager)."""
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = backward(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale, ctx.cog, *ctx.window,
+                          ctx.softcap)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _setup_context(ctx, inputs, output):
+    _save_context(ctx, inputs, *output)
+    ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale, ctx.cog, *ctx.window,
-                         ctx.softcap)  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return _gradients(ctx, dout, _bwd_op)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -95,20 +105,14 @@ class _EagerFusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, scale, cog, window_left, window_right, softcap):
-        out, lse = _kernels.attention_forward(q, k, v, key_padding_mask, causal, scale, cog, window_left,
-                                              window_right, softcap)  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.causal, ctx.scale, ctx.cog = causal, scale, cog
-        ctx.window, ctx.softcap = (window_left, window_right), softcap
+    def forward(ctx, *inputs):  # the arguments of `_fwd_op`, all given
+        out, lse = _kernels.attention_forward(*inputs)
+        _save_context(ctx, inputs, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = _kernels.attention_backward(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.scale,
-                                                 ctx.cog, *ctx.window, ctx.softcap)  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return _gradients(ctx, dout, _kernels.attention_backward)
 
 
 def fused_attention(

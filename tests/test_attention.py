@@ -1,10 +1,12 @@
 """uvic.attention: every CPU backend against an independent float64 implementation of the paper's formula."""
 
+import collections
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from uvic.attention import (
     COMPILE_MIN_SCORES,
     attention_ref,
     cog_attention,
+    kept_by_mask,
     softmax_attention,
     tiled_cog_attention,
     unsupported_reason,
@@ -473,6 +476,20 @@ def test_bad_inputs(op):
             assert msg in str(info.value), (msg, backend, str(info.value))
 
 
+def test_kept_by_mask_reads_bool_and_additive_masks():
+    keep = torch.tensor([[True, False, True]])
+    assert kept_by_mask(keep) is keep
+    additive = torch.tensor([[0.0, float("-inf"), -1e4, 0.0]])
+    assert kept_by_mask(additive, -1e4).tolist() == [[True, False, False, True]]
+    assert kept_by_mask(additive, -2e4) is None  # -1e4 is then a bias, not a removed key
+    assert kept_by_mask(torch.tensor([[0.0, 0.5]]), -1e4) is None
+    # The default: half the dtype's lowest value, where masks built from finfo.min sit (and -inf).
+    low = torch.finfo(torch.float16).min
+    assert kept_by_mask(torch.tensor([0.0, low, low / 2, float("-inf")], dtype=torch.float16)).tolist() == [
+        True, False, False, False]  # fmt: skip
+    assert kept_by_mask(torch.tensor([0.0, low / 4], dtype=torch.float16)) is None
+
+
 def test_triton_backend_on_cpu_is_a_clear_error():
     q, k, v, _ = make_inputs(1, 1, 4, 4, 16)
     why = unsupported_reason(q, k, v, backend="triton")
@@ -484,6 +501,56 @@ def test_triton_backend_on_cpu_is_a_clear_error():
     assert "unknown attention backend" in unsupported_reason(q, k, v, backend="flash")
     # "auto" falls back to the torch backend on CPU.
     torch.testing.assert_close(cog_attention(q, k, v), cog_attention(q, k, v, backend="torch"))
+
+
+def _frames(fn) -> collections.Counter:
+    """The Python functions one call of `fn` enters, by name (frames counted with sys.setprofile)."""
+    entered = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            entered[frame.f_code.co_name] += 1
+            entered[Path(frame.f_code.co_filename).name] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def _host_work(op, q, k, v) -> collections.Counter:
+    with torch.no_grad():
+        op(q, k, v)  # first-call work out of the way
+        return _frames(lambda: op(q, k, v))
+
+
+@pytest.mark.parametrize("op", [cog_attention, softmax_attention])
+def test_host_work_per_call_on_cpu(op):
+    """The Python a call runs before its math: the input checks once, and no autocast context while autocast is
+    off (entering `torch.autocast` cost several microseconds, as much as the checks; under autocast one is entered,
+    the op's math being float32). softmax_attention's whole call is a few frames around SDPA."""
+    q, k, v, _ = make_inputs(1, 2, 16, 16, 64)
+    frames = _host_work(op, q, k, v)
+    assert frames["_input_problem"] == 1 and frames["autocast_mode.py"] == 0
+    if op is softmax_attention:
+        assert sum(n for name, n in frames.items() if not name.endswith(".py")) <= 10
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        frames = _host_work(op, q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert frames["_input_problem"] == 1 and frames["autocast_mode.py"] >= (op is cog_attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_checks_a_cuda_call_once():
+    """backend="auto" on 16-bit CUDA inputs: the input checks run once and then only the kernel's envelope is
+    asked (the whole `unsupported_reason(backend="triton")` used to run a second time), and no autocast context is
+    entered while autocast is off."""
+    q, k, v = (torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    frames = _host_work(cog_attention, q, k, v)
+    assert unsupported_reason(q, k, v, backend="triton") is None  # the call ran the kernel
+    assert frames["_input_problem"] == 1 and frames["_kernel_problem"] == 1 and frames["autocast_mode.py"] == 0
 
 
 @pytest.mark.parametrize("op", [cog_attention, softmax_attention])
@@ -499,6 +566,45 @@ def test_autocast_bf16(op, backend):
     expect = cog_f64(q.detach(), k.detach(), v.detach(), causal=True,
                      attention="cog" if op is cog_attention else "softmax")
     assert (out.double() - expect).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("op, kw", [(cog_attention, {}), (softmax_attention, {"softcap": 5.0})], ids=["cog", "softmax"])
+@pytest.mark.parametrize("where", ["eager, backward inside autocast", "torch.compile"])
+def test_backward_under_autocast(op, kw, where):
+    """The torch backend's backward in an autocast state: called inside the autocast block in eager mode, and
+    traced by torch.compile (AOTAutograd runs the backward of an autograd.Function in the caller's autocast, not in
+    the forward's). It used to fail there with "expected scalar type BFloat16 but found Float": autocast turned the
+    float32 tile products into bf16 ones, which its float32 `out=` buffers refuse. The gradients are those of a
+    backward called outside autocast, where it always worked. q, k, v come from a projection, as in a model, so
+    they are bf16 tensors made under autocast (inside the compiled graph)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 9, 8, generator=g)
+    w = torch.randn(3, 8, 8, generator=g)
+
+    def attend(x, w):
+        return op(x @ w[0], x @ w[1], x @ w[2], backend="torch", **kw)  # (B, nh, L, hd) bf16
+
+    def grads(fn, backward_inside: bool):
+        wl = w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x, wl)
+            if backward_inside:
+                out.float().square().sum().backward()
+        if not backward_inside:
+            out.float().square().sum().backward()
+        return out, wl.grad
+
+    expect_out, expect_grad = grads(attend, backward_inside=False)
+    if where == "torch.compile":
+        torch._dynamo.reset()
+        # aot_eager: AOTAutograd traces the backward as Inductor's does (where it failed), without compiling C++.
+        out, grad = grads(torch.compile(attend, backend="aot_eager", fullgraph=True), backward_inside=False)
+        torch._dynamo.reset()
+    else:
+        out, grad = grads(attend, backward_inside=True)
+    assert out.dtype == torch.bfloat16 and grad.dtype == torch.float32
+    torch.testing.assert_close(out, expect_out, rtol=0, atol=0)
+    torch.testing.assert_close(grad, expect_grad, rtol=1e-2, atol=1e-2 * expect_grad.abs().max().item())
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 def test_a_directory_or_binary_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path)
-    assert str(e.value) == f"config file {tmp_path} is a directory, not a YAML file"
+    assert str(e.value) == f"config file {tmp_path} is a directory, not a YAML file or a run dir (no config.yaml in it)"
     binary = tmp_path / "weights.yaml"
     binary.write_bytes(b"\x8d\x00\xff binary")
     with pytest.raises(ConfigError) as e:
@@ -338,3 +338,12 @@ def test_a_new_sampler_and_preset_are_choices_in_the_config_yaml_and_clis(tmp_pa
         runpy.run_path("sample.py", run_name="__main__")
     choices = re.search(r"--sampler \{([^}]*)\}", capsys.readouterr().out)[1].split(",")
     assert e.value.code == 0 and "dummy" in choices and "euler_maruyama" in choices
+
+
+def test_fid_while_training_defaults_are_the_harness_defaults():
+    """train.eval_fid_mode / eval_fid_dims default to what `python -m uvic.fid` does (the config does not import the
+    harness to read them; this pins the two statements together)."""
+    from uvic.config import TrainConfig
+    from uvic.fid.inception import DEFAULT_DIMS, DEFAULT_MODE
+
+    assert (TrainConfig().eval_fid_mode, TrainConfig().eval_fid_dims) == (DEFAULT_MODE, DEFAULT_DIMS)

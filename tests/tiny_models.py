@@ -6,6 +6,9 @@ resolves to whichever one pytest imported first.
 """
 
 import re
+from types import SimpleNamespace
+
+import torch
 
 
 # A tiny SD-style VAE (16x16 images -> 4x8x8 latents) for the autoencoder and text-to-image tests.
@@ -68,3 +71,21 @@ def tiny_t2i_config(root, run_dir, vae_dir, *, model=None, data=None, train=None
         train=TrainConfig(**train),
         sample=SampleConfig(**sample),
     )  # fmt: skip
+
+
+class SpyDenoiser(torch.nn.Module):
+    """A denoiser for tests of what a loss feeds the network: it predicts zero noise (x * w, w = 0, so the loss is
+    the noise's mean square) and records each call as (x, t, condition), the condition being what the call passed
+    under `keyword` ("class_labels", "encoder_hidden_states"; None if nothing). Any other keyword is an error."""
+
+    def __init__(self, keyword: str):
+        super().__init__()
+        self.keyword = keyword
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.calls = []
+
+    def forward(self, x, t, **condition):
+        if set(condition) - {self.keyword}:
+            raise TypeError(f"the network takes {self.keyword}=, got {sorted(condition)}")
+        self.calls.append((x, t, condition.get(self.keyword)))
+        return SimpleNamespace(sample=x * self.w)

@@ -31,6 +31,7 @@ diffusers / transformers integrations).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -82,6 +83,11 @@ def check_attention_kind(attention: object) -> AttentionKind:
     return attention
 
 
+# Set by `uvic.attention_probe.probe_attention` for the length of a probe: (op, kind) -> the op that records its
+# calls. None otherwise.
+_observer: Callable[[Callable[..., torch.Tensor], AttentionKind], Callable[..., torch.Tensor]] | None = None
+
+
 def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
     """The op of an attention kind: `cog_attention` for "cog", `softmax_attention` for "softmax" (same signature).
 
@@ -91,7 +97,10 @@ def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
         ValueError: `attention` is not one of ATTENTIONS.
     """
     ops = {"cog": cog_attention, "softmax": softmax_attention}  # a new kind adds its op here
-    return ops[check_attention_kind(attention)]
+    op = ops[check_attention_kind(attention)]
+    # While `uvic.attention_probe.probe_attention` records a model's calls, the op comes wrapped; otherwise this is
+    # one `is None` test per layer call and the op itself is returned.
+    return op if _observer is None else _observer(op, attention)
 
 
 def check_softmax_count(value: object, name: str) -> int:
@@ -190,6 +199,14 @@ def unsupported_reason(
     """
     if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; expected one of {BACKENDS}"
+    why = _input_problem(q, k, v, key_padding_mask, window, softcap)
+    if why is None and backend == "triton":
+        why = _kernel_problem(q, k)
+    return why
+
+
+def _input_problem(q, k, v, key_padding_mask, window, softcap) -> str | None:
+    """What every backend needs of the inputs (shapes, dtypes, devices, mask, window, softcap), or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -227,9 +244,14 @@ def unsupported_reason(
         isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap) and softcap > 0
     ):
         return f"softcap must be a positive finite float or None (no cap), got {softcap!r}"
-    if backend != "triton":
-        return None
-    # The fused kernel's envelope (the header of kernels/attention.py).
+    return None
+
+
+def _kernel_problem(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the fused kernel cannot take inputs that `_input_problem` accepts, or None: its envelope (the header of
+    kernels/attention.py)."""
+    B, nh, Lq, hd = q.shape
+    Lk = k.shape[2]
     if not _TRITON_INSTALLED:
         return "triton is not installed"
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -268,16 +290,18 @@ def _band(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
     return int(left), int(right)
 
 
-def _check_inputs(q, k, v, key_padding_mask, scale, backend: str, attention: str, window=None, softcap=None) -> None:
-    """Raise a ValueError that names the problem for anything the op does not accept."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTIONS}")
+def _checked_args(q, k, v, key_padding_mask, scale, backend: str, window, softcap):
+    """The op's arguments checked (a ValueError that names the problem for anything the op does not accept) and
+    returned as the backends take them: (scale, window, softcap), with the default scale hd ** -0.5, the window as
+    `_normal_window` and floats."""
     # "auto" checks what every backend needs; it falls back from the kernel rather than fail.
     problem = unsupported_reason(q, k, v, key_padding_mask, backend=backend, window=window, softcap=softcap)
     if problem is not None:
         raise ValueError(problem if backend != "triton" else f"backend='triton' cannot run on these inputs: {problem}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return scale, _normal_window(window, q.shape[2], k.shape[2]), None if softcap is None else float(softcap)
 
 
 def _band_keep(rows: torch.Tensor, cols: torch.Tensor, d: int, band: tuple[int, int]) -> torch.Tensor | None:
@@ -311,6 +335,28 @@ def _keep_mask(
     return keep
 
 
+def kept_by_mask(mask: torch.Tensor, removed_at_most: float | None = None) -> torch.Tensor | None:
+    """Where another library's attention mask keeps a score (bool, True = attend), or None when it does more than
+    remove keys; the integrations read their libraries' masks with it.
+
+    A bool mask keeps where it is True (SDPA's reading). An additive (float) mask keeps where it is 0 and removes
+    where it is -inf or at most `removed_at_most` (None: half the dtype's lowest value, as masks built from
+    `torch.finfo(dtype).min`); any other entry is a bias on the scores, which no key padding or band can express.
+
+    Args:
+        mask: a bool or float mask of any shape.
+        removed_at_most: the largest additive entry that still removes its key.
+    Returns:
+        A bool tensor of `mask`'s shape, or None.
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    if removed_at_most is None:
+        removed_at_most = torch.finfo(mask.dtype).min / 2
+    keep = mask == 0
+    return keep if bool((keep | (mask <= removed_at_most)).all()) else None
+
+
 def _drop_padded_keys(
     k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,9 +369,34 @@ def _drop_padded_keys(
     return torch.where(kept, k, zero), torch.where(kept, v, zero)
 
 
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context in which autocast is off on `device_type`, for the op's own math.
+
+    The op chooses its own compute precision (float32 math on q, k, v as given; the `.to(float32)` copies and the
+    `out=` buffers of the torch backend are float32), so autocast must not recast its matrix products: under
+    autocast, q, k, v already carry the low-precision dtype, and the output comes back in that dtype. The torch
+    backend's backward enters it too: autograd runs a backward in the autocast state of the `.backward()` call.
+
+    In eager mode autocast is switched off only where it is on, since entering `torch.autocast` costs several
+    microseconds, a share of a small call. Under torch.compile it is always entered (free in the compiled graph):
+    the state at trace time is not the one a graph runs in (Dynamo traces an autograd.Function's backward inside
+    the forward's context, where autocast is already off; AOTAutograd then runs it in the caller's).
+    """
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Math in float32 for 16/32-bit inputs; float64 stays float64 (gradcheck).
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _compute_inputs(q, k, v, key_padding_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the compute dtype (views when already in it), the padded keys' rows zeroed (`_drop_padded_keys`):
+    what the torch backend's forward and backward multiply."""
+    ct = _compute_dtype(q.dtype)
+    return (q.to(ct), *_drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -369,7 +440,35 @@ def attention_ref(
     if upcast:
         ct = _compute_dtype(dtype)
         q, k, v = q.to(ct), k.to(ct), v.to(ct)
-    k, v = _drop_padded_keys(k, v, key_padding_mask)
+    attn = attention_weights(q, k, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
+                             softcap=softcap, attention=attention)  # fmt: skip
+    _, v = _drop_padded_keys(k, v, key_padding_mask)
+    return (attn @ v).to(dtype)
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    attention: AttentionKind = "cog",
+) -> torch.Tensor:
+    """The attention weights of `attention_ref`, in the dtype of q and k (no upcast: pass float64 for exact ones).
+
+    Cog: `sign(p) * softmax(|p|)` over the kept keys, p = scale * q k^T (paper Eq. 3); softmax: `softmax(p)`.
+    Masked keys and rows with no kept key get weight 0. The attention probe (`uvic.attention_probe`) reads them.
+
+    Args:
+        q: (B, nh, Lq, hd); k: (B, nh, Lk, hd).
+        causal, key_padding_mask, scale, window, softcap, attention: as `attention_ref`.
+    Returns:
+        (B, nh, Lq, Lk) weights.
+    """
+    k, _ = _drop_padded_keys(k, k, key_padding_mask)
     Lq, Lk = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = scale * (q @ k.transpose(-2, -1))  # (B, nh, Lq, Lk)
@@ -392,7 +491,7 @@ def attention_ref(
         attn = torch.softmax(scores, dim=-1)
     if has_key is not None:
         attn = attn * has_key
-    return (attn @ v).to(dtype)
+    return attn
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -682,9 +781,8 @@ class _AttentionTorch(torch.autograd.Function):
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
         band = _band(causal, window)
-        ct = _compute_dtype(q.dtype)
-        qc = q.to(ct)  # a view when already in the compute dtype
-        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
+        qc, kc, vc = _compute_inputs(q, k, v, key_padding_mask)
+        ct = qc.dtype
         out = torch.empty(B, nh, Lq, hd, dtype=ct, device=q.device)
         ml = torch.empty(B, nh, Lq, 2, dtype=ct, device=q.device)  # per row: m, l
         compiled = _use_compiled(q, B * nh * Lq * Lk, compile)
@@ -706,13 +804,18 @@ class _AttentionTorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with _autocast_off(dout.device.type):  # the bmm's below write float32 `out=` buffers
+            return _AttentionTorch._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, ml, key_padding_mask = ctx.saved_tensors
         band, scale = ctx.band, ctx.scale
         B, nh, Lq, hd = q.shape
         Lk = k.shape[2]
-        ct = _compute_dtype(q.dtype)
-        qc, do = q.to(ct), dout.to(ct)
-        kc, vc = _drop_padded_keys(k.to(ct), v.to(ct), key_padding_mask)
+        qc, kc, vc = _compute_inputs(q, k, v, key_padding_mask)
+        ct = qc.dtype
+        do = dout.to(ct)
         D = (do * out.to(ct)).sum(-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, nh, Lq, 1)
         # Per row: m, 1/l (0 on rows with no kept key) and D, (B, nh, Lq, 3).
         rowstats = torch.cat([ml[..., :1], _safe_reciprocal(ml[..., 1:]), D], -1)
@@ -776,16 +879,13 @@ def tiled_cog_attention(
     Returns:
         (B, nh, Lq, hd) in the input dtype.
     """
-    _check_inputs(q, k, v, key_padding_mask, scale, "torch", "cog", window, softcap)
+    scale, window, softcap = _checked_args(q, k, v, key_padding_mask, scale, "torch", window, softcap)
     if not (isinstance(tile_elements, int) and tile_elements >= 1):
         raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window, q.shape[2], k.shape[2])
-    softcap = None if softcap is None else float(softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
                              softcap=softcap)  # fmt: skip
-    with torch.autocast(q.device.type, enabled=False):
+    with _autocast_off(q.device.type):
         return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, tile_elements, compile, window,
                                      softcap, True)  # fmt: skip
 
@@ -808,26 +908,20 @@ def _attention(
     q, k, v, causal: bool, key_padding_mask, scale, window, softcap, backend: str, attention: str
 ) -> torch.Tensor:  # fmt: skip
     """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
-    _check_inputs(q, k, v, key_padding_mask, scale, backend, attention, window, softcap)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = _normal_window(window, q.shape[2], k.shape[2])
-    softcap = None if softcap is None else float(softcap)
+    scale, window, softcap = _checked_args(q, k, v, key_padding_mask, scale, backend, window, softcap)
     if q.numel() == 0 or k.shape[2] == 0:
         # Nothing to attend with or to: an empty output, or zeros (a row with no key), and zero gradients.
         backend = "reference"
     elif backend == "auto":
         # cog: the kernel for 16-bit CUDA inputs inside its envelope (fp32 runs on the kernel only with small IEEE
         # tiles, so "auto" gives it to the torch backend). softmax: SDPA, PyTorch's fastest kernels.
-        use_kernel = (attention == "cog" and q.is_cuda and q.dtype != torch.float32
-                      and unsupported_reason(q, k, v, key_padding_mask, backend="triton", window=window,
-                                             softcap=softcap) is None)  # fmt: skip
+        # The inputs passed `_checked_args`, so only the kernel's envelope is left to ask.
+        use_kernel = attention == "cog" and q.is_cuda and q.dtype != torch.float32 and _kernel_problem(q, k) is None
         backend = "triton" if use_kernel else "torch"
-    kw = {"causal": causal, "key_padding_mask": key_padding_mask, "scale": scale, "window": window, "softcap": softcap}
     if backend == "torch" and attention == "softmax" and softcap is None:
         return _sdpa(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window)
-    # The op chooses its own compute precision (float32 math on q, k, v as given), so autocast is off inside it:
-    # under autocast q, k, v already carry the low-precision dtype, and the output comes back in that dtype.
-    with torch.autocast(q.device.type, enabled=False):
+    kw = {"causal": causal, "key_padding_mask": key_padding_mask, "scale": scale, "window": window, "softcap": softcap}
+    with _autocast_off(q.device.type):
         if backend == "reference":
             return attention_ref(q, k, v, attention=attention, **kw)
         if backend == "triton":

@@ -38,6 +38,7 @@ from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
 from uvic.guidance import DEFAULT_GUIDANCE_SCALE
 from uvic.lm.data import TOKEN_DTYPES
+from uvic.lm.synthetic import SYNTHETIC_TASKS
 from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
 from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, schedule_preset
@@ -213,6 +214,8 @@ class TrainConfig:
     # harness's lookup and checksum unless eval_fid_weights / eval_fid_weights_sha256 ("none": no check) are set.
     # eval_fid_dims: the FID-Inception feature layer (`python -m uvic.fid --dims`): 2048, pool3, is the standard FID;
     # 64, 192 and 768 are quicker (a 64-d covariance instead of a 2048-d one) but give numbers of another scale.
+    # eval_fid_mode: the FID pipeline (`python -m uvic.fid --mode`), "pytorch-fid" (U-ViT's numbers) or "tf"; a
+    # statistics reference must have been computed in it.
     eval_every: int = 0
     eval_num_images: int = 10_000
     eval_reference: str = ""
@@ -221,6 +224,7 @@ class TrainConfig:
     eval_fid_weights: str = ""
     eval_fid_weights_sha256: str = ""
     eval_fid_dims: int = 2048
+    eval_fid_mode: str = "pytorch-fid"
     # Held-out validation loss (uvic.training.validation): every val_every steps and at the last step (0 = off),
     # the mean loss of the sampling weights over the first val_examples (0: all) examples of the held-out set (the
     # data's test split, else data.val_fraction of the data, which training then never sees), in batches of
@@ -230,6 +234,9 @@ class TrainConfig:
     val_examples: int = 10_000
     val_batch_size: int = 64
     val_timesteps: int = 8
+    # With each validation: the share of negative attention weight per block (metrics.jsonl: "attn_neg_share"), on
+    # the first val_probe_examples held-out examples (0 = off).
+    val_probe_examples: int = 4
 
 
 @dataclass(frozen=True)
@@ -260,6 +267,11 @@ class BaseRunConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """This config with the values that follow others unless the config sets them (`given`: the nested dict it
+        was built from); none here (see `ClassCondRunConfig`)."""
+        return self
 
 
 @dataclass(frozen=True)
@@ -292,7 +304,8 @@ class ImageNetDataConfig:
     source: Literal["pixels", "features"] = "pixels"
     root: str = "data/imagenet"
     image_size: int = 64
-    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class).
+    # Classes the data must hold; model.num_classes is this (no null class) or this + 1 (the last id is the null class),
+    # and follows it unless the config sets model.num_classes: + 1 exactly when p_uncond > 0 trains the null class.
     num_classes: int = 1000
     # Pixels only (the features hold each image as is and flipped).
     random_flip: bool = True
@@ -315,6 +328,16 @@ class ClassCondRunConfig(Config):
     task: str = "class_cond"
     data: ImageNetDataConfig = field(default_factory=ImageNetDataConfig)
 
+    def with_derived(self, given: dict[str, Any]) -> Any:
+        """`model.num_classes` follows the data unless `given` sets it: `data.num_classes`, plus the null class
+        when labels are dropped to it (`data.p_uncond` > 0), so that a run on fewer classes changes one key (a
+        preset's own value, such as ImageNet 256's 1001, is replaced too)."""
+        model = given.get("model")
+        if isinstance(model, dict) and "num_classes" in model:
+            return self
+        num_classes = self.data.num_classes + (1 if self.data.p_uncond > 0 else 0)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, num_classes=num_classes))
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Language models (Cogformer)
@@ -332,8 +355,12 @@ LMModelConfig = model_section(
 
 @dataclass(frozen=True)
 class LMDataConfig:
-    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`)."""
+    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`), or a
+    synthetic task generated on the fly (`uvic.lm.synthetic`)."""
 
+    # "": the tokens of `path`; "mqar" / "induction": synthetic sequences of block_size tokens over model.vocab_size
+    # ids instead (associative recall, a copy task), trained and scored on their answer tokens only.
+    synthetic: str = ""
     path: str = ""
     format: str = "auto"  # "auto" (".bin" suffix -> "bin", else "text"), "bin" or "text"
     tokenizer: str = "byte"  # for text: "byte", a tokenizer.json, a sentencepiece .model, or a tokenizer dir
@@ -341,8 +368,12 @@ class LMDataConfig:
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
     num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
     # With train.val_every > 0: the share of the tokens, at the end of the data, held out for the validation loss
-    # (whole blocks of block_size).
+    # (whole blocks of block_size); of a synthetic source, round(val_fraction x num_sequences) held-out sequences
+    # from their own generators.
     val_fraction: float = 0.01
+    # Synthetic sources: training sequences (each made from its index when read), and MQAR's key-value pairs.
+    num_sequences: int = 100_000
+    num_kv_pairs: int = 8
 
 
 @dataclass(frozen=True)
@@ -437,12 +468,22 @@ def _plain(obj: Any) -> Any:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML deltas at `path`, then dotted `key=value` overrides (values parsed as YAML).
 
+    `path` may also be a training run dir: its `config.yaml` (the run's resolved config) is read, with
+    `train.run_dir` set to that dir (wherever the run was started from or moved to) and `train.resume` to "" (pass
+    `train.resume=latest`, `train.py --resume`, to continue it).
+
     Raises:
         FileNotFoundError: `path` does not exist.
-        ConfigError (a ValueError): `path` is a directory or not UTF-8 text, a YAML syntax error, an unknown key,
-            a value of the wrong type or out of range, or a malformed override.
+        ConfigError (a ValueError): `path` is a directory without `config.yaml` or not UTF-8 text, a YAML syntax
+            error, an unknown key, a value of the wrong type or out of range, or a malformed override.
     """
     data: dict[str, Any] = {}
+    run_dir = None
+    if path is not None and Path(path).is_dir():
+        run_dir, path = Path(path), Path(path) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(f"config file {run_dir} is a directory, not a YAML file or a run dir (no config.yaml "
+                              f"in it)")
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -457,6 +498,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
+    if run_dir is not None and isinstance(data.get("train", {}), dict):
+        data["train"] = {**data.get("train", {}), "run_dir": str(run_dir), "resume": ""}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -490,7 +533,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """
     task = data.get("task", "diffusion") if isinstance(data, dict) else "diffusion"
     cls = task_config_class(task)
-    return validate_ranges(_build(cls, data, prefix="", base=cls()))
+    return validate_ranges(_build(cls, data, prefix="", base=cls()).with_derived(data))
 
 
 def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
@@ -601,7 +644,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     # data (images, MS-COCO features, LM tokens)
     "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
     "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1, "data.num_classes": _AT_LEAST_1,
-    "data.val_fraction": _OPEN_FRACTION,
+    "data.val_fraction": _OPEN_FRACTION, "data.num_sequences": _AT_LEAST_1, "data.num_kv_pairs": _AT_LEAST_1,
     # train
     "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
     "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,
@@ -612,6 +655,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
     "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1, "train.val_every": _AT_LEAST_0,
     "train.val_examples": _AT_LEAST_0, "train.val_batch_size": _AT_LEAST_1, "train.val_timesteps": _AT_LEAST_1,
+    "train.val_probe_examples": _AT_LEAST_0,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
@@ -640,16 +684,20 @@ def _numeric_hint(hint: Any) -> bool:
     return hint in (int, float) or any(_numeric_hint(a) for a in typing.get_args(hint))
 
 
-# The allowed values of string fields with a fixed set of names, by dotted key. Each is read from its table when
-# a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention kind) is a valid value at once.
-CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+# The allowed values of fields with a fixed set of values (names, the FID network's feature layers), by dotted key.
+# Each is read from its table when a config is checked, so a new entry (a sampler in SAMPLER_TABLE, an attention
+# kind) is a valid value at once.
+CHOICES: dict[str, Callable[[], tuple[Any, ...]]] = {
     "task": lambda: tuple(TASKS),
     "model.attention": lambda: ATTENTIONS,
     "model.attention_backend": lambda: BACKENDS,
     "data.name": lambda: tuple(DATASETS),
     "data.token_dtype": lambda: TOKEN_DTYPES,
+    "data.synthetic": lambda: ("", *SYNTHETIC_TASKS),
     "sample.sampler": sampler_names,
     "train.eval_sampler": lambda: ("", *sampler_names()),
+    "train.eval_fid_dims": lambda: importlib.import_module("uvic.fid.inception").DIMS,
+    "train.eval_fid_mode": lambda: importlib.import_module("uvic.fid.inception").MODES,
 }
 
 

@@ -38,6 +38,11 @@ class DataError(UvicError, ValueError):
     """Input data that cannot be used, e.g. an unreadable image file; the message names the file."""
 
 
+class RunRecordError(UvicError, ValueError):
+    """A record a run keeps about itself (`eval.jsonl`, `best.json`, `metrics.jsonl`) that is damaged or holds a
+    value uvic never writes there; the message names the file, the line and what is wrong."""
+
+
 class StorageError(UvicError, OSError):
     """Writing failed (disk full, read-only file system, a file where a directory should be); nothing half-written
     is left behind, and the message says what failed and what is still intact."""

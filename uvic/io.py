@@ -451,7 +451,11 @@ def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> 
     check_weights_fit(lambda: model_class.from_config(config), shapes, what)
 
 
-def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = (0.0, 1.0)) -> Any:
+# The (low, high) of float images unless a caller says otherwise (`torchvision.utils.save_image`'s [0, 1]).
+IMAGE_RANGE: tuple[float, float] = (0.0, 1.0)
+
+
+def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = IMAGE_RANGE) -> Any:
     """Quantise float images to uint8 as `torchvision.utils.save_image` does: uint8(clamp(255 x + 0.5, 0, 255)).
 
     Args:
@@ -471,7 +475,7 @@ def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float]
     if not torch.isfinite(x).all():
         raise ValueError("images contain NaN or Inf")
     lo, hi = value_range
-    if (lo, hi) != (0.0, 1.0):
+    if (lo, hi) != IMAGE_RANGE:
         x = (x - lo) / (hi - lo)
     # torchvision.utils.save_image: mul(255).add_(0.5).clamp_(0, 255).to(uint8).
     out = x.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8)

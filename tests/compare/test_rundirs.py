@@ -16,11 +16,11 @@ def test_training_and_validation_lines_of_one_step_are_both_kept(tmp_path):
         # A run resumed from step 1 logs step 2 again: the latest record of each kind wins.
         '{"step": 2, "loss": 1.4, "lr": 0.1}\n{"step": 3, "loss": 1.0, "lr": 0.1}\n{"step": 3, "val_loss": 1.2, "val_'
     )  # the last line was cut short by a kill
-    (tmp_path / "eval.jsonl").write_text('{"step": 3, "fid": 40.0}\n')
+    (tmp_path / "eval.jsonl").write_text('{"step": 3, "fid": 40.0, "checkpoint": "checkpoints/step_000000003"}\n')
     logs = read_logs(tmp_path)
     assert [(r["step"], r["loss"]) for r in logs.train] == [(1, 2.0), (2, 1.4), (3, 1.0)]
     assert logs.val == [{"step": 2, "val_loss": 1.7, "attn_neg_share": {"1": 0.25}}]
-    assert logs.evals == [{"step": 3, "fid": 40.0}]
+    assert logs.evals == [{"step": 3, "fid": 40.0, "checkpoint": "checkpoints/step_000000003"}]
 
 
 def test_a_damaged_middle_line_is_an_error_naming_the_file(tmp_path):

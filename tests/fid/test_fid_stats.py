@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from uvic.fid import FIDStats, load_stats, resolve_weights, save_stats
-from uvic.fid.inception import WEIGHTS_NAME, WEIGHTS_URL, sha256_file
+from uvic.config import TrainConfig
+from uvic.fid import FIDStats, compute_fid, compute_stats, load_extractor, load_stats, resolve_weights, save_stats
+from uvic.fid.inception import DEFAULT_DIMS, WEIGHTS_NAME, WEIGHTS_URL, sha256_file
 from uvic.fid.stats import _gather_rows, process_state, stats_from_features
 
 
@@ -84,6 +85,23 @@ def test_weights_missing_names_the_expected_file(tmp_path, monkeypatch):
     monkeypatch.setenv("UVIC_FID_WEIGHTS", str(tmp_path / "env.pth"))
     with pytest.raises(FileNotFoundError, match=r"env.pth.*\$UVIC_FID_WEIGHTS"):
         resolve_weights()
+
+
+def test_a_checksum_error_names_the_callers_own_keyword(tmp_path):
+    """Weights with another checksum: the error tells each caller how it skips the check, in its own spelling."""
+    f = tmp_path / "w.pth"
+    f.write_bytes(b"not the inception weights")
+    images = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
+    for call, option in [(lambda: load_extractor(weights=f, device="cpu"), "pass sha256=None only"),
+                         (lambda: compute_stats(images, weights=f, device="cpu"), "pass weights_sha256=None only"),
+                         (lambda: compute_fid(images, images, weights=f, device="cpu"), "pass weights_sha256=None only")]:
+        with pytest.raises(ValueError, match=option):
+            call()
+
+
+def test_the_training_config_reads_the_standard_fid_layer():
+    # uvic.config does not import the FID package (scipy and all) for one default, so the two are kept equal here.
+    assert TrainConfig().eval_fid_dims == DEFAULT_DIMS == 2048
 
 
 def test_weights_resolution_order_and_sha256(tmp_path, monkeypatch):

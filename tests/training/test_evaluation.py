@@ -302,3 +302,224 @@ def test_a_feature_layer_the_fid_network_lacks_is_refused_before_training(data, 
     with pytest.raises(ConfigError, match=r"train.eval_fid_dims: 100 is not one of \[64, 192, 768, 2048\]"):
         train(load_config(None, _overrides(run, data, **{"train.eval_fid_dims": 100})))
     assert not (run / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run's own records: eval.jsonl, best.json (checked at start-up), and the reference's mode and cache
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _snapshot(run):
+    """Every file of a run dir with its content: what a refused start must leave as it was."""
+    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def _resume_more(run, data, defaults, run_script, *args, **extra):
+    """train.py resuming `run` for 2 more steps (another evaluation is due at step 6)."""
+    return run_script("train.py", defaults, *_overrides(run, data, **{"train.max_steps": 6, **extra}), "--resume",
+                      *args)
+
+
+_OUTSIDE = "../../other/checkpoints/step_000000002"
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda r: r.pop("fid"), "no 'fid'"),
+    (lambda r: r.update(fid="abc"), "'fid' is \"abc\", not a finite number"),
+    (lambda r: r.update(step="2"), "'step' is \"2\", not an integer >= 0"),
+    (lambda r: r.pop("checkpoint"), "no 'checkpoint'"),
+    (lambda r: r.update(fid=float("nan")), "'fid' is NaN, not a finite number"),
+    (lambda r: r.update(step=1.7), "'step' is 1.7, not an integer >= 0"),
+    (lambda r: r.update(step=True), "'step' is true, not an integer >= 0"),
+    (lambda r: r.update(num_images="3"), "'num_images' is \"3\", not an integer"),
+    (lambda r: r.update(checkpoint=_OUTSIDE), f"'checkpoint' is \"{_OUTSIDE}\", which is not a path inside the run "
+                                              "dir"),
+    (lambda r: r.update(checkpoint="/etc"), "'checkpoint' is \"/etc\", which is not a path inside the run dir"),
+])  # fmt: skip
+def test_a_bad_evaluation_record_stops_the_run_at_start_up(fid_run, data, defaults, tmp_path, run_script, edit,
+                                                           problem):
+    """A well-formed line with a missing or wrongly typed field, a NaN FID, a fractional step or a checkpoint
+    outside the run dir: one error line naming the file and line when the run starts, nothing written (not a
+    traceback at the next evaluation, nor a best.json naming a checkpoint that never existed)."""
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    lines = (run / "eval.jsonl").read_text().splitlines()
+    record = json.loads(lines[1])
+    edit(record)
+    lines[1] = json.dumps(record)
+    (run / "eval.jsonl").write_text("\n".join(lines) + "\n")
+    before = _snapshot(run)
+    code, _, err = _resume_more(run, data, defaults, run_script)
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"error: {run / 'eval.jsonl'} line 2 is not an evaluation record: {problem}; correct or delete the line")
+    assert _snapshot(run) == before
+
+
+def test_undecodable_or_cut_evaluation_records_name_the_file(fid_run, data, defaults, tmp_path, run_script):
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    good = (run / "eval.jsonl").read_bytes()
+    (run / "eval.jsonl").write_bytes(b"\xff\xfe" + good)
+    code, _, err = _resume_more(run, data, defaults, run_script)
+    assert code == 1 and err.strip().splitlines()[-1] == (
+        f"error: {run / 'eval.jsonl'} is not UTF-8 text (byte 0: invalid start byte); it is this run's record of its "
+        "FID evaluations: restore it or remove it")
+    (run / "eval.jsonl").write_bytes(good + b'{"step": 6, "fid": 1')
+    code, _, err = _resume_more(run, data, defaults, run_script)
+    assert code == 1 and err.strip().splitlines()[-1].startswith(
+        f"error: {run / 'eval.jsonl'} line 3 is not an evaluation record: not JSON (")
+
+
+def test_best_json_is_checked_at_start_up(fid_run, data, defaults, tmp_path, run_script):
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    best = json.loads((run / "best.json").read_text())
+    (run / "best.json").write_text(json.dumps({**best, "fid": "abc"}))
+    before = _snapshot(run)
+    code, _, err = _resume_more(run, data, defaults, run_script)
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: {run / 'best.json'} is not a best-checkpoint record: 'fid' is \"abc\", not a finite number; delete "
+        "it and the run writes it again from eval.jsonl when it starts")
+    assert _snapshot(run) == before
+    # Deleted as the message says: the resumed run writes it again, from eval.jsonl.
+    (run / "best.json").unlink()
+    code, _, err = _resume_more(run, data, defaults, run_script, **{"train.eval_every": 0})
+    assert code == 0, err[-3000:]
+    low = min(_evaluations(run), key=lambda r: r["fid"])
+    assert json.loads((run / "best.json").read_text()) == {k: low[k] for k in ("step", "fid", "checkpoint")}
+
+
+def test_export_best_refuses_a_checkpoint_outside_the_run_dir(fid_run, tmp_path, run_script):
+    run = tmp_path / "a" / "run"
+    shutil.copytree(fid_run, run)
+    other = tmp_path / "other" / "checkpoints" / "step_000000002"  # a real checkpoint, of another run
+    shutil.copytree(fid_run / "checkpoints" / "step_000000004", other)
+    (run / "best.json").write_text(json.dumps({"step": 2, "fid": 1.0, "checkpoint": _OUTSIDE}))
+    before = _snapshot(run)
+    code, _, err = run_script("train.py", run, "--export", "best")
+    assert code == 1 and err.strip().splitlines()[-1] == (
+        f"error: {run / 'best.json'} is not a best-checkpoint record: 'checkpoint' is \"{_OUTSIDE}\", which is not a "
+        "path inside the run dir; delete it and the run writes it again from eval.jsonl when it starts")
+    assert _snapshot(run) == before  # the other run's weights were not exported
+
+
+def test_a_best_checkpoint_deleted_by_hand_is_reported_on_resume(fid_run, data, defaults, tmp_path, run_script):
+    """best.json names the lowest FID among the evaluated checkpoints that exist: when its checkpoint is deleted by
+    hand, the resumed run says so and names the next best that exists (which rotation then keeps)."""
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    records = _evaluations(run)
+    records[0]["fid"], records[1]["fid"] = 1.0, 5.0  # step 2 is the best
+    (run / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "best.json").write_text(json.dumps({k: records[0][k] for k in ("step", "fid", "checkpoint")}))
+    shutil.rmtree(run / "checkpoints" / "step_000000002", ignore_errors=True)  # by hand (if rotation kept it)
+    # Resuming at step 4 = max_steps: nothing to train or evaluate, only the start-up and the export.
+    code, _, err = run_script("train.py", run, *_overrides(run, data), "--resume")
+    assert code == 0, err[-3000:]
+    assert (f"{run / 'best.json'} named checkpoints/step_000000002 (step 2, FID 1.0000), which no longer exists "
+            "(deleted by hand?); it now names checkpoints/step_000000004 (step 4, FID 5.0000), the lowest FID among "
+            "the evaluated checkpoints that exist") in err
+    assert json.loads((run / "best.json").read_text()) == {"step": 4, "fid": 5.0,
+                                                           "checkpoint": "checkpoints/step_000000004"}
+
+
+def test_a_reference_of_another_fid_mode_is_refused_at_start_up_and_taken_in_its_mode(data, defaults, tmp_path,
+                                                                                      run_script):
+    """A tf-mode reference stopped the run at its first evaluation, and every --resume stopped again: it is now a
+    start-up error naming train.eval_fid_mode, which takes the mode; in tf mode the FID is the harness's tf FID."""
+    from uvic.fid import compute_stats, save_stats
+
+    ref = tmp_path / "ref_tf.npz"
+    save_stats(compute_stats(data["ref_images"], mode="tf", dims=DIMS, weights=data["weights"], weights_sha256=None,
+                             device="cpu", progress=False), ref)
+    run = tmp_path / "run"
+    overrides = _overrides(run, data, **{"train.eval_reference": str(ref), "train.max_steps": 2,
+                                         "train.sample_every": 0, "train.log_with": "none"})
+    code, _, err = run_script("train.py", defaults, *overrides)
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: train.eval_reference '{ref}' holds statistics of FID mode 'tf', and train.eval_fid_mode is "
+        "'pytorch-fid': set train.eval_fid_mode=tf to score in that mode, or use a reference of mode 'pytorch-fid'")
+    assert not run.exists()
+    code, _, err = run_script("train.py", defaults, *overrides, "train.eval_fid_mode=tf")
+    assert code == 0, err[-3000:]
+    (record,) = _evaluations(run)
+    from uvic.fid import compute_fid
+    from uvic.pipelines.sampling import sample_to_folder
+    from uvic.training.runs import load_pipeline
+
+    pipe = load_pipeline(run / "checkpoints" / "step_000000002")
+    pipe.set_progress_bar_config(disable=True)
+    sample_to_folder(pipe, tmp_path / "samples", 3, seed=0, num_inference_steps=2)
+    expected = compute_fid(tmp_path / "samples", ref, mode="tf", weights=data["weights"], weights_sha256=None,
+                           device="cpu", progress=False)
+    assert expected.mode == "tf" and record["fid"] == pytest.approx(expected.fid, rel=1e-6)
+
+
+def test_image_reference_statistics_show_progress_and_are_cached_in_the_run_dir(data, defaults, tmp_path,
+                                                                                 run_script, monkeypatch):
+    """An image-folder reference: its statistics are computed once with a progress bar, cached in the run dir (the
+    harness's statistics of the folder), read back by the next start, and computed again when a file changes."""
+    import uvic.fid
+    from uvic.fid import compute_stats, load_stats
+
+    ref = tmp_path / "ref"
+    shutil.copytree(data["ref_images"], ref)
+    run = tmp_path / "run"
+    overrides = _overrides(run, data, **{"train.eval_reference": str(ref), "train.max_steps": 2,
+                                         "train.sample_every": 0, "train.log_with": "none"})
+    code, _, err = run_script("train.py", defaults, *overrides)
+    assert code == 0, err[-3000:]
+    assert f"train.eval_reference {ref}: computing the statistics of its 3 images, once" in err
+    assert "Inception features (pytorch-fid)" in err  # the progress bar
+    cached = load_stats(run / "eval_reference.npz")
+    expected = compute_stats(ref, dims=DIMS, weights=data["weights"], weights_sha256=None, device="cpu",
+                             progress=False)
+    assert np.array_equal(cached.mu, expected.mu) and np.array_equal(cached.sigma, expected.sigma)
+    assert cached.mode == "pytorch-fid" and cached.n == 3
+
+    # The next start reads them back: nothing is computed (compute_stats would fail).
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference statistics were computed again")
+
+    monkeypatch.setattr(uvic.fid, "compute_stats", refuse)
+    code, _, err = run_script("train.py", defaults, *overrides, "train.max_steps=4", "--resume")
+    assert code == 0, err[-3000:]
+    assert f"train.eval_reference {ref}: its statistics from {run / 'eval_reference.npz'}" in err
+    monkeypatch.undo()
+
+    # Another image under the same name: computed again, and the cache replaced.
+    Image.fromarray(np.full((8, 8, 3), 7, np.uint8)).save(ref / "0.png")
+    os.utime(ref / "0.png", ns=(1, 1))
+    code, _, err = run_script("train.py", defaults, *overrides, "train.max_steps=6", "--resume")
+    assert code == 0, err[-3000:]
+    assert "computing the statistics of its 3 images" in err
+    again = compute_stats(ref, dims=DIMS, weights=data["weights"], weights_sha256=None, device="cpu", progress=False)
+    assert np.array_equal(load_stats(run / "eval_reference.npz").mu, again.mu)
+
+    # A damaged cache is only a cache: computed again, with a warning.
+    (run / "eval_reference.npz").write_bytes(b"PK\x03\x04 not a zip")
+    code, _, err = run_script("train.py", defaults, *overrides, "train.max_steps=8", "--resume")
+    assert code == 0, err[-3000:]
+    assert f"{run / 'eval_reference.npz'} cannot be read (" in err and "computing the statistics of its 3" in err
+    assert np.array_equal(load_stats(run / "eval_reference.npz").mu, again.mu)
+
+
+def test_export_best_from_the_run_dir_says_what_it_exported(fid_run, tmp_path, run_script):
+    """`train.py RUN_DIR --export best`: a run dir stands for its config; the log line names the step, the FID and
+    the checkpoint, never the temporary folder the export is written to."""
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    shutil.rmtree(run / "pipeline")
+    best = json.loads((run / "best.json").read_text())
+    code, out, err = run_script("train.py", run, "--export", "best")
+    assert code == 0, err
+    assert out.strip() == str(run / "pipeline")
+    assert (f"exported step {best['step']} ({run / best['checkpoint']}; FID {best['fid']:.4f}, the lowest FID while "
+            f"training (best.json)) to {run / 'pipeline'}") in err
+    assert ".tmp-" not in err
+    (weights,) = (run / "pipeline" / "transformer").glob("*.safetensors")
+    exported, ema = load_file(weights), load_file(run / best["checkpoint"] / "ema.safetensors")
+    assert all(torch.equal(exported[k], ema[k]) for k in ema)

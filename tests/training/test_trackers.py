@@ -24,10 +24,18 @@ def test_tracker_names(value, names):
     assert tracker_names(value) == names
 
 
-@pytest.mark.parametrize("value", ["mlflow", ("tensorboard", "none"), ("comet",)])
-def test_unknown_trackers_are_refused(value):
-    with pytest.raises(ConfigError, match=r"config key train.log_with: \['(mlflow|none|comet)'\] not in"):
+@pytest.mark.parametrize("value, message", [
+    ("mlflow", "'mlflow' is not a tracker uvic starts; use one of ['tensorboard', 'wandb'], a list of them, or 'none'"),
+    (("comet_ml",), "'comet_ml' is not a tracker uvic starts; use one of ['tensorboard', 'wandb'], a list of them, "
+                    "or 'none'"),
+    # Not "['none'] not in ['none', ...]": 'none' is a valid value, only not inside a list of trackers.
+    (("none", "tensorboard"), "['none', 'tensorboard'] lists 'none' with other trackers; 'none' alone means no "
+                              "tracker, else list trackers of ['tensorboard', 'wandb']"),
+])  # fmt: skip
+def test_unknown_trackers_are_refused(value, message):
+    with pytest.raises(ConfigError) as e:
         tracker_names(value)
+    assert str(e.value) == f"config key train.log_with: {message}"
 
 
 def test_a_text_sample_is_logged_as_text(tmp_path):

@@ -10,10 +10,12 @@ report.json has this shape (for other tools; `runs` names every run's state, see
                               "vs_baseline": {"uvic": {"n": 3, "mean_diff": -0.0011, "ci95": [-0.0019, -0.0003],
                                                        "p_value": 0.03, "relative": -0.0155, "verdict": "better"}}},
                  "train_loss": {...}},
+     "per_block": {"attn_neg_share": {"uvit": {"0": {"in_blocks.0": 0.0, ...}, ...}, "uvic": {...}}},
      "runs": {"uvit": {"0": {"state": "finished", "detail": ""}, ...}, ...}}
 
 `values` holds finished runs only, and `vs_baseline` pairs the seeds both arms finished (`uvic.compare.stats`);
-a metric no finished run has (`uvic.compare.metrics.METRICS`) is left out. report.md and report.html are the
+a metric no finished run has (`uvic.compare.metrics.METRICS`) is left out, and so is a per-block quantity
+(`PER_BLOCK`: each finished run's {block: value} at its last validation). report.md and report.html are the
 same document (one list of blocks, two renderers): the runs, a table of every metric with the verdicts, per-seed
 values, and the figures; the HTML embeds them as base64 PNG data URIs, so it opens offline with nothing beside it.
 """
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from uvic.compare import figures
-from uvic.compare.metrics import CURVES, METRICS, Curve, Metric
+from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric
 from uvic.compare.plan import Plan, load_plan, shell_command
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
 from uvic.compare.protocol_fid import read_fids
@@ -105,9 +107,18 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
         metrics[PROTOCOL_FID]["resamplings"] = {arm: {str(s): f for s, f in by_arm.get(arm, {}).items()}
                                                 for arm in arms}
         metrics[PROTOCOL_FID]["spreads"] = {arm: fid_spreads(by_arm.get(arm, {})) for arm in arms}
+    per_block = {}
+    for entry in PER_BLOCK:
+        values = {}
+        for (arm, seed), run in sorted(g.logs.items()):
+            if by_block := entry.read(run):
+                values.setdefault(arm, {})[str(seed)] = by_block
+        if values:
+            per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
     runs = {arm: {str(seed): {"state": g.states[arm, seed].state, "detail": g.states[arm, seed].detail}
                   for seed in plan.seeds} for arm in arms}
-    return {"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics, "runs": runs}
+    return {"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics, "per_block": per_block,
+            "runs": runs}
 
 
 def write_report(out: str | Path) -> dict[str, Any]:
@@ -150,6 +161,10 @@ def _draw(g: _Gathered, data: dict[str, Any], folder: Path) -> dict[str, Path]:
         values = {arm: {int(s): v for s, v in by_seed.items()} for arm, by_seed in entry["values"].items()}
         drawn[f"paired_{name}"] = figures.paired_dots(name, arms, values, folder / f"paired_{name}.png",
                                                       lower_is_better=entry["lower_is_better"])
+    for name, by_arm in data["per_block"].items():
+        values = {arm: {int(s): v for s, v in by_seed.items()} for arm, by_seed in by_arm.items()}
+        title = next(entry.title for entry in PER_BLOCK if entry.name == name)
+        drawn[f"blocks_{name}"] = figures.per_block_figure(title, arms, values, folder / f"blocks_{name}.png")
     grids: dict[str, dict[int, Path]] = {}
     for (arm, seed), run in g.logs.items():
         if (grid := final_samples(run.path, g.plan.configs[arm]["train"]["max_steps"])) is not None:
@@ -290,10 +305,27 @@ def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
         blocks.append(("h2", "Curves"))
         blocks += [("figure", path, f"{curve.title}: per arm, and the paired difference from {data['baseline']}")
                    for curve, path in curves]
+    for entry in PER_BLOCK:
+        if entry.name not in data["per_block"]:
+            continue
+        by_arm = data["per_block"][entry.name]
+        names = list(dict.fromkeys(b for per_seed in by_arm.values() for v in per_seed.values() for b in v))
+        arms = [arm for arm in data["arms"] if arm in by_arm]
+        rows = [[name, *(_fmt(_mean([v[name] for v in by_arm[arm].values() if name in v]), ".3f") for arm in arms)]
+                for name in names]
+        blocks += [("h2", entry.title[0].upper() + entry.title[1:]), ("p", f"`{entry.name}`: {entry.description}; "
+                                                                           "the mean over the finished seeds."),
+                   ("table", ["block", *arms], rows),
+                   ("figure", drawn[f"blocks_{entry.name}"], f"{entry.title} per block: a bar at the mean over "
+                                                             "seeds, a dot per seed")]
     if "samples" in drawn:
         blocks += [("h2", "Samples"), ("figure", drawn["samples"], "each run's last sample grid; every grid is drawn "
                                                                    "from the same sampling seeds")]
     return blocks
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 _CODE = re.compile(r"`([^`]*)`")

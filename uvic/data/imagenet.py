@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
 
     from uvic.errors import cli_errors
-    from uvic.models.autoencoder import load_vae
+    from uvic.models.autoencoder import VAE_SPEC, load_vae
 
     p = argparse.ArgumentParser(
         prog="python -m uvic.data.imagenet",
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--root", required=True, help="ImageNet folder holding train/<wnid>/*.JPEG")
     p.add_argument("--out", required=True, help="output folder, e.g. data/imagenet256_features")
-    p.add_argument("--vae", required=True, help="U-ViT's autoencoder_kl.pth (LDM format) or a diffusers AutoencoderKL dir")
+    p.add_argument("--vae", required=True, help=VAE_SPEC)
     p.add_argument("--resolution", type=int, choices=(256, 512), default=256)
     p.add_argument("--num-classes", type=int, default=NUM_CLASSES)
     p.add_argument("--batch-size", type=int, default=64)

@@ -347,7 +347,7 @@ class MSCOCOFeatures(Dataset):
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: extract one split. Run it once for train2014 and once for val2014."""
-    from uvic.models.autoencoder import UVIT_VAE_SCALE, load_vae
+    from uvic.models.autoencoder import UVIT_VAE_SCALE, VAE_SPEC, load_vae
     from uvic.models.text_encoder import CLIPTextEncoder
 
     p = argparse.ArgumentParser(
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--captions", required=True, help="caption file, e.g. coco/annotations/captions_train2014.json")
     p.add_argument("--out", required=True, help="output root; the split goes to OUT/SPLIT")
     p.add_argument("--split", required=True, help="split name, e.g. train or val")
-    p.add_argument("--vae", required=True, help="U-ViT's autoencoder_kl.pth (LDM format) or a diffusers AutoencoderKL dir")
+    p.add_argument("--vae", required=True, help=VAE_SPEC)
     p.add_argument("--clip", default="openai", help="open_clip ViT-L-14 tag, checkpoint file, or a CLIPTextEncoder dir")
     p.add_argument("--clip-cache-dir", default=None, help="open_clip / Hugging Face cache directory")
     p.add_argument("--resolution", type=int, default=256)

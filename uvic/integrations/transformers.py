@@ -37,7 +37,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
-from uvic.attention import Backend, attention_op, attention_placement, check_softmax_count
+from uvic.attention import Backend, attention_op, attention_placement, check_softmax_count, kept_by_mask
 
 
 __all__ = ["CONFIG_FIELD", "DEFAULT_KEEP_SOFTMAX", "apply_cog_attention", "cog_attention_forward", "cog_mask",
@@ -218,13 +218,10 @@ def _key_padding_of(mask: torch.Tensor, batch_size: int, kv_length: int, causal:
     if b not in (1, batch_size) or k_length != kv_length:
         raise ValueError(f"{where}: a 4-D attention mask of shape {tuple(mask.shape)} does not fit {batch_size} "
                          f"sequences of {kv_length} keys")  # fmt: skip
-    if mask.dtype == torch.bool:
-        keep = mask
-    else:
-        keep = mask == 0
-        if not bool((keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
-            raise ValueError(f"{where}: the 4-D float attention mask holds values other than 0 and -inf (a bias on "
-                             "the scores); Cog attention takes only masks that remove keys")  # fmt: skip
+    keep = kept_by_mask(mask)
+    if keep is None:
+        raise ValueError(f"{where}: the 4-D float attention mask holds values other than 0 and -inf (a bias on "
+                         "the scores); Cog attention takes only masks that remove keys")  # fmt: skip
     # The keys any query keeps; in a causal pattern the last query keeps every key that is not padding.
     kpm = keep.any(dim=2)[:, 0]  # (b, Lk)
     i = torch.arange(q_length, device=mask.device)[:, None] + (kv_length - q_length)

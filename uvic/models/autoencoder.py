@@ -96,6 +96,10 @@ def load_ldm_autoencoder(
     return vae.eval().requires_grad_(False)
 
 
+# What `load_vae` takes, in words (its error and the extraction CLIs' --vae help).
+VAE_SPEC = "U-ViT's assets/stable-diffusion/autoencoder_kl.pth (LDM format) or a diffusers AutoencoderKL folder"
+
+
 def load_vae(spec: str | os.PathLike, scaling_factor: float) -> AutoencoderKL:
     """The autoencoder `spec` names: an LDM-format file (`load_ldm_autoencoder`) or a diffusers `AutoencoderKL`
     folder, with `scaling_factor` in its config.
@@ -108,8 +112,7 @@ def load_vae(spec: str | os.PathLike, scaling_factor: float) -> AutoencoderKL:
         return load_ldm_autoencoder(path, scaling_factor=scaling_factor)
     if path.is_dir():
         return AutoencoderKL.from_pretrained(path, scaling_factor=scaling_factor)
-    raise FileNotFoundError(f"autoencoder {str(spec)!r} not found: pass U-ViT's assets/stable-diffusion/"
-                            "autoencoder_kl.pth or a diffusers AutoencoderKL folder")
+    raise FileNotFoundError(f"autoencoder {str(spec)!r} not found: pass {VAE_SPEC}")
 
 
 @torch.no_grad()

@@ -57,7 +57,6 @@ from torch import nn
 
 from uvic.errors import CheckpointError, StorageError, describe_os_error
 from uvic.io import fsync_dir, fsync_tree, load_torch_data, sha256_file
-from uvic.training.evaluation import best_checkpoint
 
 
 logger = logging.getLogger(__name__)
@@ -250,9 +249,10 @@ def save_checkpoint(
     keep: int = 3,
     *,
     state: TrainingState | None = None,
+    keep_also: Path | None = None,
 ) -> Path:
     """Save `state`, the RNG states and `extra_models` atomically as `checkpoint_dir(run_dir, step)`; keep the last
-    `keep`.
+    `keep`, and `keep_also` whatever its age (the best FID's checkpoint, which `best.json` names).
 
     Call on every process (each writes its own RNG states). Returns the checkpoint path.
 
@@ -296,12 +296,10 @@ def save_checkpoint(
         last = latest_checkpoint(run_dir) if root.is_dir() else None
         raise StorageError(f"could not save checkpoint {final}: {failure}. The partial checkpoint was removed; "
                            f"the last complete checkpoint is {last or 'none'}")
-    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal. The
-    # checkpoint with the best FID so far (best.json, `uvic.training.evaluation`) is kept whatever its age.
+    # Rotation. The new checkpoint is complete: an old one that cannot be deleted is reported, not fatal.
     if main:
-        best = best_checkpoint(run_dir)
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            if best is not None and old.name == best.name:
+            if keep_also is not None and old.resolve() == Path(keep_also).resolve():
                 continue
             try:
                 remove_dir(old)

@@ -6,7 +6,9 @@ The file holds two kinds of lines, each with a "step": training log lines `{"ste
 (or `metrics_of_kind`), which keeps the kinds apart and merges the lines of one kind and step.
 
 A kill or a full disk during an append can leave a partial last line. Readers skip it (with a warning), and the
-next append first cuts it off, so a resumed run never glues its records onto it.
+next append first cuts it off, so a resumed run never glues its records onto it. Any other line must be a record
+as the run writes it (an integer "step" >= 0, numbers or {name: number} mappings as values); anything else is a
+`RunRecordError` naming the file and the line, which a run reports when it starts (`check_metrics`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from uvic.errors import RunRecordError
 from uvic.io import atomic_write
 
 
@@ -39,28 +42,59 @@ def append_metrics(path: str | Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _problem(record: Any) -> str | None:
+    """What is wrong with a metrics line's record, or None: a "step" that is an integer >= 0, and values that are
+    numbers or {name: number} mappings (per-block values)."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    step = record.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        return "no 'step'" if "step" not in record else f"'step' is {json.dumps(step)}, not an integer >= 0"
+    for key, value in record.items():
+        ok = _is_number(value) or (isinstance(value, dict) and all(_is_number(v) for v in value.values()))
+        if key != "step" and not ok:
+            return f"{key!r} is {json.dumps(value)}, not a number"
+    return None
+
+
 def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of every complete line of `path`; a partial last line is skipped with a warning.
 
     Raises:
-        ValueError: a line other than the last is not a JSON record with a step (the file is damaged).
+        RunRecordError: a line other than the last is not a metrics record as the run writes it (the file and line
+            are named).
     """
-    text = path.read_text(errors="replace")
-    lines = text.split("\n")
+    lines = path.read_bytes().split(b"\n")
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         try:
+            line = raw.decode("utf-8")
             record = json.loads(line)
-            int(record["step"])
-        except (ValueError, KeyError, TypeError) as e:
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            problem = f"{type(e).__name__}: {e}"
+        else:
+            problem = _problem(record)
+        if problem is not None:
             if n == len(lines):  # no newline after it: a write that was cut short
                 logger.warning("%s: skipping the partial last line %d (an interrupted write)", path, n)
                 continue
-            raise ValueError(f"{path} line {n} is not a metrics record ({type(e).__name__}: {e})") from e
+            raise RunRecordError(f"{path} line {n} is not a metrics record ({problem}); correct or delete the line")
         out.append((line, record))
     return out
+
+
+def check_metrics(path: str | Path) -> None:
+    """Raise `RunRecordError` if a line of `path` (when it exists) other than a partial last one is not a metrics
+    record; a run calls this when it starts, before it reads the file back."""
+    path = Path(path)
+    if path.is_file():
+        _records(path)
 
 
 # The kinds of metrics lines, in the order `read_metrics` gives them at one step.

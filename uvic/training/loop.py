@@ -25,7 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from uvic.config import RunConfig, TrainConfig, validate_ranges
+from uvic.config import RunConfig, TrainConfig
 from uvic.errors import StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     TrainingState,
@@ -41,13 +41,21 @@ from uvic.training.checkpoint import (
 )
 from uvic.training.data import ShardedBatchSampler, build_loader
 from uvic.training.ema import EMA
-from uvic.training.evaluation import Evaluator, abandon_evaluations_after
+from uvic.training.evaluation import (
+    Evaluator,
+    abandon_evaluations_after,
+    best_checkpoint,
+    read_best,
+    read_evaluations,
+    refresh_best,
+)
 from uvic.training.lock import hold_run_dir
-from uvic.training.logs import append_metrics, move_metrics_after, plot_loss_curve
+from uvic.training.logs import append_metrics, check_metrics, move_metrics_after, plot_loss_curve
+from uvic.training.preflight import check_run_config
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import Task, build_task
 from uvic.training.trackers import log_samples, start_trackers, tracker_names
-from uvic.training.validation import Validator
+from uvic.training.validation import Validator, tracker_values
 
 
 logger = get_logger(__name__)
@@ -73,14 +81,19 @@ def train(cfg: RunConfig) -> Path:
     The run dir is locked for the life of the run (`uvic.training.lock`), and leftovers of interrupted saves are
     swept before anything is read from it.
 
+    Every check of the config that needs no data (`uvic.training.preflight.check_run_config`) runs before the run
+    dir is touched, and the run's own records (`eval.jsonl`, `best.json`, `metrics.jsonl`) are checked before
+    anything is written into it.
+
     Raises:
-        ConfigError: a config value out of range (`uvic.config.validate_ranges`).
+        ConfigError: a config value no run can use (`check_run_config`).
+        RunRecordError: a record of the run dir that is damaged or edited into something the run never writes.
         RunLockedError: another run holds the run dir.
         StorageError: a write failed (disk full, read-only, not a directory); names the last complete checkpoint.
         CheckpointError: the checkpoint to resume fails verification.
         FloatingPointError: the loss became NaN/Inf.
     """
-    validate_ranges(cfg)  # configs built in Python skip load_config's check
+    check_run_config(cfg)  # before the run dir is touched; configs built in Python skip load_config's checks
     run_dir = Path(cfg.train.run_dir)
     try:
         with ExitStack() as stack:  # holds the run-dir lock, taken by _setup once the accelerator exists
@@ -221,8 +234,9 @@ def _setup(cfg: RunConfig, stack: ExitStack) -> tuple[Accelerator, Path | None]:
             f"train.batch_size={tc.batch_size} must be divisible by processes x grad_accum_steps = "
             f"{world} x {tc.grad_accum_steps}"
         )
-    # Located before config.yaml is written, so that a refused start leaves the run dir as it was.
+    # Located and checked before config.yaml is written, so that a refused start leaves the run dir as it was.
     resume = resume_checkpoint(run_dir, tc.resume)
+    check_run_records(run_dir)
     set_seed(tc.seed, device_specific=True)
     torch.backends.cuda.matmul.allow_tf32 = tc.allow_tf32
     torch.backends.cudnn.allow_tf32 = tc.allow_tf32
@@ -294,6 +308,8 @@ def _resume(run: _Run) -> None:
                 abandon_evaluations_after(run.run_dir, run.step, abandoned / "eval.jsonl")
             else:  # the lines a killed run wrote after its last checkpoint: this run logs those steps again
                 move_metrics_after(run.metrics_path, run.step, None)
+    if accelerator.is_main_process:
+        refresh_best(run.run_dir)  # a best checkpoint deleted by hand is reported; best.json names one that exists
     accelerator.wait_for_everyone()
     run.last_good = latest_checkpoint(run.run_dir)
     if accelerator.is_main_process:
@@ -410,10 +426,11 @@ def _validate(run: _Run) -> None:
     t0 = time.time()
     with _eval_mode(run.sampling_model) as model:
         metrics = run.validator.validate(model)
-    run.accelerator.log(metrics, step=run.step)
+    values = tracker_values(metrics)  # the per-block attention shares as scalars
+    run.accelerator.log(values, step=run.step)
     if run.accelerator.is_main_process:
         append_metrics(run.metrics_path, {"step": run.step, **metrics})
-    logger.info(f"step={run.step:07d} " + " ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
+    logger.info(f"step={run.step:07d} " + " ".join(f"{k}={v:.6g}" for k, v in values.items()))
     run.meter.since += time.time() - t0
 
 
@@ -427,8 +444,10 @@ def _evaluate(run: _Run) -> None:
 
 def _save(run: _Run) -> None:
     """A checkpoint of this step (every process takes part), rotated to `train.keep_checkpoints`."""
+    # The best FID's checkpoint (best.json, a checked path inside the run dir) survives rotation whatever its age.
     run.last_good = save_checkpoint(run.accelerator, run.run_dir, run.step, run.cfg.to_dict(),
-                                    run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state)
+                                    run.checkpointed_models(), run.tc.keep_checkpoints, state=run.training_state,
+                                    keep_also=best_checkpoint(run.run_dir))
     logger.info(f"saved checkpoint {run.last_good}")
 
 
@@ -475,6 +494,18 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
+
+
+def check_run_records(run_dir: str | Path) -> None:
+    """Check the records a run keeps about itself and reads back (every process, before anything is written).
+
+    Raises:
+        RunRecordError: a line of eval.jsonl or metrics.jsonl, or best.json, that is not a record as the run writes
+            it (the file and the line are named).
+    """
+    read_evaluations(run_dir)
+    read_best(run_dir)
+    check_metrics(Path(run_dir) / "metrics.jsonl")
 
 
 def resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:

@@ -20,7 +20,7 @@ import torch
 from diffusers import DDPMScheduler
 
 from uvic.models.autoencoder import sample_latents
-from uvic.schedulers.noise_schedule import VPSDE
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, VPSDE
 from uvic.schedulers.timesteps import network_timestep
 from uvic.training.rng import ShardedRNG
 
@@ -38,7 +38,7 @@ class NoiseProcess(Protocol):
 class VPSDENoise:
     """Continuous VP-SDE; `t` is (B,) float in [0, 1)."""
 
-    def __init__(self, sde: VPSDE, time_scale: float = 999.0) -> None:
+    def __init__(self, sde: VPSDE, time_scale: float = SCHEDULE_PRESETS["vpsde"]["time_scale"]) -> None:
         self.sde = sde
         self.time_scale = time_scale
 

@@ -11,6 +11,8 @@ functions work for every registered task (`uvic.training.tasks`). `sample.py` an
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -22,28 +24,37 @@ from uvic.config import Config, config_from_dict
 from uvic.io import check_weights_fit, weight_shapes
 from uvic.pipelines.sampling import attach_text_encoder, is_pipeline_dir, load_pretrained
 from uvic.training.checkpoint import (
+    META,
     load_model_weights,
     read_checkpoint,
     read_checkpoint_config,
     write_dir_atomically,
 )
-from uvic.training.evaluation import best_checkpoint
+from uvic.training.evaluation import read_best
 from uvic.training.tasks import build_task
 
 
-__all__ = ["export", "load_pipeline", "task_from_checkpoint"]
+__all__ = ["export", "export_source", "load_pipeline", "task_from_checkpoint"]
+
+logger = logging.getLogger(__name__)
 
 
 def task_from_checkpoint(path: str | os.PathLike, weights: str = "ema") -> tuple[Any, nn.Module, Config]:
     """(task, model with the checkpoint's `weights` in eval mode, config) from a checkpoint dir or a run dir (its
     latest checkpoint). `weights` is "ema" or "model"."""
+    return _read_checkpoint(path, weights)[:3]
 
-    def read(ckpt: Path) -> tuple[Any, nn.Module, Config]:
+
+def _read_checkpoint(path: str | os.PathLike, weights: str) -> tuple[Any, nn.Module, Config, Path, int]:
+    """`task_from_checkpoint`, and the checkpoint dir it read with its step."""
+
+    def read(ckpt: Path) -> tuple[Any, nn.Module, Config, Path, int]:
         cfg = config_from_dict(read_checkpoint_config(ckpt))
         task = build_task(cfg)
         # A config that describes another model than the weights is refused before anything is allocated.
         check_weights_fit(task.build_model, weight_shapes(ckpt / f"{weights}.safetensors"), f"checkpoint {ckpt}")
-        return task, load_model_weights(task.build_model(), ckpt, weights).eval(), cfg
+        model = load_model_weights(task.build_model(), ckpt, weights).eval()
+        return task, model, cfg, ckpt, json.loads((ckpt / META).read_text())["step"]  # verified by read_checkpoint
 
     return read_checkpoint(path, read)  # retries when a live run rotates the chosen checkpoint away
 
@@ -71,24 +82,33 @@ def load_pipeline(
     return attach_text_encoder(task.pipeline(model, sampler=sampler), text_encoder)
 
 
-def export_source(run_dir: str | os.PathLike, which: str) -> Path:
-    """The checkpoint `train.py --export WHICH` means: "latest" (the run dir: its newest checkpoint), "best" (the
-    checkpoint `run_dir/best.json` names), else WHICH itself (a checkpoint or run dir)."""
+def export_source(run_dir: str | os.PathLike, which: str) -> tuple[Path, str]:
+    """The checkpoint `train.py --export WHICH` means, and a few words on why it is the one: "latest" (the run dir:
+    its newest checkpoint), "best" (the checkpoint `run_dir/best.json` names, a checked path inside the run dir),
+    else WHICH itself (a checkpoint or run dir).
+
+    Raises:
+        FileNotFoundError: "best" without a best.json. RunRecordError: a best.json that is not a record as the run
+            writes it, or names a checkpoint outside the run dir.
+    """
     if which == "latest":
-        return Path(run_dir)
+        return Path(run_dir), "the latest checkpoint"
     if which != "best":
-        return Path(which)
-    best = best_checkpoint(run_dir)
+        return Path(which), "the checkpoint given"
+    best = read_best(run_dir)
     if best is None:
         raise FileNotFoundError(f"{run_dir} has no best.json: no FID was computed while training (train.eval_every)")
-    return best
+    return Path(run_dir) / best["checkpoint"], f"FID {best['fid']:.4f}, the lowest FID while training (best.json)"
 
 
-def export(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def export(source: str | os.PathLike, out_dir: str | os.PathLike, why: str = "") -> Path:
     """Export the EMA weights of a checkpoint (or a run's latest) with its task's `export`; returns `out_dir`.
 
     The export is written next to `out_dir` and renamed into place when complete: a failed write (disk full,
-    read-only) raises `StorageError` and leaves an existing `out_dir` as it was.
+    read-only) raises `StorageError` and leaves an existing `out_dir` as it was. One log line names the checkpoint
+    and its step (and `why`, e.g. `export_source`'s words).
     """
-    task, model, _ = task_from_checkpoint(source)
-    return write_dir_atomically(out_dir, lambda tmp: task.export(model, tmp))
+    task, model, _, ckpt, step = _read_checkpoint(source, "ema")
+    out = write_dir_atomically(out_dir, lambda tmp: task.export(model, tmp))
+    logger.info("exported step %d (%s%s) to %s", step, ckpt, f"; {why}" if why else "", out)
+    return out

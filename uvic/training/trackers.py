@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 
-__all__ = ["SAMPLES_TAG", "TRACKERS", "log_samples", "start_trackers", "tracker_names"]
+__all__ = ["SAMPLES_TAG", "TRACKERS", "check_tracker_accounts", "log_samples", "start_trackers", "tracker_names"]
 
 SAMPLES_TAG = "samples"
 TRACKERS = ("tensorboard", "wandb")
@@ -32,16 +32,46 @@ def tracker_names(log_with: str | list[str] | tuple[str, ...]) -> list[str]:
     names = [log_with] if isinstance(log_with, str) else list(log_with)
     if names == ["none"]:
         return []
+    if "none" in names:
+        raise ConfigError(f"config key train.log_with: {names} lists 'none' with other trackers; 'none' alone means "
+                          f"no tracker, else list trackers of {list(TRACKERS)}")
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
-        raise ConfigError(f"config key train.log_with: {unknown} not in {['none', *TRACKERS]} (or a list of "
-                          f"{list(TRACKERS)})")
+        raise ConfigError(f"config key train.log_with: {', '.join(map(repr, unknown))} is not a tracker uvic starts; "
+                          f"use one of {list(TRACKERS)}, a list of them, or 'none'")
     if "wandb" in names:
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError('train.log_with names wandb, which is not installed: pip install -e ".[wandb]"')
     return list(dict.fromkeys(names))
+
+
+def _no_wandb_account(run_dir: str | os.PathLike, why: str) -> str:
+    return (f"train.log_with names wandb, which has no account to log to ({why}): run `wandb login`, or set "
+            f"WANDB_MODE=offline to log to {Path(run_dir) / 'wandb'} without an account")
+
+
+def check_tracker_accounts(names: list[str], run_dir: str | os.PathLike) -> None:
+    """Before a run starts: raise ConfigError when `names` holds wandb and wandb has nowhere to log (not offline or
+    disabled by WANDB_MODE, and no credentials: no `wandb login`, no WANDB_API_KEY). Nothing is contacted; a wandb
+    whose login cannot be asked without prompting leaves the check to `start_trackers`."""
+    from uvic.errors import ConfigError
+
+    if "wandb" not in names or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return
+    import wandb
+
+    try:
+        found = wandb.login(verify=False, prompt=False)  # reads the environment and ~/.netrc only
+    except TypeError:  # an older wandb without `prompt`: it could block on a prompt here
+        return
+    except Exception as e:  # noqa: BLE001 - wandb's UsageError / AuthenticationError: no usable credentials
+        raise ConfigError(_no_wandb_account(run_dir, f"{type(e).__name__}: {' '.join(str(e).split())}")) from None
+    if not found:
+        raise ConfigError(_no_wandb_account(run_dir, "no `wandb login`, no WANDB_API_KEY"))
 
 
 def start_trackers(accelerator: Any, names: list[str], run_dir: str | os.PathLike, config: dict[str, Any]) -> None:
@@ -62,9 +92,7 @@ def start_trackers(accelerator: Any, names: list[str], run_dir: str | os.PathLik
         accelerator.init_trackers("train", config=config, init_kwargs={"wandb": {"dir": str(run_dir)}})
     except Exception as e:
         if "wandb" in names and _is_wandb_login_error(e):
-            raise ConfigError(f"train.log_with names wandb, which has no account to log to ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())}): run `wandb login`, or set WANDB_MODE=offline to log "
-                              f"to {Path(run_dir) / 'wandb'} without an account") from None  # fmt: skip
+            raise ConfigError(_no_wandb_account(run_dir, f"{type(e).__name__}: {' '.join(str(e).split())}")) from None
         raise
 
 

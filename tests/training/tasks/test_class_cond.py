@@ -1,14 +1,14 @@
 """The class_cond task: label dropout statistics, latents from stored moments, config checks, ImageNet pixel and
 latent runs in the training loop (with an exact resume), and the held-out validation."""
 
-from types import SimpleNamespace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_imagenet import make_imagenet
-from tiny_models import VAE_TINY
+from tiny_models import VAE_TINY, SpyDenoiser
 
 from uvic.config import load_config, task_class
 from uvic.data.imagenet import extract_features
@@ -37,17 +37,6 @@ def _pixels(run_dir, root, **extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
-class _Spy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(()))
-        self.calls = []
-
-    def forward(self, x, t, class_labels=None):
-        self.calls.append((x, t, class_labels))
-        return SimpleNamespace(sample=x * self.w)
-
-
 def test_drop_labels():
     labels = torch.tensor([3, 1, 4, 1, 5])
     drop = torch.tensor([True, False, False, True, False])
@@ -63,7 +52,7 @@ def test_label_dropout_statistics_and_latents(p_uncond, tmp_path):
         "data.p_uncond": p_uncond, "diffusion.schedule": "discrete", "diffusion.beta_schedule": "scaled_linear",
         "diffusion.beta_start": 0.00085, "diffusion.beta_end": 0.012}))
     task = ClassConditionalTask(cfg)
-    spy, B = _Spy(), 20_000
+    spy, B = SpyDenoiser("class_labels"), 20_000
     labels = torch.arange(B) % 3
     moments = torch.cat([torch.full((B, 4, 2, 2), 2.0), torch.full((B, 4, 2, 2), -30.0)], dim=1)  # z = 0.18215 * 2
     task.loss(spy, {"x": moments, "label": labels}, ShardedRNG(0, 0, 1, "cpu"))
@@ -93,6 +82,37 @@ def test_config_errors_are_named(tmp_path):
     with pytest.raises(ValueError, match="random_flip"):
         task(**{"data.source": "features", "model.num_classes": 4})
     assert task(**{"model.num_classes": 4, "data.p_uncond": 0.1}).null_class
+
+
+def test_model_num_classes_follows_the_data_unless_set():
+    """A run on fewer classes changes data.num_classes only: the model has those classes, plus the null class when
+    label dropout trains one; a preset's own count (ImageNet 256's 1001) follows too; a value the config sets wins."""
+    configs = Path(__file__).resolve().parents[3] / "configs"
+    assert load_config(configs / "imagenet256_uvic_l2.yaml").model.num_classes == 1001  # the official runs as before
+    assert load_config(configs / "imagenet64_uvic_m4.yaml").model.num_classes == 1000
+    assert load_config(configs / "imagenet256_uvic_l2.yaml", ["data.num_classes=10"]).model.num_classes == 11
+    assert load_config(configs / "imagenet64_uvic_m4.yaml", ["data.num_classes=10"]).model.num_classes == 10
+    small = configs / "class_cond_small.yaml"
+    assert load_config(small).model.num_classes == 11
+    assert load_config(small, ["data.num_classes=3", "data.p_uncond=0", "sample.guidance_scale=1"]).model.num_classes == 3
+    assert load_config(small, ["data.num_classes=3", "model.num_classes=5"]).model.num_classes == 5  # set: kept
+    assert load_config(small, ["model.preset=uvic-tiny-class", "data.num_classes=3"]).model.num_classes == 4
+
+
+def test_the_small_class_conditional_config_trains_on_a_few_classes(tmp_path, run_script):
+    """configs/class_cond_small.yaml on a 3-class folder (as the README shows it), shrunk to a tiny model: no
+    model.num_classes to keep in step by hand; the export has the 3 classes and the null class of guidance."""
+    root = make_imagenet(tmp_path / "classes")
+    run = tmp_path / "run"
+    code, _, err = run_script(
+        "train.py", "configs/class_cond_small.yaml", f"data.root={root}", "data.num_classes=3",
+        "model.preset=uvic-tiny-class", "data.image_size=8", "data.num_workers=0", f"train.run_dir={run}",
+        "train.max_steps=2", "train.batch_size=4", "train.log_with=none", "train.sample_every=0", "train.cpu_threads=1",
+        "sample.num_inference_steps=2")  # fmt: skip
+    assert code == 0, err[-3000:]
+    pipe = UViCPipeline.from_pretrained(run / "pipeline")
+    assert pipe.transformer.config.num_classes == 4 and pipe.config.null_class and pipe.num_labels == 3
+    assert pipe.config.default_guidance_scale == pytest.approx(1.4)
 
 
 def test_imagenet_pixel_run_resumes_exactly_and_exports(tmp_path):
@@ -173,7 +193,7 @@ def test_validation_holds_out_whole_images_and_feeds_their_labels(tmp_path):
     image = np.arange(18) % 9  # item j is image j % 9
     assert len(held) == 6 and len(trained) == 12 and set(image[held.indices]).isdisjoint(image[trained.indices])
     assert [image[j] for j in held.indices[::2]] == [image[j] for j in held.indices[1::2]]  # as is, then flipped
-    spy = _Spy()
+    spy = SpyDenoiser("class_labels")
     items = [held[i] for i in range(6)]
     batch = {"x": torch.stack([it["x"] for it in items]), "label": torch.stack([it["label"] for it in items])}
     task.validation_losses(spy, batch, torch.arange(6))

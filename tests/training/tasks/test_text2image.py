@@ -2,13 +2,12 @@
 validation loss on held-out captions, and the task in the training loop."""
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
-from tiny_models import tiny_t2i_config
+from tiny_models import SpyDenoiser, tiny_t2i_config
 
 from uvic.models import build_preset
 from uvic.schedulers.timesteps import network_timestep
@@ -38,19 +37,8 @@ def test_drop_context_replaces_whole_context():
     assert (out[drop] == empty).all() and (out[~drop] == ctx[~drop]).all()
 
 
-class _Spy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(()))
-        self.calls = []
-
-    def forward(self, x, t, encoder_hidden_states=None):
-        self.calls.append((x, t, encoder_hidden_states))
-        return SimpleNamespace(sample=x * self.w)
-
-
 def test_loss_feeds_t_plus_one_noised_latents_and_drops_context():
-    spy, abar = _Spy(), _abar()
+    spy, abar = SpyDenoiser("encoder_hidden_states"), _abar()
     B = 2000
     moments = torch.zeros(B, 8, 16, 16)
     moments[:, 4:] = -30.0  # (almost) deterministic latent: z0 = scale * mean = 0
@@ -142,7 +130,7 @@ def test_validation_uses_the_val_split_or_holds_out_whole_images(tmp_path, make_
         images = task._data().caption_image
         assert len(held) == 4 and len(trained) == 16  # 2 of the 10 images, with both captions
         assert set(images[held.indices]).isdisjoint(images[trained.indices])
-    spy = _Spy()
+    spy = SpyDenoiser("encoder_hidden_states")
     index = torch.tensor([3, 1])
     items = [held[int(i)] for i in index]
     batch = {k: torch.stack([it[k] for it in items]) for k in ("x", "context")}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-from uvic.attention import AttentionKind, Backend, cog_attention
+from uvic.attention import AttentionKind, Backend, cog_attention, kept_by_mask
 
 
 # Additive mask entries at or below this remove a key (diffusers builds its masks with -10000.0).
@@ -41,13 +41,10 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, where: str = "att
     if attention_mask.dim() != 4:
         raise ValueError(f"{where}: expected a (B, heads, Lq, Lk) mask, got shape {tuple(attention_mask.shape)}; "
                          f"{supported}")  # fmt: skip
-    if attention_mask.dtype == torch.bool:
-        keep = attention_mask
-    else:
-        keep = attention_mask == 0
-        if not (keep | (attention_mask <= REMOVED_KEY_BIAS)).all():
-            raise ValueError(f"{where}: the additive attention mask has entries other than 0 and "
-                             f"<= {REMOVED_KEY_BIAS:g} (a bias, not a key mask); {supported}")  # fmt: skip
+    keep = kept_by_mask(attention_mask, REMOVED_KEY_BIAS)
+    if keep is None:
+        raise ValueError(f"{where}: the additive attention mask has entries other than 0 and "
+                         f"<= {REMOVED_KEY_BIAS:g} (a bias, not a key mask); {supported}")  # fmt: skip
     if not (keep == keep[:, :1, :1, :]).all():
         raise ValueError(f"{where}: the attention mask differs between queries or heads; {supported}")
     kpm = keep[:, 0, 0, :]

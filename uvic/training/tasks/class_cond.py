@@ -69,7 +69,7 @@ class ClassConditionalTask(DiffusionTask):
                              f"model.num_classes={d.num_classes + 1}")
         if cfg.sample.guidance_scale > 1 and not self.null_class:
             raise ValueError(f"sample.guidance_scale={cfg.sample.guidance_scale} needs a null class, and the model has "
-                             "none: set sample.guidance_scale=1")
+                             "none: set sample.guidance_scale=1, or data.p_uncond > 0 to train one")
         if d.source == "features" and d.random_flip:
             raise ValueError("data.random_flip: the features already hold every image as is and flipped; set "
                              "data.random_flip=false")
@@ -180,7 +180,7 @@ class ClassConditionalTask(DiffusionTask):
         model = copy.deepcopy(model).float().cpu()
         if self.latent and not self.cfg.data.vae:
             model.save_pretrained(Path(out_dir) / "transformer")
-            logger.warning("data.vae is not set: exported only %s/transformer", out_dir)
+            # `out_dir` is the temporary name the export is renamed from: not a name to show.
+            logger.warning("data.vae is not set: exported only the transformer (pipeline/transformer)")
             return
         self.pipeline(model).save_pretrained(str(out_dir))
-        logger.info("exported the model as a UViCPipeline to %s", out_dir)
