@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test bench demo clean
+.PHONY: install test bench demo compare-demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: install
 demo: install
 	$(BIN)/python train.py configs/demo_digits.yaml --resume
 	$(BIN)/python sample.py runs/demo_digits/pipeline --grid runs/demo_digits/grid.png --num-images 64 --grid-scale 4
+
+# The CPU comparison: U-ViT vs U-ViC on the digits in 2x2 patches, 3 seeds each, two runs at a time (resumable:
+# re-running continues, then writes the report again). runs/cmp_digits/report.html is the result.
+compare-demo: install
+	$(BIN)/python compare.py run configs/compare_digits.yaml --arm uvit model.attention=softmax --arm uvic \
+		--seeds 0 1 2 --out runs/cmp_digits --jobs 2
 
 bench: install
 	$(BIN)/python benchmarks/bench_attention.py

@@ -18,7 +18,8 @@ def _read(name, logs):
 
 
 def test_names_and_directions_are_unique_and_documented():
-    assert [m.name for m in METRICS] == ["val_loss", "val_accuracy", "train_loss", "fid_last", "fid_best"]
+    assert [m.name for m in METRICS] == ["val_loss", "val_accuracy", "train_loss", "fid_last", "fid_best",
+                                         "fid_protocol"]
     assert all(m.lower_is_better == (m.name != "val_accuracy") and m.description for m in METRICS)
     assert len({c.name for c in CURVES}) == len(CURVES)
     assert [b.name for b in PER_BLOCK] == ["attn_neg_share"] and all(b.description for b in PER_BLOCK)
@@ -43,6 +44,15 @@ def test_train_loss_is_the_mean_of_the_last_5_percent_of_logged_steps(n, tail):
 def test_val_loss_is_the_last_validation_and_fid_the_last_and_best():
     logs = _logs([1.0], val=[(10, 0.5), (20, 0.4), (30, 0.45)], fids=[(10, 9.0), (20, 7.0), (30, 8.0)])
     assert (_read("val_loss", logs), _read("fid_last", logs), _read("fid_best", logs)) == (0.45, 8.0, 7.0)
+
+
+def test_the_protocol_fid_is_the_mean_of_the_runs_resamplings(tmp_path):
+    logs = RunLogs(tmp_path, [], [], [])
+    assert _read("fid_protocol", logs) is None  # none computed
+    (tmp_path / "fid_protocol.json").write_text('{"protocol": {}, "fids": [3.0, 4.5, 5.25]}')
+    assert _read("fid_protocol", logs) == 4.25
+    (tmp_path / "fid_protocol.json").write_text('{"protocol": {}, "fids": [3.0, Infinity]}')
+    assert _read("fid_protocol", logs) is None
 
 
 def test_absent_or_non_finite_values_are_none():

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from uvic.compare import protocol_fid
 from uvic.compare.rundirs import RunLogs, finite
 from uvic.training.validation import ATTN_NEG_SHARE
 
@@ -77,6 +78,11 @@ def tail_mean(records: list[dict[str, Any]], key: str, fraction: float) -> float
     return None if None in tail else sum(tail) / len(tail)
 
 
+def mean_or_none(values: list[float]) -> float | None:
+    """The mean of `values`, None when empty or not finite."""
+    return finite(sum(values) / len(values)) if values else None
+
+
 def last_per_block(records: list[dict[str, Any]], key: str) -> dict[str, float]:
     """{block: value} of `key` ({block: value}) in the last record (by step) that has it; finite values only."""
     values = [r[key] for r in records if isinstance(r.get(key), dict)]
@@ -99,6 +105,8 @@ METRICS: tuple[Metric, ...] = (
            "FID while training (train.eval_every) at the last evaluation"),
     Metric("fid_best", True, lambda run: lowest(run.evals, "fid"),
            "FID while training (train.eval_every), the lowest evaluation"),
+    Metric(protocol_fid.METRIC, True, lambda run: mean_or_none(protocol_fid.read_fids(run.path)),
+           "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings"),
 )  # fmt: skip
 
 CURVES: tuple[Curve, ...] = (
