@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test bench demo compare-demo clean
+.PHONY: install test aot-full bench demo compare-demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,14 @@ TEST_TIMEOUT ?= 900
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=15 --timeout=$(TEST_TIMEOUT)
+
+# The full ahead-of-time compile check of the fused kernel: every autotune candidate of every kernel, dtype and head
+# dim, in both modes, plain and windowed/softcapped, compiled for sm_80 and sm_90 and read with ptxas (exit 1 on a
+# register spill or on shared memory over its table's budget). `make test` compiles a representative subset of it
+# (`uvic.kernels.aot.representative_specs`); any change to kernels/ runs this before it lands.
+AOT_WORKERS ?= 2
+aot-full: install
+	$(BIN)/python -m uvic.kernels.aot --workers $(AOT_WORKERS)
 
 # The CPU demo: a tiny U-ViC on the built-in digits (resumable: re-running continues or just re-samples).
 demo: install

@@ -16,14 +16,20 @@ import torch
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# Every multiple of 8 up to 256, as FlashAttention-2 (the kernels split a head dim into power-of-two tiles:
+# `uvic.kernels.configs.head_dim_chunks`). Others run on the torch backend.
+HEAD_DIM_MULTIPLE = 8
+MAX_HEAD_DIM = 256
+SUPPORTED_HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
 # Offsets inside one (batch, head) slice are 32-bit in the kernels: L * hd must stay below this.
 MAX_SLICE_ELEMENTS = 2**31
 # The (batch * head) axis of the launch grid.
 MAX_BATCH_HEADS = 65535
 
 __all__ = [
+    "HEAD_DIM_MULTIPLE",
     "MAX_BATCH_HEADS",
+    "MAX_HEAD_DIM",
     "MAX_SLICE_ELEMENTS",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",

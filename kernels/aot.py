@@ -5,17 +5,20 @@ machine ("Checking without a GPU: AOT compile and the SASS proxy" in docs/kernel
 triton is then run with `-v` on that PTX, with the flags triton itself uses, to read registers and spill bytes;
 shared memory is triton's `metadata.shared`.
 
-Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`) is compiled with the mask
-variants that have the most code: causal + key padding mask for the plain candidates, and sliding window + softcap
-+ key padding mask for the banded ones (`banded=True`), in Cog mode and in softmax mode.
+Every config the autotuner may pick (`uvic.kernels.configs.candidate_configs`), for every dtype and head dim (every
+multiple of 8 up to 256), is compiled with the mask variants that have the most code: causal + key padding mask
+for the plain candidates, and sliding window + softcap + key padding mask for the banded ones (`banded=True`), in
+Cog mode and in softmax mode: `all_specs()`, the full matrix that `make aot-full` checks. `make test` compiles
+`representative_specs()`, a subset chosen by a rule that meets every kernel, head dim, arch, dtype and variant.
 
 `--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
 candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
 Cog against the same kernel's softmax mode, with the targets of `SASS_RATIO_TARGET`.
 
-    python -m uvic.kernels.aot                 # full report, exit code 1 if any config spills or overflows smem
+    python -m uvic.kernels.aot --workers 2     # the full matrix (make aot-full); exit 1 on a spill or smem overflow
+    python -m uvic.kernels.aot --representative --workers 2     # the subset `make test` compiles
     python -m uvic.kernels.aot --arch 90 --dtype bf16 --head-dim 128 --workers 2
-    python -m uvic.kernels.aot --sass-mix --workers 2     # sm_90, bf16 + fp16, hd 64 + 128; exit 1 on a miss
+    python -m uvic.kernels.aot --sass-mix --workers 2     # sm_90, bf16 + fp16, hd 64, 72, 96, 128; exit 1 on a miss
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ from uvic.kernels.configs import (
     DTYPES,
     HEAD_DIMS,
     KERNELS,
-    SMEM_LIMIT,
+    SMEM_NEEDED,
     KernelConfig,
     candidate_configs,
     forward_sign_ptx,
     gpu_dot_precision,
+    stride_unit,
 )
 
 
@@ -91,7 +95,8 @@ class Result:
 
     @property
     def smem_ok(self) -> bool:
-        return self.shared <= SMEM_LIMIT[self.spec.arch]
+        """Within the shared memory `configs.config_arch` assumes its table needs (at most the GPU's limit)."""
+        return self.shared <= SMEM_NEEDED[self.spec.arch]
 
 
 def all_specs(
@@ -116,6 +121,32 @@ def all_specs(
     return specs
 
 
+# The (mode, banded) variants `representative_specs` rotates through: Cog / softmax, plain (causal + key padding)
+# / banded (window + softcap + key padding).
+_VARIANTS = ((True, False), (False, True), (True, True), (False, False))
+
+
+def representative_specs() -> list[Spec]:
+    """The subset of `all_specs()` that `make test` compiles (`make aot-full` compiles all of it): for the i-th
+    head dim of `HEAD_DIMS` and the j-th kernel of `KERNELS`, one spec, the kernel's first candidate on arch
+    `ARCHS[(i + j) % 2]` and dtype `DTYPES[(i + j) % 3]`, in the variant (Cog or softmax, plain or banded)
+    `_VARIANTS[i % 4]` (bwd_pre has one). So every kernel compiles at every head dim, on every (arch, dtype) pair
+    and in every variant somewhere (tests/kernels/test_triton_compile.py checks this), with one spec per (head
+    dim, kernel) instead of every candidate, arch, dtype and variant."""
+    specs = []
+    for i, hd in enumerate(HEAD_DIMS):
+        for j, kernel in enumerate(KERNELS):
+            arch, dtype = ARCHS[(i + j) % len(ARCHS)], DTYPES[(i + j) % len(DTYPES)]
+            if kernel == "bwd_pre":
+                c = candidate_configs(kernel, arch, dtype, hd)[0]
+                specs.append(Spec(kernel, arch, dtype, hd, c, cog=False, causal=False, has_kpm=False))
+                continue
+            cog, banded = _VARIANTS[i % len(_VARIANTS)]
+            c = candidate_configs(kernel, arch, dtype, hd, banded=banded)[0]
+            specs.append(Spec(kernel, arch, dtype, hd, c, cog=cog, causal=not banded, window=banded, softcap=banded))
+    return specs
+
+
 def _signature(spec: Spec, arg_names: list[str]) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) as the JIT would specialise a launch on contiguous, 16-byte aligned tensors."""
     ptr = _PTR[spec.dtype]
@@ -126,6 +157,12 @@ def _signature(spec: Spec, arg_names: list[str]) -> tuple[dict, dict, dict]:
                       SOFTCAP=spec.softcap)  # fmt: skip
     if spec.kernel == "fwd":
         consts["SIGN_PTX"] = forward_sign_ptx(spec.arch, spec.dtype) if spec.sign_ptx is None else spec.sign_ptx
+    # The (batch, head, row) strides of contiguous q, k, v as the launcher passes them: divided by STRIDE_UNIT
+    # (`configs.stride_unit`), with the divisibility by 16 the JIT would see at an odd length (257 rows, 3 heads).
+    bhm = dict(zip("bhm", (3 * 257 * spec.head_dim, 257 * spec.head_dim, spec.head_dim)))
+    unit = stride_unit(bhm.values())
+    if spec.kernel != "bwd_pre":
+        consts["STRIDE_UNIT"] = unit
     sig, attrs = {}, {}
     for i, name in enumerate(arg_names):
         if name in consts:
@@ -141,8 +178,10 @@ def _signature(spec: Spec, arg_names: list[str]) -> tuple[dict, dict, dict]:
             sig[name], attrs[(i,)] = ptr, [["tt.divisibility", 16]]
         elif name in ("sm_scale", "softcap"):
             sig[name] = "fp32"
-        elif name.startswith("stride_") and name != "stride_kpmb":  # (b, h, m) strides of (B, nh, L, hd), hd >= 16
-            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+        elif name.startswith("stride_") and name != "stride_kpmb":  # (b, h, m|n) strides of (B, nh, L, hd)
+            sig[name] = "i32"
+            if bhm["m" if name[-1] == "n" else name[-1]] // unit % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "L_BUCKET":
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
         else:  # NH, LQ, LK, stride_kpmb, WIN_LO, WIN_HI: any value
@@ -324,7 +363,12 @@ def sass_mix(spec: Spec) -> SassMix:
     return SassMix(spec, parse_sass(text), parse_sass(text, modifiers=True))
 
 
-def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=(64, 128), kernels=tuple(SASS_RATIO_TARGET),
+# The head dims `--sass-mix` reports by default: the two most used powers of two and the two most used chunked head
+# dims (U-ViT-H, DiT-XL: 72 = 64 + 16 with 8 padding columns; Phi-3: 96 = 64 + 32).
+SASS_HEAD_DIMS = (64, 72, 96, 128)
+
+
+def sass_specs(archs=(90,), dtypes=("bf16", "fp16"), head_dims=SASS_HEAD_DIMS, kernels=tuple(SASS_RATIO_TARGET),
                causal: bool = False, has_kpm: bool = False, sign_ptx: bool | None = None, window: bool = False,
                softcap: bool = False) -> list[Spec]:  # fmt: skip
     """(Cog, softmax) spec pairs, flattened, for the config each kernel's candidate list (the banded list with a
@@ -395,7 +439,7 @@ def format_report(results: list[Result]) -> str:
         flag = ("SPILL " if r.spills else "") + ("SMEM" if not r.smem_ok else "")
         lines.append(
             f"sm_{s.arch:<3}{s.dtype:<6}{s.head_dim:>4} {s.kernel:<9}{mode:<17}{str(s.config):<20}{r.registers:>5}"
-            f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared / 1024:>9.1f}{SMEM_LIMIT[s.arch] // 1024:>7}  {flag}"
+            f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared / 1024:>9.1f}{SMEM_NEEDED[s.arch] // 1024:>7}  {flag}"
         )
     return "\n".join(lines)
 
@@ -407,11 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, action="append", help="default: all")
     parser.add_argument("--kernel", choices=KERNELS, action="append", help="default: all")
     parser.add_argument("--cog-only", action="store_true", help="skip the softmax mode")
+    parser.add_argument("--representative", action="store_true",
+                        help="compile the subset `make test` compiles (representative_specs) instead of the full "
+                             "matrix")  # fmt: skip
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--sass-mix", action="store_true",
                         help="instead: SASS opcode mix, Cog vs softmax mode, of each kernel's first candidate "
-                             "(default sm_90, bf16 and fp16, head dims 64 and 128); exit code 1 if a target "
+                             "(default sm_90, bf16 and fp16, head dims 64, 72, 96 and 128); exit code 1 if a target "
                              "is missed")  # fmt: skip
     parser.add_argument("--causal", action="store_true", help="--sass-mix: compile the causal variant")
     parser.add_argument("--key-padding-mask", action="store_true", help="--sass-mix: compile with a key padding mask")
@@ -431,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         kernels=args.kernel or KERNELS,
         modes=(True,) if args.cog_only else (True, False),
     )
+    if args.representative:
+        wanted = set(specs)
+        specs = [s for s in representative_specs() if s in wanted]
     t0 = time.perf_counter()
     results = compile_all(specs, workers=args.workers)
     logger.info(format_report(results))
@@ -448,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main_sass_mix(args: argparse.Namespace) -> int:
     kernels = [k for k in (args.kernel or SASS_RATIO_TARGET) if k != "bwd_pre"]
     specs = sass_specs(archs=args.arch or (90,), dtypes=args.dtype or ("bf16", "fp16"),
-                       head_dims=args.head_dim or (64, 128), kernels=kernels, causal=args.causal,
+                       head_dims=args.head_dim or SASS_HEAD_DIMS, kernels=kernels, causal=args.causal,
                        has_kpm=args.key_padding_mask, sign_ptx=False if args.sign_clamp else None,
                        window=args.window, softcap=args.softcap)  # fmt: skip
     mixes = sass_mix_all(specs, workers=args.workers)

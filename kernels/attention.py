@@ -16,8 +16,11 @@ Supported envelope (enforced by `uvic.attention.unsupported_reason`):
     - dtypes float16, bfloat16, float32 (q, k, v share one). Accumulation is always fp32. For float32 inputs every
       tl.dot uses input_precision="ieee" (no TF32), so fp32 results match an fp32 reference; this path is for
       parity and has no tensor-core speed.
-    - head dims 16, 32, 64, 128, 256 (q, k, v share one). Head dim 256 runs on small tiles (32-64 rows/keys,
-      8 warps, 1-2 stages; see configs.py) so that every kernel stays spill-free on sm_80 and sm_90.
+    - every head dim that is a multiple of 8 up to 256 (q, k, v share one). Powers of two run as one tile; the
+      others as power-of-two chunks (`configs.head_dim_chunks`: 72 = 64 + 16 with 8 padding columns, 96 = 64 + 32;
+      "Head dims that are not powers of two" in docs/kernel_math.md), with the tiles of the narrowest power of two
+      that holds them. Head dim 256 runs on small tiles (32-64 rows/keys, 8 warps, 1-2 stages; see configs.py) so
+      that every kernel stays spill-free on sm_80 and sm_90.
     - any Lq >= 1 and Lk >= 1 (not only block multiples), Lq != Lk, with L * hd < 2**31 (offsets inside one
       (batch, head) slice are 32-bit; a strided input whose slice spans more is copied first, `_int32_addressable`);
       causal is bottom-right aligned (key j is masked for query i when j > i + Lk - Lq, as FlashAttention-2);
@@ -80,6 +83,8 @@ from uvic.kernels.configs import (
     config_arch,
     forward_sign_ptx,
     gpu_dot_precision,
+    head_dim_chunks,
+    stride_unit,
 )
 
 
@@ -119,6 +124,251 @@ def _dot(a, b, DOT_PREC: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PREC)
 
 
+# ---- Head-dim chunks ("Head dims that are not powers of two" in docs/kernel_math.md) -----------------------------
+# A row of q, k, v, dO (and of the accumulators) is held as a tuple of tiles, one per chunk of
+# `head_dim_chunks(HEAD_DIM)` (power-of-two widths, e.g. 72 -> 64 + 16 with 8 padding columns). Products over the
+# head dim sum the chunks' dots (`_dot_t`), products into it are taken chunk by chunk (`_dot_acc`). With one chunk
+# (head dims 16, 32, 64, 128, 256) every helper below emits exactly the ops of a plain (rows, HEAD_DIM) tile.
+
+_chunks = triton.constexpr_function(head_dim_chunks)
+
+
+@triton.constexpr_function
+def _chunk_start(dims, c):
+    """The first column of chunk c of the widths `dims`."""
+    return sum(dims[:c])
+
+
+@triton.constexpr_function
+def _is_padded(dims, c, head_dim):
+    """Whether chunk c of `dims` reaches past the head dim (the last chunk of an odd multiple of 8)."""
+    return sum(dims[: c + 1]) > head_dim
+
+
+@triton.jit
+def _head_cols(HEAD_DIM: tl.constexpr):
+    """The column offsets of each chunk: a tuple of aranges [0, w0), [w0, w0 + w1), ..."""
+    DIMS: tl.constexpr = _chunks(HEAD_DIM)
+    cols = (tl.arange(0, DIMS[0]),)
+    for c in tl.static_range(1, len(DIMS)):
+        cols = cols + (_chunk_start(DIMS, c) + tl.arange(0, DIMS[c]),)
+    return cols
+
+
+@triton.jit
+def _col_ok(DIMS: tl.constexpr, c: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(1, w) bool: which columns of chunk c are below HEAD_DIM (not padding)."""
+    return ((_chunk_start(DIMS, c) + tl.arange(0, DIMS[c])) < HEAD_DIM)[None, :]
+
+
+# Loads and stores of chunked tiles. Each is written as the one tl.load / tl.store of a plain tile it replaces
+# (triton emits a call's keyword arguments, here the mask, before its positional ones), so that a one-chunk tile
+# gives the very ops, in the very order, of the code before the split. Padding columns past HEAD_DIM (in the last
+# chunk only) load as zeros without reading memory and are not stored.
+
+
+@triton.jit
+def _load_rows(base, rows, stride_r, cols, stride_d, row_ok, HEAD_DIM: tl.constexpr):
+    """The (rows, head dim) tile at base + rows * stride_r + cols * stride_d, rows where `row_ok` (else zeros)."""
+    DIMS: tl.constexpr = _chunks(HEAD_DIM)
+    out = ()
+    for c in tl.static_range(len(DIMS)):
+        if _is_padded(DIMS, c, HEAD_DIM):
+            x = tl.load(base + rows[:, None] * stride_r + cols[c][None, :] * stride_d,
+                        mask=row_ok[:, None] & _col_ok(DIMS, c, HEAD_DIM), other=0.0)
+        else:
+            x = tl.load(base + rows[:, None] * stride_r + cols[c][None, :] * stride_d, mask=row_ok[:, None], other=0.0)
+        out = out + (x,)
+    return out
+
+
+@triton.jit
+def _tile_ptrs(base, rows, stride_r, cols, stride_d):
+    """Pointers base + rows * stride_r + cols * stride_d of a tile, one (len(rows), w) block per chunk."""
+    ptrs = ()
+    for c in tl.static_range(len(cols)):
+        ptrs = ptrs + (base + rows[:, None] * stride_r + cols[c][None, :] * stride_d,)
+    return ptrs
+
+
+@triton.jit
+def _row_ptrs(base, rows, cols, HEAD_DIM: tl.constexpr):
+    """Pointers base + rows * HEAD_DIM + cols of a tile of a contiguous (L, HEAD_DIM) array (dO)."""
+    ptrs = ()
+    for c in tl.static_range(len(cols)):
+        ptrs = ptrs + (base + rows[:, None] * HEAD_DIM + cols[c][None, :],)
+    return ptrs
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, HEAD_DIM: tl.constexpr, ROW_MASK: tl.constexpr):
+    """Load the chunks at `ptrs` (`_tile_ptrs`, `_row_ptrs`); with ROW_MASK rows where `row_ok` is False load as
+    zeros (without it `row_ok` is not read)."""
+    DIMS: tl.constexpr = _chunks(HEAD_DIM)
+    out = ()
+    for c in tl.static_range(len(DIMS)):
+        if _is_padded(DIMS, c, HEAD_DIM):
+            if ROW_MASK:
+                x = tl.load(ptrs[c], mask=row_ok[:, None] & _col_ok(DIMS, c, HEAD_DIM), other=0.0)
+            else:
+                x = tl.load(ptrs[c], mask=_col_ok(DIMS, c, HEAD_DIM), other=0.0)
+        elif ROW_MASK:
+            x = tl.load(ptrs[c], mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs[c])
+        out = out + (x,)
+    return out
+
+
+@triton.jit
+def _row_offsets(start, rows, cols, HEAD_DIM: tl.constexpr):
+    """Element offsets start + rows * HEAD_DIM + cols in a contiguous (B*nh, L, HEAD_DIM) array (dO, O and the
+    gradients), one block per chunk; int64 when `start` is."""
+    out = ()
+    for c in tl.static_range(len(cols)):
+        out = out + (start + rows[:, None] * HEAD_DIM + cols[c][None, :],)
+    return out
+
+
+@triton.jit
+def _load_at(base, offsets, row_ok, HEAD_DIM: tl.constexpr):
+    """The tile at base + offsets (`_row_offsets`), rows where `row_ok` (else zeros)."""
+    DIMS: tl.constexpr = _chunks(HEAD_DIM)
+    out = ()
+    for c in tl.static_range(len(DIMS)):
+        if _is_padded(DIMS, c, HEAD_DIM):
+            x = tl.load(base + offsets[c], mask=row_ok[:, None] & _col_ok(DIMS, c, HEAD_DIM), other=0.0)
+        else:
+            x = tl.load(base + offsets[c], mask=row_ok[:, None], other=0.0)
+        out = out + (x,)
+    return out
+
+
+@triton.jit
+def _store_rows(base, rows, cols, x, row_ok, HEAD_DIM: tl.constexpr):
+    """Store the chunks of x at base + rows * HEAD_DIM + cols (contiguous rows), in base's dtype, rows where
+    `row_ok`."""
+    DIMS: tl.constexpr = _chunks(HEAD_DIM)
+    for c in tl.static_range(len(DIMS)):
+        if _is_padded(DIMS, c, HEAD_DIM):
+            tl.store(base + rows[:, None] * HEAD_DIM + cols[c][None, :], x[c].to(base.dtype.element_ty),
+                     mask=row_ok[:, None] & _col_ok(DIMS, c, HEAD_DIM))  # fmt: skip
+        else:
+            tl.store(base + rows[:, None] * HEAD_DIM + cols[c][None, :], x[c].to(base.dtype.element_ty),
+                     mask=row_ok[:, None])  # fmt: skip
+
+
+@triton.jit
+def _store_at(base, offsets, x, row_ok, HEAD_DIM: tl.constexpr):
+    """Store the chunks of x at base + offsets (`_row_offsets`), in base's dtype, rows where `row_ok`."""
+    DIMS: tl.constexpr = _chunks(HEAD_DIM)
+    for c in tl.static_range(len(DIMS)):
+        if _is_padded(DIMS, c, HEAD_DIM):
+            tl.store(base + offsets[c], x[c].to(base.dtype.element_ty), mask=row_ok[:, None] & _col_ok(DIMS, c, HEAD_DIM))
+        else:
+            tl.store(base + offsets[c], x[c].to(base.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _rowsum_prod(a, b):
+    """sum over the head dim of a * b, (R, hd) x (R, hd) -> (R,), for fp32 chunked tiles."""
+    acc = tl.sum(a[0] * b[0], 1)
+    for c in tl.static_range(1, len(a)):
+        acc += tl.sum(a[c] * b[c], 1)
+    return acc
+
+
+@triton.jit
+def _zeros_tile(rows: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """fp32 accumulators of a (rows, head dim) tile, one per chunk."""
+    DIMS: tl.constexpr = _chunks(HEAD_DIM)
+    out = ()
+    for c in tl.static_range(len(DIMS)):
+        out = out + (tl.zeros([rows, DIMS[c]], dtype=tl.float32),)
+    return out
+
+
+@triton.jit
+def _dot_t(a, b, DOT_PREC: tl.constexpr):
+    """a @ b^T over the head dim, (R, hd) x (S, hd) -> (R, S) fp32, for chunked tiles: the sum of the chunks' dots
+    (the padding columns are zeros in both)."""
+    acc = _dot(a[0], tl.trans(b[0]), DOT_PREC)
+    for c in tl.static_range(1, len(a)):
+        acc += _dot(a[c], tl.trans(b[c]), DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _dot_acc(acc, p, b, DOT_PREC: tl.constexpr):
+    """acc + p @ b into the head dim, chunk by chunk: (R, S) x (S, hd) added to the (R, hd) accumulators.
+
+    The widest chunk's dot is emitted last. In a chain of dots (flash attention) triton 3.8 gives every dot the warp
+    layout it picks from the shape of the last dot in program order (all warps along that dot's longer side): with
+    the 16- or 32-wide chunk last, the 8 warps of the 32 x 32 tiles of head dims 136-240 all went along 32 rows
+    (four times replicated) and ptxas spilled kilobytes; with the widest chunk last they go along the columns, as
+    for head dim 256 ("Head dims that are not powers of two" in docs/kernel_math.md)."""
+    out = ()
+    for c in tl.static_range(len(acc) - 1, -1, -1):
+        out = (acc[c] + _dot(p, b[c], DOT_PREC),) + out
+    return out
+
+
+@triton.jit
+def _scale_rows(acc, alpha):
+    """acc * alpha[:, None], chunk by chunk."""
+    out = ()
+    for c in tl.static_range(len(acc)):
+        out = out + (acc[c] * alpha[:, None],)
+    return out
+
+
+@triton.jit
+def _div_rows(acc, d):
+    """acc / d[:, None], chunk by chunk."""
+    out = ()
+    for c in tl.static_range(len(acc)):
+        out = out + (acc[c] / d[:, None],)
+    return out
+
+
+@triton.jit
+def _times(x, y):
+    """x * y, chunk by chunk (y a scalar)."""
+    out = ()
+    for c in tl.static_range(len(x)):
+        out = out + (x[c] * y,)
+    return out
+
+
+@triton.jit
+def _to_f32(x):
+    """Each chunk in fp32."""
+    out = ()
+    for c in tl.static_range(len(x)):
+        out = out + (x[c].to(tl.float32),)
+    return out
+
+
+@triton.jit
+def _unit_stride(stride, STRIDE_UNIT: tl.constexpr):
+    """A row stride in elements: the launcher divides the strides of q, k and v by STRIDE_UNIT = 8 when they are
+    multiples of 8 and not all of 16 (head dims that are odd multiples of 8), so that the product here tells the
+    compiler that the rows are 16-byte aligned (triton specialises an integer argument only on divisibility by 16)."""
+    if STRIDE_UNIT == 1:
+        return stride
+    else:
+        return stride * STRIDE_UNIT
+
+
+@triton.jit
+def _slice_base(ptr, off_b, off_h, stride_b, stride_h, STRIDE_UNIT: tl.constexpr):
+    """ptr + the (batch, head) offset, in int64 (`off_b`, `off_h` are int64), strides as `_unit_stride`."""
+    if STRIDE_UNIT == 1:
+        return ptr + off_b * stride_b + off_h * stride_h
+    else:
+        return ptr + (off_b * stride_b + off_h * stride_h) * STRIDE_UNIT
+
+
 _SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32: the sign bit of a float32
 _SIGN_GAIN = tl.constexpr(2.0**127)  # the forward's sign operand is q.k * 2**127 (see `_signed_operand`)
 _M_FLOOR = tl.constexpr(24.0)  # the forward's Cog running max starts here for bf16 and fp32 (`_signed_operand`)
@@ -127,24 +377,19 @@ _M_FLOOR = tl.constexpr(24.0)  # the forward's Cog running max starts here for b
 @triton.jit
 def _load_kv(
     k_base, v_base, kpm_base, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, LK,
-    MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASK: tl.constexpr, HAS_KPM: tl.constexpr,
 ):  # fmt: skip
-    """The k and v rows of keys `cols` (BLOCK_N, HEAD_DIM) and, with a key padding mask, which of them it keeps
-    (BLOCK_N,). Rows past LK (MASK) and rows of removed keys load as zeros: their memory is never read, so a NaN
-    or Inf stored there cannot reach any output or gradient ("Masking and key padding" in docs/kernel_math.md)."""
-    k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    """The k and v rows of keys `cols` (BLOCK_N, HEAD_DIM), chunked (`_head_cols`), and, with a key padding mask,
+    which of them it keeps (BLOCK_N,). Rows past LK (MASK) and rows of removed keys load as zeros: their memory is
+    never read, so a NaN or Inf stored there cannot reach any output or gradient ("Masking and key padding" in
+    docs/kernel_math.md)."""
+    k_ptrs = _tile_ptrs(k_base, cols, stride_kn, offs_d, stride_kd)
+    v_ptrs = _tile_ptrs(v_base, cols, stride_vn, offs_d, stride_vd)
     kpm_keep = cols < LK
     if HAS_KPM:
         kpm_keep = tl.load(kpm_base + cols, mask=cols < LK, other=0) != 0
-        k = tl.load(k_ptrs, mask=kpm_keep[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=kpm_keep[:, None], other=0.0)
-    elif MASK:
-        k = tl.load(k_ptrs, mask=kpm_keep[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=kpm_keep[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    k = _load_tile(k_ptrs, kpm_keep, HEAD_DIM, HAS_KPM or MASK)
+    v = _load_tile(v_ptrs, kpm_keep, HEAD_DIM, HAS_KPM or MASK)
     return k, v, kpm_keep
 
 
@@ -307,7 +552,7 @@ def _in_band(cols, rows, lo_off, hi_off, ONE_COMPARE: tl.constexpr):
 @triton.jit
 def _score_tile(
     q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, cols, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
+    offs_m, cols, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out, HEAD_DIM: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
     ZERO_MASKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FWD: tl.constexpr,
 ):  # fmt: skip
@@ -318,8 +563,8 @@ def _score_tile(
     the key padding mask load as zero rows, so their q.k is exactly 0 and `_signed` already gives them weight 0;
     the backward has no denominator that they would otherwise enter. This saves the mask select per score."""
     k, v, kpm_keep = _load_kv(k_base, v_base, kpm_base, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                              LK, MASK, HAS_KPM)  # fmt: skip
-    qk = _dot(q, tl.trans(k), DOT_PREC)
+                              LK, HEAD_DIM, MASK, HAS_KPM)  # fmt: skip
+    qk = _dot_t(q, k, DOT_PREC)
     s = _scores(qk, scale2, cap_in, cap_out, COG, SOFTCAP)
     # Masked keys become -inf AFTER the abs (an additive -1e6 before it would become the largest |p|).
     if ZERO_MASKS:  # keys past LK or removed by the key padding mask have zero k rows: q.k = 0, weight 0
@@ -376,13 +621,14 @@ def _window_key_range(start_m, LK, lo_off, hi_off, BLOCK_M: tl.constexpr, BLOCK_
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                   offs_m, start_n + offs_n, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False, WINDOW, SOFTCAP, True)  # fmt: skip
+                                  HEAD_DIM, MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, False, WINDOW, SOFTCAP,
+                                  True)  # fmt: skip
         if COG and SOFTCAP:  # s is the capped |p| in base 2 already (`_scores`), >= 0
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
@@ -397,7 +643,8 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         w = tl.math.exp2(_exp2_arg(s, scale2, m_use[:, None], COG, SOFTCAP))
         l_i = l_i * alpha + tl.sum(w, 1)  # the denominator sums the UNSIGNED weights
-        acc = acc * alpha[:, None] + _dot(_signed_operand(w, qk, v.dtype, COG, DOT_PREC, SIGN_PTX), v, DOT_PREC)
+        acc = _scale_rows(acc, alpha)
+        acc = _dot_acc(acc, _signed_operand(w, qk, v[0].dtype, COG, DOT_PREC, SIGN_PTX), v, DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -411,25 +658,30 @@ def _attn_fwd(
     stride_kpmb, NH, LQ, LK, L_BUCKET, WIN_LO, WIN_HI, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr, SIGN_PTX: tl.constexpr,
-    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, STRIDE_UNIT: tl.constexpr = 1,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. O, LSE are contiguous.
     SIGN_PTX: apply Cog's sign with `min.xorsign.abs` (`_signed_operand`). WINDOW (then CAUSAL is False): keys
     i + WIN_LO <= j <= i + WIN_HI only, and key blocks outside that band are skipped. SOFTCAP: scores capped to
-    softcap * tanh(p / softcap). WIN_LO, WIN_HI and softcap are unused without them."""
+    softcap * tanh(p / softcap). WIN_LO, WIN_HI and softcap are unused without them. Head dims that are not a
+    power of two run as chunks (`_head_cols`); STRIDE_UNIT: the factor the strides of Q, K, V were divided by
+    (`_unit_stride`)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     off_b = (bh // NH).to(tl.int64)
     off_h = (bh % NH).to(tl.int64)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    stride_qm = _unit_stride(stride_qm, STRIDE_UNIT)
+    stride_kn = _unit_stride(stride_kn, STRIDE_UNIT)
+    stride_vn = _unit_stride(stride_vn, STRIDE_UNIT)
+    q_base = _slice_base(Q, off_b, off_h, stride_qb, stride_qh, STRIDE_UNIT)
+    k_base = _slice_base(K, off_b, off_h, stride_kb, stride_kh, STRIDE_UNIT)
+    v_base = _slice_base(V, off_b, off_h, stride_vb, stride_vh, STRIDE_UNIT)
     kpm_base = KPM + off_b * stride_kpmb
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = _head_cols(HEAD_DIM)
     row_ok = offs_m < LQ
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    q = _load_rows(q_base, offs_m, stride_qm, offs_d, stride_qd, row_ok, HEAD_DIM)
 
     scale2 = sm_scale * LOG2E
     diag = LK - LQ  # causal: key j is kept for query i when j <= i + diag
@@ -443,19 +695,19 @@ def _attn_fwd(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = _zeros_tile(BLOCK_M, HEAD_DIM)
 
     if WINDOW:  # [lo, a) masked (left edge of the band), [a, b) unmasked, [b, hi) masked (right edge, ragged end)
         lo, a, b, hi = _window_key_range(start_m, LK, WIN_LO, WIN_HI, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, lo, a, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-            BLOCK_N, True, False, HAS_KPM, COG, DOT_PREC, SIGN_PTX, True, SOFTCAP,
+            HEAD_DIM, BLOCK_N, True, False, HAS_KPM, COG, DOT_PREC, SIGN_PTX, True, SOFTCAP,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, a, b, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-            BLOCK_N, False, False, HAS_KPM, COG, DOT_PREC, SIGN_PTX, True, SOFTCAP,
+            HEAD_DIM, BLOCK_N, False, False, HAS_KPM, COG, DOT_PREC, SIGN_PTX, True, SOFTCAP,
         )  # fmt: skip
         full_hi = b
     else:
@@ -463,12 +715,12 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-            BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX, False, SOFTCAP,
+            HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX, False, SOFTCAP,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX, WINDOW, SOFTCAP,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, SIGN_PTX, WINDOW, SOFTCAP,
     )  # fmt: skip
 
     # Rows with no kept key: l_i == 0, acc == 0 -> O = 0 and LSE = -inf (backward turns it into weight 0).
@@ -476,9 +728,9 @@ def _attn_fwd(
     l_safe = tl.where(empty, 1.0, l_i)
     if DOT_PREC != "ieee":  # 16-bit: one log-sum-exp per row (computed before O: the order ptxas allocates best)
         lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
-    o = acc / l_safe[:, None]
+    o = _div_rows(acc, l_safe)
     o_base = O + bh.to(tl.int64) * LQ * HEAD_DIM
-    tl.store(o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(o_base, offs_m, offs_d, o, row_ok, HEAD_DIM)
     if DOT_PREC == "ieee":  # float32: the row max and the sum, (2, LQ) per row block ("Precision of the backward")
         tl.store(LSE + bh.to(tl.int64) * 2 * LQ + offs_m, m_i, mask=row_ok)
         tl.store(LSE + bh.to(tl.int64) * 2 * LQ + LQ + offs_m, l_i, mask=row_ok)
@@ -495,12 +747,12 @@ def _attn_bwd_pre(
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = _head_cols(HEAD_DIM)
     ok = offs_m < LQ
-    off = bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    o = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + bh * LQ + offs_m, tl.sum(o * do, 1), mask=ok)
+    off = _row_offsets(bh * LQ * HEAD_DIM, offs_m, offs_d, HEAD_DIM)
+    o = _to_f32(_load_at(O, off, ok, HEAD_DIM))
+    do = _to_f32(_load_at(DO, off, ok, HEAD_DIM))
+    tl.store(DELTA + bh * LQ + offs_m, _rowsum_prod(o, do), mask=ok)
 
 
 @triton.jit
@@ -513,21 +765,21 @@ def _bwd_dkdv_inner(
     """Transposed tiles (keys x queries) as in the tutorial: dV += A^T dO, dK += dS^T q (scaled by the caller)."""
     for start_m in tl.range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        q_ptrs = q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = do_base + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        q_ptrs = _tile_ptrs(q_base, rows, stride_qm, offs_d, stride_qd)
+        do_ptrs = _row_ptrs(do_base, rows, offs_d, HEAD_DIM)
         if MASK:
             row_ok = rows < LQ
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            q = _load_tile(q_ptrs, row_ok, HEAD_DIM, True)
+            do = _load_tile(do_ptrs, row_ok, HEAD_DIM, True)
             m = tl.load(lse_base + rows, mask=row_ok, other=0.0)
             dlt = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
+            q = _load_tile(q_ptrs, rows, HEAD_DIM, False)
+            do = _load_tile(do_ptrs, rows, HEAD_DIM, False)
             m = tl.load(lse_base + rows)
             dlt = tl.load(delta_base + rows)
         m = tl.where(m == float("-inf"), 0.0, m)  # empty rows: every score is -inf, so every weight is 0
-        qkT = _dot(k, tl.trans(q), DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        qkT = _dot_t(k, q, DOT_PREC)  # (BLOCK_N, BLOCK_M)
         sT = _scores(qkT, scale2, cap_in, cap_out, COG, SOFTCAP)
         if COG:  # as `_score_tile` with ZERO_MASKS: rows past LQ and removed keys have q.k = 0, so weight 0
             if MASK and CAUSAL:
@@ -546,11 +798,11 @@ def _bwd_dkdv_inner(
                 sT = tl.where(kpm_keep[:, None], sT, float("-inf"))
         wT = tl.math.exp2(_exp2_arg(sT, scale2, m[None, :], COG, SOFTCAP))
         aT = _signed(wT, qkT, COG)
-        dv += _dot(aT.to(do.dtype), do, DOT_PREC)
+        dv = _dot_acc(dv, aT.to(do[0].dtype), do, DOT_PREC)
         aT, wT = _softcap_fold(aT, wT, sT, cap_out, SOFTCAP)
-        gT = _dot(v, tl.trans(do), DOT_PREC)  # g_ij = dO_i . v_j
+        gT = _dot_t(v, do, DOT_PREC)  # g_ij = dO_i . v_j
         dsT = _dscore(aT, wT, gT, dlt[None, :], COG)
-        dk += _dot(dsT.to(q.dtype), q, DOT_PREC)
+        dk = _dot_acc(dk, dsT.to(q[0].dtype), q, DOT_PREC)
     return dk, dv
 
 
@@ -563,32 +815,36 @@ def _attn_bwd_dkdv(
     stride_kpmb, NH, LQ, LK, L_BUCKET, WIN_LO, WIN_HI, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, STRIDE_UNIT: tl.constexpr = 1,
 ):  # fmt: skip
     """One program: BLOCK_N keys of one (batch, head); loops over query blocks. DO, DK, DV, LSE, DELTA contiguous.
-    WINDOW, SOFTCAP, WIN_LO, WIN_HI, softcap: as `_attn_fwd` (query blocks outside the band are skipped)."""
+    WINDOW, SOFTCAP, WIN_LO, WIN_HI, softcap, STRIDE_UNIT: as `_attn_fwd` (query blocks outside the band are
+    skipped)."""
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     off_b = (bh // NH).to(tl.int64)
     off_h = (bh % NH).to(tl.int64)
     bh64 = bh.to(tl.int64)
+    stride_qm = _unit_stride(stride_qm, STRIDE_UNIT)
+    stride_kn = _unit_stride(stride_kn, STRIDE_UNIT)
+    stride_vn = _unit_stride(stride_vn, STRIDE_UNIT)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = _head_cols(HEAD_DIM)
     col_ok = offs_n < LK
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    k_base = _slice_base(K, off_b, off_h, stride_kb, stride_kh, STRIDE_UNIT)
+    v_base = _slice_base(V, off_b, off_h, stride_vb, stride_vh, STRIDE_UNIT)
     k, v, kpm_keep = _load_kv(k_base, v_base, KPM + off_b * stride_kpmb, offs_n, offs_d, stride_kn, stride_kd,
-                              stride_vn, stride_vd, LK, True, HAS_KPM)  # fmt: skip
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
+                              stride_vn, stride_vd, LK, HEAD_DIM, True, HAS_KPM)  # fmt: skip
+    q_base = _slice_base(Q, off_b, off_h, stride_qb, stride_qh, STRIDE_UNIT)
     do_base = DO + bh64 * LQ * HEAD_DIM
     lse_base = LSE + bh64 * LQ
     delta_base = DELTA + bh64 * LQ
     scale2 = sm_scale * LOG2E
     diag = LK - LQ
     cap_in, cap_out = _softcap_factors(sm_scale, softcap, SOFTCAP)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = _zeros_tile(BLOCK_N, HEAD_DIM)
+    dv = _zeros_tile(BLOCK_N, HEAD_DIM)
 
     # Query blocks: [lo, s1) masked (causal diagonal), [s1, s2) unmasked, [s2, end) masked (ragged tail of Lq).
     # Keys beyond Lk and keys removed by the key padding mask load as zeros; the former's dK/dV rows are not stored,
@@ -629,28 +885,29 @@ def _attn_bwd_dkdv(
         offs_m, offs_n, offs_d, s2, end, LQ, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
         HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_KPM, COG, DOT_PREC, WINDOW, SOFTCAP,
     )  # fmt: skip
-    dk = dk * sm_scale  # p = scale * q k^T
-    out_off = bh64 * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    dk = _times(dk, sm_scale)  # p = scale * q k^T
+    out_off = _row_offsets(bh64 * LK * HEAD_DIM, offs_n, offs_d, HEAD_DIM)
+    _store_at(DK, out_off, dk, col_ok, HEAD_DIM)
+    _store_at(DV, out_off, dv, col_ok, HEAD_DIM)
 
 
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     COG: tl.constexpr, DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     for start_n in tl.range(lo, hi, BLOCK_N):
         k, v, qk, s = _score_tile(q, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                   offs_m, start_n + offs_n, offs_d, LK, diag, scale2, lo_off, hi_off, cap_in, cap_out,
-                                  MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG, WINDOW, SOFTCAP, False)  # fmt: skip
+                                  HEAD_DIM, MASK, CAUSAL, HAS_KPM, COG, DOT_PREC, COG, WINDOW, SOFTCAP,
+                                  False)  # fmt: skip
         w = tl.math.exp2(_exp2_arg(s, scale2, m[:, None], COG, SOFTCAP))
         a, w = _softcap_fold(_signed(w, qk, COG), w, s, cap_out, SOFTCAP)
-        g = _dot(do, tl.trans(v), DOT_PREC)  # g_ij = dO_i . v_j
+        g = _dot_t(do, v, DOT_PREC)  # g_ij = dO_i . v_j
         ds = _dscore(a, w, g, dlt[:, None], COG)
-        dq += _dot(ds.to(k.dtype), k, DOT_PREC)
+        dq = _dot_acc(dq, ds.to(k[0].dtype), k, DOT_PREC)
     return dq
 
 
@@ -663,45 +920,48 @@ def _attn_bwd_dq(
     stride_kpmb, NH, LQ, LK, L_BUCKET, WIN_LO, WIN_HI, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, COG: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, STRIDE_UNIT: tl.constexpr = 1,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (batch, head); loops over key blocks. DO, DQ, LSE, DELTA contiguous.
-    WINDOW, SOFTCAP, WIN_LO, WIN_HI, softcap: as `_attn_fwd`."""
+    WINDOW, SOFTCAP, WIN_LO, WIN_HI, softcap, STRIDE_UNIT: as `_attn_fwd`."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     off_b = (bh // NH).to(tl.int64)
     off_h = (bh % NH).to(tl.int64)
     bh64 = bh.to(tl.int64)
+    stride_qm = _unit_stride(stride_qm, STRIDE_UNIT)
+    stride_kn = _unit_stride(stride_kn, STRIDE_UNIT)
+    stride_vn = _unit_stride(stride_vn, STRIDE_UNIT)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = _head_cols(HEAD_DIM)
     row_ok = offs_m < LQ
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    io_off = bh64 * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    do = tl.load(DO + io_off, mask=row_ok[:, None], other=0.0)
+    q_base = _slice_base(Q, off_b, off_h, stride_qb, stride_qh, STRIDE_UNIT)
+    q = _load_rows(q_base, offs_m, stride_qm, offs_d, stride_qd, row_ok, HEAD_DIM)
+    io_off = _row_offsets(bh64 * LQ * HEAD_DIM, offs_m, offs_d, HEAD_DIM)
+    do = _load_at(DO, io_off, row_ok, HEAD_DIM)
     m = tl.load(LSE + bh64 * LQ + offs_m, mask=row_ok, other=0.0)
     m = tl.where(m == float("-inf"), 0.0, m)
     dlt = tl.load(DELTA + bh64 * LQ + offs_m, mask=row_ok, other=0.0)
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    k_base = _slice_base(K, off_b, off_h, stride_kb, stride_kh, STRIDE_UNIT)
+    v_base = _slice_base(V, off_b, off_h, stride_vb, stride_vh, STRIDE_UNIT)
     kpm_base = KPM + off_b * stride_kpmb
     scale2 = sm_scale * LOG2E
     diag = LK - LQ
     cap_in, cap_out = _softcap_factors(sm_scale, softcap, SOFTCAP)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = _zeros_tile(BLOCK_M, HEAD_DIM)
 
     if WINDOW:  # as the forward: [lo, a) masked, [a, b) unmasked, [b, hi) masked; other key blocks skipped
         lo, a, b, hi = _window_key_range(start_m, LK, WIN_LO, WIN_HI, BLOCK_M, BLOCK_N)
         dq = _bwd_dq_inner(
             dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, lo, a, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-            BLOCK_N, True, False, HAS_KPM, COG, DOT_PREC, True, SOFTCAP,
+            HEAD_DIM, BLOCK_N, True, False, HAS_KPM, COG, DOT_PREC, True, SOFTCAP,
         )  # fmt: skip
         dq = _bwd_dq_inner(
             dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, a, b, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-            BLOCK_N, False, False, HAS_KPM, COG, DOT_PREC, True, SOFTCAP,
+            HEAD_DIM, BLOCK_N, False, False, HAS_KPM, COG, DOT_PREC, True, SOFTCAP,
         )  # fmt: skip
         full_hi = b
     else:
@@ -709,15 +969,15 @@ def _attn_bwd_dq(
         dq = _bwd_dq_inner(
             dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, 0, full_hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-            BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, False, SOFTCAP,
+            HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_KPM, COG, DOT_PREC, False, SOFTCAP,
         )  # fmt: skip
     dq = _bwd_dq_inner(
         dq, q, do, m, dlt, k_base, v_base, kpm_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_n, offs_d, full_hi, hi, LK, diag, scale2, WIN_LO, WIN_HI, cap_in, cap_out,
-        BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, WINDOW, SOFTCAP,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KPM, COG, DOT_PREC, WINDOW, SOFTCAP,
     )  # fmt: skip
-    dq = dq * sm_scale
-    tl.store(DQ + io_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq = _times(dq, sm_scale)
+    _store_at(DQ, io_off, dq, row_ok, HEAD_DIM)
 
 
 # The kernels by name, for the launcher and for `uvic.kernels.aot`.
@@ -892,6 +1152,14 @@ def _int32_addressable(t: torch.Tensor) -> torch.Tensor:
     return t if span < 2**31 else t.contiguous()
 
 
+def _qkv_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """The strides of q, k, v (B, nh, L, hd) as the kernels take them, and their STRIDE_UNIT: the (batch, head,
+    row) strides divided by `configs.stride_unit` of them (8 for contiguous head dims that are odd multiples of 8,
+    so that the kernels know their rows are 16-byte aligned), the last-dim strides as they are."""
+    unit = stride_unit(t.stride(i) for t in (q, k, v) for i in range(3))
+    return tuple(x // unit if i < 3 else x for t in (q, k, v) for i, x in enumerate(t.stride())), unit
+
+
 _NO_KPM: dict[torch.device, torch.Tensor] = {}
 
 
@@ -975,10 +1243,12 @@ def attention_forward(
             plan[0](q, k, v, out, lse, kpm)
         return out, lse
     causal, window, win_lo, win_hi = band_args(Lq, Lk, causal, window_left, window_right)
-    args = (q, k, v, out, lse, kpm, float(scale), *q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk,
+    qkv_strides, unit = _qkv_strides(q, k, v)
+    args = (q, k, v, out, lse, kpm, float(scale), *qkv_strides, stride_kpmb, nh, Lq, Lk,
             length_bucket(max(Lq, Lk)), win_lo, win_hi, float(softcap))  # fmt: skip
     consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog,
-              "DOT_PREC": _dot_prec(q.dtype), "SIGN_PTX": _sign_ptx(q), "WINDOW": window, "SOFTCAP": softcap > 0}  # fmt: skip
+              "DOT_PREC": _dot_prec(q.dtype), "SIGN_PTX": _sign_ptx(q), "WINDOW": window, "SOFTCAP": softcap > 0,
+              "STRIDE_UNIT": unit}  # fmt: skip
     with _on_device(q):
         _save_plan(key, _launch("fwd", q.device, Lq, "BLOCK_M", B * nh, args, consts))
     return out, lse
@@ -1031,10 +1301,11 @@ def attention_backward(
             plan[2](q, k, v, do, dq, lse, delta, kpm)
     else:
         causal, window, win_lo, win_hi = band_args(Lq, Lk, causal, window_left, window_right)
-        strides = (*q.stride(), *k.stride(), *v.stride(), stride_kpmb, nh, Lq, Lk, length_bucket(max(Lq, Lk)),
+        qkv_strides, unit = _qkv_strides(q, k, v)
+        strides = (*qkv_strides, stride_kpmb, nh, Lq, Lk, length_bucket(max(Lq, Lk)),
                    win_lo, win_hi, float(softcap))  # fmt: skip
         consts = {"HEAD_DIM": hd, "CAUSAL": causal, "HAS_KPM": key_padding_mask is not None, "COG": cog,
-                  "DOT_PREC": _dot_prec(q.dtype), "WINDOW": window, "SOFTCAP": softcap > 0}  # fmt: skip
+                  "DOT_PREC": _dot_prec(q.dtype), "WINDOW": window, "SOFTCAP": softcap > 0, "STRIDE_UNIT": unit}  # fmt: skip
         with _on_device(q):
             _save_plan(
                 key,

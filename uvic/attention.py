@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from uvic.kernels import (
+    HEAD_DIM_MULTIPLE,
     MAX_BATCH_HEADS,
+    MAX_HEAD_DIM,
     MAX_SLICE_ELEMENTS,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -260,7 +262,7 @@ def _kernel_problem(q: torch.Tensor, k: torch.Tensor) -> str | None:
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
     if hd not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {hd} is not supported (one of {SUPPORTED_HEAD_DIMS})"
+        return f"head dim {hd} is not supported (a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM})"
     if max(Lq, Lk) * hd >= MAX_SLICE_ELEMENTS:  # offsets inside one (batch, head) slice are 32-bit in the kernels
         return f"L * hd = {max(Lq, Lk) * hd} elements per (batch, head); the kernel allows fewer than 2**31"
     if B * nh > MAX_BATCH_HEADS:

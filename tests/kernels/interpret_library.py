@@ -98,19 +98,27 @@ def test_unsupported_reason_names_the_kernels_limits():
     q = torch.randn(1, 2, 8, 32)
     assert unsupported_reason(q, q, q, backend="triton") is None  # CPU is fine under the interpreter
     assert "dtype" in unsupported_reason(q.double(), q.double(), q.double(), backend="triton")
-    assert "head dim" in unsupported_reason(q[..., :24], q[..., :24], q[..., :24], backend="triton")
-    assert unsupported_reason(q[..., :24], q[..., :24], q[..., :24], backend="torch") is None
+    # every multiple of 8 up to 256 (U-ViT-H and DiT-XL 72, SD 1.x 40 / 80 / 160, Phi-3 96); others take "torch"
+    for hd in (8, 24, 40, 72, 80, 96, 160, 248):
+        t = torch.randn(1, 2, 8, hd, dtype=torch.bfloat16)
+        assert unsupported_reason(t, t, t, backend="triton") is None, hd
+    for hd in (4, 20, 100, 264, 512):
+        t = torch.randn(1, 2, 8, hd)
+        why = unsupported_reason(t, t, t, backend="triton")
+        assert why == f"head dim {hd} is not supported (a multiple of 8 up to 256)", why
+        assert unsupported_reason(t, t, t, backend="torch") is None
+    q20 = q[..., :20]
     assert "key_padding_mask" in unsupported_reason(q, q, q, torch.ones(1, 8), backend="triton")
     q256, q16 = torch.randn(1, 2, 8, 256, dtype=torch.float16), q.half()
     assert unsupported_reason(q256, q256, q256, backend="triton") is None
     for band in ({"window": (3, -1)}, {"softcap": 30.0}):  # the banded kernels cover every head dim and dtype
-        for t in (q256, q, q[..., :16], q16[..., :16]):
+        for t in (q256, q, q[..., :16], q16[..., :16], q16[..., :24]):
             assert unsupported_reason(t, t, t, backend="triton", **band) is None
-        assert "head dim" in unsupported_reason(q[..., :24], q[..., :24], q[..., :24], backend="triton", **band)
+        assert "head dim" in unsupported_reason(q20, q20, q20, backend="triton", **band)
     long = torch.zeros(1, 1, 1, 16).expand(1, 1, 2**27, 16)  # stride-0 rows: no memory
     assert "2**31" in unsupported_reason(long, long, long, backend="triton")
-    with pytest.raises(ValueError, match="backend='triton' cannot run on these inputs: head dim 24"):
-        cog_attention(q[..., :24], q[..., :24], q[..., :24], backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' cannot run on these inputs: head dim 20"):
+        cog_attention(q20, q20, q20, backend="triton")
 
 
 @pytest.mark.parametrize("op", [cog_attention, softmax_attention])

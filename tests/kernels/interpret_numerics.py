@@ -481,3 +481,134 @@ def test_key_blocks_outside_the_band_are_skipped(cog):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, clean):
         assert torch.equal(a, b), name
     assert (got[2][..., :74, :] == 0).all() and (got[3][..., :74, :] == 0).all()
+
+
+# Head dims that are not powers of two run as power-of-two chunks (`configs.head_dim_chunks`: 8 -> 16, 24 -> 32,
+# 40 -> 32 + 16, 72 -> 64 + 16, 96 -> 64 + 32, 104 -> 64 + 32 + 16, 136 -> 128 + 16, 232 -> 128 + 64 + 32 + 16,
+# 248 -> 256; odd multiples of 8 with 8 padding columns). (B, nh, Lq, Lk, hd, dtype, causal, window, softcap, mask,
+# cog, layout): every dtype, both modes, causal and key padding (a batch item with no kept key), windows and
+# softcaps, Lq != Lk both ways and L = 1, contiguous inputs (STRIDE_UNIT 8 for odd multiples of 8) and strided
+# ones ("bshd": 8 too; "gapped": row strides of 16, STRIDE_UNIT 1). The head dims of the models that need them
+# (40, 80, 160: Stable Diffusion 1.x; 72: U-ViT-H, DiT-XL; 96: Phi-3) run in every dtype.
+CHUNKED_CASES = [
+    (1, 2, 17, 17, 8, torch.float32, False, None, None, None, True, "contiguous"),
+    (2, 1, 33, 20, 24, torch.bfloat16, True, None, None, "empty_batch", True, "bshd"),
+    (1, 1, 1, 1, 40, torch.float16, False, None, None, None, True, "contiguous"),
+    (1, 1, 30, 45, 40, torch.float32, True, None, 2.0, "partial", False, "gapped"),
+    (2, 1, 21, 34, 40, torch.bfloat16, False, (6, 2), 2.0, "empty_batch", True, "contiguous"),
+    (2, 1, 40, 40, 72, torch.float16, True, None, None, "partial", True, "contiguous"),
+    (1, 1, 33, 50, 72, torch.bfloat16, False, (5, 9), 2.0, "partial", True, "gapped"),
+    (1, 2, 30, 30, 72, torch.float32, True, (7, -1), None, "empty_batch", False, "bshd"),
+    (1, 1, 29, 41, 80, torch.float32, True, (6, -1), 1.5, "partial", True, "contiguous"),
+    (2, 1, 35, 26, 80, torch.float16, True, None, None, "empty_batch", False, "bshd"),
+    (1, 1, 26, 26, 80, torch.bfloat16, False, (4, 4), 2.5, "partial", True, "contiguous"),
+    (1, 2, 22, 37, 96, torch.bfloat16, True, None, None, None, True, "contiguous"),
+    (1, 1, 25, 25, 96, torch.float32, False, (3, 3), 1.0, "partial", True, "contiguous"),
+    (1, 1, 27, 19, 96, torch.float16, True, (5, -1), 1.5, "partial", True, "gapped"),
+    (1, 1, 25, 33, 104, torch.float16, False, None, 3.0, "partial", True, "bshd"),
+    (1, 1, 21, 37, 136, torch.bfloat16, False, None, 3.0, "partial", False, "contiguous"),
+    (1, 1, 23, 31, 160, torch.float32, True, None, 2.0, "partial", True, "contiguous"),
+    (1, 1, 31, 19, 160, torch.float16, False, (5, 5), None, "partial", True, "gapped"),
+    (2, 1, 19, 27, 160, torch.bfloat16, True, (8, -1), 3.0, "empty_batch", False, "contiguous"),
+    (1, 1, 20, 30, 232, torch.float32, False, (3, 3), 1.0, "partial", True, "contiguous"),
+    (1, 1, 37, 21, 248, torch.float16, True, (9, -1), None, None, True, "gapped"),
+]
+
+
+@pytest.mark.parametrize("B,nh,Lq,Lk,hd,dtype,causal,window,softcap,mask,cog,layout", CHUNKED_CASES)
+def test_chunked_head_dims_match_reference(B, nh, Lq, Lk, hd, dtype, causal, window, softcap, mask, cog, layout):
+    q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=hd)
+    _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, layout=layout, window=window,
+           softcap=softcap)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [c for c in CHUNKED_CASES if c[5] != torch.float32 and c[10]])
+def test_chunked_head_dims_with_sign_ptx(monkeypatch, case):
+    B, nh, Lq, Lk, hd, dtype, causal, window, softcap, mask, cog, layout = case
+    emu = _use_sign_ptx(monkeypatch)
+    q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=hd)
+    _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, layout=layout, window=window,
+           softcap=softcap)  # fmt: skip
+    assert emu.calls > 0
+
+
+def test_chunked_cases_cover_the_chunk_shapes_and_stride_units():
+    """The cases above reach one-chunk padded head dims, two-, three- and four-chunk splits, head dims with and
+    without padding columns, every dtype at each of the models' head dims 40, 72, 80, 96 and 160, and both stride
+    units (`_qkv_strides`, which the launcher passes as the kernels' STRIDE_UNIT)."""
+    from uvic.kernels.configs import head_dim_chunks
+
+    hds = {c[4] for c in CHUNKED_CASES}
+    assert {len(head_dim_chunks(hd)) for hd in hds} == {1, 2, 3, 4} and {hd % 16 == 0 for hd in hds} == {True, False}
+    for hd in (40, 72, 80, 96, 160):
+        assert {c[5] for c in CHUNKED_CASES if c[4] == hd} == {torch.float32, torch.float16, torch.bfloat16}, hd
+    units = set()
+    for c in CHUNKED_CASES:
+        q, k, v = (_strided(torch.zeros(c[0], c[1], L, c[4]), c[5], c[11]) for L in (c[2], c[3], c[3]))
+        units.add((c[4] % 16 == 0, kattn._qkv_strides(q, k, v)[1]))
+    assert units == {(False, 8), (False, 1), (True, 1)}
+
+
+@pytest.mark.parametrize("hd,arch,dtype", [(72, 80, torch.bfloat16), (72, 90, torch.bfloat16),
+                                            (136, 90, torch.bfloat16), (248, 80, torch.float32)])  # fmt: skip
+def test_chunked_head_dims_with_gpu_tiles(monkeypatch, hd, arch, dtype):
+    """The kernels at head dims 72 and 136 with every tile the autotuner may pick for them (those of head dims 128
+    and 256, `configs.table_head_dim`; the interpreter ignores warps and stages): bf16, causal with Lq != Lk, key
+    padding, lengths that are not tile multiples; and the banded tiles with a window and a softcap. fp32 at head
+    dim 248 (one chunk of 256 with 8 padding columns) runs its own tiles (`configs._CHUNKED_FP32`: 16 x 16, and
+    32 x 16 for the banded dQ). (Rows that see few keys, Lq > Lk, are in
+    `test_chunked_head_dims_equal_zero_padded_power_of_two`: with bf16 there the 2x rule fails for the one-chunk
+    head dim 128 too, on some seeds.)"""
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    for banded in (False, True):
+        for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+            for c in candidate_configs(kernel, arch, name, hd, banded=banded):
+                monkeypatch.setitem(kattn.INTERPRET_CONFIGS, kernel, c)
+                q, k, v, do = _inputs(1, 1, 45, 70, hd, dtype, seed=15)
+                kw = {"window": (20, 5), "softcap": 3.0} if banded else {}
+                _check(q, k, v, do, dtype, causal=not banded, kpm=_mask("partial", 1, 70), cog=True, **kw)
+
+
+@pytest.mark.parametrize("hd,width,dtype", [(24, 32, torch.float16), (72, 128, torch.bfloat16),
+                                            (96, 128, torch.float16), (136, 256, torch.float16),
+                                            (232, 256, torch.bfloat16)])  # fmt: skip
+def test_chunked_head_dims_equal_zero_padded_power_of_two(hd, width, dtype):
+    """A chunked head dim gives what the one-chunk kernel of a power-of-two head dim gives on the same inputs padded
+    with zero columns (and the scale of the true head dim), for 16-bit inputs: the split changes which columns a
+    tile holds, not the arithmetic, except the order in which the fp32 partial sums of q.k and dO.v over the chunks
+    are added. That order can move a 16-bit rounding, so the bound is one unit roundoff of the largest value
+    (measured: at most 0.1 of it, mostly bitwise equal); the error against the float64 reference is ~100x that.
+    Forward and gradients (Cog), causal with Lq > Lk (rows that see few or no keys) and key padding; the padded
+    gradient columns are exactly 0."""
+    q, k, v, do = _inputs(2, 1, 37, 22, hd, dtype, seed=17)
+    kw = {"causal": True, "key_padding_mask": _mask("empty_batch", 2, 22), "scale": hd**-0.5}
+    chunked = _run(lambda *a, **k_: fused_attention(*a, **k_), q, k, v, do, dtype, **kw)
+    pad = [torch.nn.functional.pad(t, (0, width - hd)) for t in (q, k, v, do)]
+    padded = _run(lambda *a, **k_: fused_attention(*a, **k_), *pad, dtype, **kw)
+    for name, c, p in zip(("out", "dq", "dk", "dv"), chunked, padded):
+        assert not p[..., hd:].any(), name
+        tol = torch.finfo(dtype).eps * p.abs().max().item()
+        torch.testing.assert_close(c, p[..., :hd], rtol=0, atol=tol, msg=name)
+    assert chunked[0].abs().max() > 0
+
+
+def test_padding_columns_are_never_read():
+    """q, k, v of head dim 72 are views into rows of 80 whose last 8 columns hold NaN: the kernels' padded chunk
+    (64 + 16) masks its last 8 columns, so nothing there reaches an output or gradient, which equal those of
+    contiguous copies bit for bit."""
+    q, k, v, do = _inputs(2, 1, 37, 29, 72, torch.float16, seed=16)
+    kpm = _mask("partial", 2, 29)
+
+    def in_wide_rows(t):
+        wide = torch.full((*t.shape[:-1], 80), float("nan"), dtype=torch.float16)
+        wide[..., :72] = t.to(torch.float16)
+        return wide[..., :72].requires_grad_()
+
+    for cog in (True, False):
+        kw = {"causal": True, "key_padding_mask": kpm, "attention": "cog" if cog else "softmax"}
+        clean = _run(_fused, q, k, v, do, torch.float16, **kw)
+        ts = [in_wide_rows(t) for t in (q, k, v)]
+        out = _fused(*ts, **kw)
+        out.backward(do.to(torch.float16))
+        for name, c, d in zip(("out", "dq", "dk", "dv"), clean, [out.detach().double()] + [t.grad.double() for t in ts]):
+            assert torch.isfinite(d).all() and torch.equal(c, d), name

@@ -1,14 +1,20 @@
-"""Ahead-of-time compile of every kernel config the autotuner can pick, for sm_80 and sm_90, with no GPU present.
+"""Ahead-of-time compile of the kernels for sm_80 and sm_90, with no GPU present.
 
-Each (kernel, config, dtype, head dim, Cog/softmax mode) is compiled by triton for GPUTarget("cuda", 80 | 90, 32)
-and measured with the ptxas shipped in the triton wheel (-v): no register spills and dynamic shared memory under
-the 164 KB (A100) / 228 KB (H100) limits. Runs in spawned worker processes (see uvic.kernels.aot).
+A (kernel, config, dtype, head dim, Cog/softmax mode) is compiled by triton for GPUTarget("cuda", 80 | 90, 32)
+and measured with the ptxas shipped in the triton wheel (-v): no register spills and dynamic shared memory within
+what `configs.config_arch` assumes its table needs (at most the 164 KB (A100) / 228 KB (H100) limits). Runs in
+spawned worker processes (see uvic.kernels.aot).
+
+This module compiles the representative subset `representative_specs()` (every kernel at every head dim, on every
+arch and dtype, plain and windowed/softcapped); `make aot-full` (`python -m uvic.kernels.aot`) compiles every
+candidate, the full matrix, and runs before any change to kernels/ lands.
 """
 
 import logging
 
 import pytest
 
+from uvic.kernels import SUPPORTED_HEAD_DIMS
 from uvic.kernels.aot import (
     SASS_EQUAL_CLASSES,
     SASS_RATIO_TARGET,
@@ -17,25 +23,39 @@ from uvic.kernels.aot import (
     format_report,
     format_sass_mix,
     parse_sass,
+    representative_specs,
     sass_mix_all,
     sass_pairs,
     sass_specs,
     sass_target_failures,
 )
-from uvic.kernels.configs import ARCHS, DTYPES, HEAD_DIMS, KERNELS, SMEM_LIMIT, SMEM_NEEDED, candidate_configs
+from uvic.kernels.configs import (
+    ARCHS,
+    DTYPES,
+    HEAD_DIMS,
+    KERNELS,
+    SMEM_LIMIT,
+    SMEM_NEEDED,
+    TABLE_HEAD_DIMS,
+    candidate_configs,
+    head_dim_chunks,
+    padded_width,
+    stride_unit,
+    table_head_dim,
+)
 
 
 logger = logging.getLogger(__name__)
 
 
-# A cold triton cache compiles all 466 kernel specs in this module's first test (up to ~15 min on a loaded
-# 2-core machine): more than the suite-wide --timeout, so this module gets its own limit.
-pytestmark = pytest.mark.timeout(2400)
+# The module's first test compiles the representative subset (128 specs) in a cold triton cache; on a loaded
+# 2-core machine that can take longer than the suite-wide --timeout, so this module gets its own limit.
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
 def results():
-    res = compile_all(all_specs(), workers=2)
+    res = compile_all(representative_specs(), workers=2)
     logger.info("\n%s", format_report(res))
     return res
 
@@ -43,26 +63,74 @@ def results():
 def test_matrix_covers_every_candidate():
     """Every (kernel, arch, dtype, head dim) has candidates, plain and banded, and each is compiled in both modes:
     the plain ones as causal + key padding, the banded ones as sliding window + softcap + key padding."""
-    specs = all_specs()
+    variants: dict[tuple, set] = {}
+    for s in all_specs():
+        banded = s.window and s.softcap
+        assert s.window == banded and s.causal == (not banded and s.kernel != "bwd_pre"), s
+        variants.setdefault((s.kernel, s.arch, s.dtype, s.head_dim, s.config, banded), set()).add(s.cog)
+    assert {hd for _, _, _, hd, _, _ in variants} == set(SUPPORTED_HEAD_DIMS)
     for arch in ARCHS:
         for dtype in DTYPES:
             for hd in HEAD_DIMS:
                 for kernel in KERNELS:
-                    for banded in (False, True):
+                    for banded in (False, True) if kernel != "bwd_pre" else (False,):
                         configs = candidate_configs(kernel, arch, dtype, hd, banded=banded)
                         assert configs, (kernel, arch, dtype, hd, banded)
                         for c in configs:
-                            modes = ({(False, False)} if kernel == "bwd_pre"
-                                     else {(True, banded), (False, banded)})  # fmt: skip
-                            got = {(s.cog, s.window and s.softcap) for s in specs
-                                   if (s.kernel, s.arch, s.dtype, s.head_dim, s.config) == (kernel, arch, dtype, hd, c)
-                                   and (kernel == "bwd_pre" or s.window == banded)}  # fmt: skip
-                            assert got == modes, (kernel, arch, dtype, hd, c, banded)
+                            modes = {False} if kernel == "bwd_pre" else {True, False}
+                            assert variants.get((kernel, arch, dtype, hd, c, banded)) == modes, (kernel, arch, dtype,
+                                                                                                 hd, c, banded)
+
+
+def test_representative_subset_covers_every_kernel_head_dim_arch_and_dtype():
+    """`make test` compiles `representative_specs()`, a rule-chosen part of the full matrix: every kernel at every
+    head dim, every kernel on every (arch, dtype) pair, and every kernel but the preprocess in both modes and both
+    the plain (causal + key padding) and the banded (window + softcap + key padding) variant."""
+    subset, full = representative_specs(), set(all_specs())
+    assert all(s in full for s in subset) and len(set(subset)) == len(subset)
+    assert {(s.kernel, s.head_dim) for s in subset} == {(k, hd) for k in KERNELS for hd in SUPPORTED_HEAD_DIMS}
+    assert {(s.kernel, s.arch, s.dtype) for s in subset} == {(k, a, d) for k in KERNELS for a in ARCHS for d in DTYPES}
+    attention = [k for k in KERNELS if k != "bwd_pre"]
+    assert {(s.kernel, s.cog, s.window and s.softcap) for s in subset if s.kernel != "bwd_pre"} == {
+        (k, cog, banded) for k in attention for cog in (True, False) for banded in (True, False)
+    }
+    assert len(subset) == len(KERNELS) * len(SUPPORTED_HEAD_DIMS) < len(full) / 10
+
+
+def test_head_dim_chunks():
+    """Every supported head dim splits into power-of-two chunks of at least 16 (a 16-bit tl.dot's reduction),
+    largest first, whose sum is the head dim rounded up to a multiple of 16: at most 8 padding columns, in the last
+    chunk. Powers of two from 16 are one chunk (their kernels are those of before the split)."""
+    assert SUPPORTED_HEAD_DIMS == tuple(range(8, 257, 8))
+    for hd in SUPPORTED_HEAD_DIMS:
+        chunks = head_dim_chunks(hd)
+        assert all(c >= 16 and c & (c - 1) == 0 for c in chunks), (hd, chunks)
+        assert list(chunks) == sorted(set(chunks), reverse=True), (hd, chunks)
+        assert padded_width(hd) == sum(chunks) == -(-hd // 16) * 16 and sum(chunks[:-1]) < hd, (hd, chunks)
+    assert {hd: head_dim_chunks(hd) for hd in (8, 24, 40, 72, 80, 96, 104, 160, 232, 248)} == {
+        8: (16,), 24: (32,), 40: (32, 16), 72: (64, 16), 80: (64, 16), 96: (64, 32), 104: (64, 32, 16),
+        160: (128, 32), 232: (128, 64, 32, 16), 248: (256,),
+    }  # fmt: skip
+    assert all(head_dim_chunks(hd) == (hd,) for hd in TABLE_HEAD_DIMS)
+
+
+def test_table_head_dim_and_stride_unit():
+    """A head dim takes the tiles of the narrowest table head dim that holds its padded width; the launcher's
+    stride unit is 8 exactly for the strides of contiguous head dims that are odd multiples of 8."""
+    assert [table_head_dim(hd) for hd in (8, 16, 24, 40, 64, 72, 120, 128, 136, 248, 256)] == [
+        16, 16, 32, 64, 64, 128, 128, 128, 256, 256, 256]  # fmt: skip
+    for bad in (0, 12, 264):
+        with pytest.raises(ValueError, match="head dim"):
+            table_head_dim(bad)
+    for hd in SUPPORTED_HEAD_DIMS:
+        contiguous = (3 * 257 * hd, 257 * hd, hd)  # (B, nh, L, hd) with nh = 3, L = 257
+        assert stride_unit(contiguous) == (8 if hd % 16 else 1), hd
+    assert stride_unit((0, 0, 0)) == 1 and stride_unit((144, 72, 3)) == 1  # all of 16; a row stride of 3
 
 
 @pytest.mark.slow
 def test_every_config_compiles(results):
-    assert len(results) == len(all_specs())
+    assert len(results) == len(representative_specs())
     assert all(r.registers > 0 for r in results)
 
 

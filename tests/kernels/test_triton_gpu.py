@@ -220,3 +220,91 @@ def test_windows_and_softcaps_match_reference_on_gpu(L, window, softcap, causal,
             floor = 1e-5 if dtype == torch.float32 else max(0.5 * eps * e.abs().max().item(), eps * term.get(name, 0))
             err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
             assert err <= 2 * err_plain + floor, f"{name} cog={cog}: err {err:.3g} vs plain err {err_plain:.3g}"
+
+
+def _assert_within_rule(fused, plain, exact, dtype, what=""):
+    for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
+        floor = 1e-5 if dtype == torch.float32 else 0.5 * torch.finfo(dtype).eps * e.abs().max().item()
+        err, err_plain = (f - e).abs().max().item(), (p - e).abs().max().item()
+        assert err <= 2 * err_plain + floor, f"{name} {what}: fused err {err:.3g} vs plain err {err_plain:.3g}"
+
+
+# Head dims that are not powers of two run as power-of-two chunks (`configs.head_dim_chunks`; docs/kernel_math.md,
+# "Head dims that are not powers of two"): 40 = 32 + 16 (8 padding columns), 72 = 64 + 16 (8), 96 = 64 + 32,
+# 136 = 128 + 16 (8), 160 = 128 + 32, 232 = 128 + 64 + 32 + 16 (8). Contiguous inputs of odd multiples of 8 run with
+# STRIDE_UNIT 8 (16-byte row alignment), which only a GPU compile exercises with real vector loads.
+@pytest.mark.parametrize(
+    "hd,dtype",
+    [(72, torch.bfloat16), (72, torch.float16), (72, torch.float32), (96, torch.bfloat16), (160, torch.float16),
+     (40, torch.bfloat16), (136, torch.float16), (232, torch.bfloat16)],
+)  # fmt: skip
+def test_chunked_head_dims_match_reference_on_gpu(hd, dtype):
+    """Forward and gradients, causal with key padding (a batch item with half its keys removed), both modes, against
+    the float64 formula; the call runs the fused kernel (inside its envelope)."""
+    from uvic.attention import unsupported_reason
+
+    g = torch.Generator(device="cuda").manual_seed(hd)
+    q, k, v, do = (torch.randn(2, 3, 300, hd, device="cuda", generator=g, dtype=torch.float64) for _ in range(4))
+    kpm = torch.rand(2, 300, device="cuda", generator=g) > 0.3
+    kpm[1, :150] = False
+    assert unsupported_reason(q.to(dtype), k.to(dtype), v.to(dtype), kpm, backend="triton") is None
+    for cog in (True, False):
+        kw = {"causal": True, "key_padding_mask": kpm, "attention": "cog" if cog else "softmax"}
+        exact = _grads(lambda *a: attention_ref(*a, **kw), q, k, v, do, torch.float64)
+        plain = _grads(lambda *a: attention_ref(*a, upcast=False, **kw), q, k, v, do, dtype)
+        op = cog_attention if cog else softmax_attention
+        fused = _grads(lambda *a: op(*a, causal=True, key_padding_mask=kpm, backend="triton"), q, k, v, do, dtype)
+        _assert_within_rule(fused, plain, exact, dtype, f"cog={cog}")
+
+
+@pytest.mark.parametrize("hd", [72, 96])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunked_head_dims_with_window_and_softcap_on_gpu(hd, dtype):
+    """The banded kernels at head dims 72 and 96: a causal window of 128 keys and a softcap of 30, key padding,
+    L = 1000 (many key blocks skipped), both modes."""
+    g = torch.Generator(device="cuda").manual_seed(hd + 1)
+    q, k, v, do = (torch.randn(2, 3, 1000, hd, device="cuda", generator=g, dtype=torch.float64) for _ in range(4))
+    kpm = torch.rand(2, 1000, device="cuda", generator=g) > 0.2
+    for cog in (True, False):
+        kw = {"causal": True, "key_padding_mask": kpm, "window": (127, 0), "softcap": 30.0}
+        kind = {"attention": "cog" if cog else "softmax"}
+        exact = _grads(lambda *a: attention_ref(*a, **kw, **kind), q, k, v, do, torch.float64)
+        plain = _grads(lambda *a: attention_ref(*a, upcast=False, **kw, **kind), q, k, v, do, dtype)
+        op = cog_attention if cog else softmax_attention
+        fused = _grads(lambda *a: op(*a, backend="triton", **kw), q, k, v, do, dtype)
+        _assert_within_rule(fused, plain, exact, dtype, f"cog={cog}")
+
+
+@pytest.mark.parametrize("layout", ["packed_qkv", "gapped"])
+def test_head_dim_72_strided_inputs_on_gpu(layout):
+    """Head dim 72 from a packed qkv projection, (B, L, 3, nh, hd) storage (row strides 3 nh hd: multiples of 8, so
+    STRIDE_UNIT 8), and from rows with a last-dim stride of 2 (row strides multiples of 16: STRIDE_UNIT 1), bf16,
+    against the float64 formula; the two layouts give the same values as contiguous inputs, bit for bit."""
+    import uvic.kernels.attention as kattn
+
+    B, nh, L, hd, dtype = 2, 4, 257, 72, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = (torch.randn(B, nh, L, hd, device="cuda", generator=g, dtype=torch.float64) for _ in range(4))
+
+    def laid_out(ts):
+        if layout == "packed_qkv":
+            packed = torch.stack([t.to(dtype).transpose(1, 2) for t in ts], dim=2).contiguous()  # (B, L, 3, nh, hd)
+            views = [packed[:, :, i].transpose(1, 2) for i in range(3)]
+        else:
+            wide = torch.zeros(3, B, nh, L, 2 * hd, device="cuda", dtype=dtype)
+            for i, t in enumerate(ts):
+                wide[i, ..., ::2] = t.to(dtype)
+            views = [wide[i, ..., ::2] for i in range(3)]
+        return [t.detach().requires_grad_() for t in views]
+
+    views = laid_out((q, k, v))
+    assert kattn._qkv_strides(*views)[1] == (8 if layout == "packed_qkv" else 1)
+    out = cog_attention(*views, causal=True, backend="triton")
+    out.backward(do.to(dtype))
+    strided = [out.detach().double()] + [t.grad.double() for t in views]
+    contiguous = _grads(lambda *a: cog_attention(*a, causal=True, backend="triton"), q, k, v, do, dtype)
+    for a, b in zip(strided, contiguous):
+        assert torch.equal(a, b)
+    exact = _grads(lambda *a: attention_ref(*a, causal=True), q, k, v, do, torch.float64)
+    plain = _grads(lambda *a: attention_ref(*a, causal=True, upcast=False), q, k, v, do, dtype)
+    _assert_within_rule(strided, plain, exact, dtype, layout)
