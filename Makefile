@@ -22,7 +22,8 @@ test: install
 # The full ahead-of-time compile check of the fused kernel: every autotune candidate of every kernel, dtype and head
 # dim, in both modes, plain and windowed/softcapped, compiled for sm_80 and sm_90 and read with ptxas (exit 1 on a
 # register spill or on shared memory over its table's budget). `make test` compiles a representative subset of it
-# (`uvic.kernels.aot.representative_specs`); any change to kernels/ runs this before it lands.
+# (`uvic.kernels.aot.representative_specs`, 128 kernels: 1 min 55 s from an empty cache on a 2-core VM); any change
+# to kernels/ runs this before it lands (2,876 kernels: 31 min on the same VM with most of them uncached).
 AOT_WORKERS ?= 2
 aot-full: install
 	$(BIN)/python -m uvic.kernels.aot --workers $(AOT_WORKERS)
