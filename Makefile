@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test aot-full bench demo clean
+.PHONY: install test aot-full bench demo compare-demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,10 @@ test: install
 # dim, in both modes, plain and windowed/softcapped, compiled for sm_80 and sm_90 and read with ptxas (exit 1 on a
 # register spill or on shared memory over its table's budget). `make test` compiles a representative subset of it
 # (`uvic.kernels.aot.representative_specs`); any change to kernels/ runs this before it lands. Measured on a 2-core
-# machine with nothing else running (load average 2.0, triton 3.8.0, AOT_WORKERS=2): the 2876 kernels in 56 min
+# machine with nothing else running (load average 2.0, triton 3.8.0, AOT_WORKERS=2): the 2,876 kernels in 56 min
 # (6,135 CPU-s) from an empty triton cache, which is what a change to kernels/ leaves (their source is in every
-# cache key); 31 min with 908 of them (32%) cached; 8 s with all cached. `make test`'s subset, 128 kernels: 115 s
-# (223 CPU-s) from an empty cache.
+# cache key); 31 min with 908 of them (32%) cached; 8 s with all cached. `make test`'s subset, 128 kernels: 1 min
+# 55 s (223 CPU-s) from an empty cache.
 AOT_WORKERS ?= 2
 aot-full: install
 	$(BIN)/python -m uvic.kernels.aot --workers $(AOT_WORKERS)
@@ -35,6 +35,12 @@ aot-full: install
 demo: install
 	$(BIN)/python train.py configs/demo_digits.yaml --resume
 	$(BIN)/python sample.py runs/demo_digits/pipeline --grid runs/demo_digits/grid.png --num-images 64 --grid-scale 4
+
+# The CPU comparison: U-ViT vs U-ViC on the digits in 2x2 patches, 3 seeds each, two runs at a time (resumable:
+# re-running continues, then writes the report again). runs/cmp_digits/report.html is the result.
+compare-demo: install
+	$(BIN)/python compare.py run configs/compare_digits.yaml --arm uvit model.attention=softmax --arm uvic \
+		--seeds 0 1 2 --out runs/cmp_digits --jobs 2
 
 bench: install
 	$(BIN)/python benchmarks/bench_attention.py

@@ -1,15 +1,19 @@
 """Compare training configs the paper's way, with error bars: arms x seeds on common random numbers, one report.
 
-    python compare.py run configs/demo_digits.yaml train.max_steps=600 \\
-        --arm uvit model.attention=softmax --arm uvic --seeds 0 1 2 --out runs/cmp_digits --jobs 2
+    python compare.py run configs/compare_digits.yaml --arm uvit model.attention=softmax --arm uvic \\
+        --seeds 0 1 2 --out runs/cmp_digits --jobs 2                 # make compare-demo: minutes on a CPU
     python compare.py plan configs/cifar10_uvic_s2.yaml --arm uvit model.attention=softmax --arm uvic \\
         --seeds 0 1 2 --out runs/cmp_cifar10 --launcher "accelerate launch --num_processes 8" > jobs.txt
     python compare.py report runs/cmp_cifar10        # whatever has finished; `run` ends with it too
+    accelerate launch --num_processes 8 compare.py report runs/cmp_cifar10 --gen-seeds 3 \\
+        --fid train.eval_reference=assets/fid_stats/fid_stats_cifar10_train_pytorch.npz  # each FID 3 times
 
 Overrides right after CONFIG apply to every arm; each `--arm NAME` takes its own; the first arm is the baseline.
 Run (arm, seed) is the ordinary run dir OUT/<arm>/seed_<seed>/, trained by `train.py CONFIG ... train.seed=<seed>
 train.run_dir=OUT/<arm>/seed_<seed> --resume`. `run` trains them here and is resumable (the same command after a
 kill finishes the job); `plan` prints the commands, one per line, for a scheduler, and writes OUT/plan.json.
+`--gen-seeds K` (run, report) computes each finished run's protocol FID K times with disjoint sampling seeds
+(`uvic.compare.protocol_fid`).
 """
 
 import argparse
@@ -20,7 +24,7 @@ import signal
 import sys
 from pathlib import Path
 
-from uvic.errors import cli_errors, configure_logging, int_at_least
+from uvic.errors import cli_errors, configure_logging, int_at_least, one_line
 
 
 ROOT = Path(__file__).resolve().parent
@@ -49,21 +53,37 @@ def main() -> None:
         q.add_argument("--seeds", nargs="+", type=int, required=True, metavar="S", help="training seeds")
         q.add_argument("--out", required=True, help="the comparison directory")
         q.add_argument("--launcher", default=None,
-                       help='what starts train.py, e.g. "accelerate launch --num_processes 8" (default: python)')
+                       help='what starts train.py, e.g. "accelerate launch --num_processes 8" (default: this '
+                            'Python, sys.executable)')
         parsers[name] = q
     parsers["run"].add_argument("--jobs", type=int_at_least(1), default=1, help="runs trained at once (default 1)")
     q = sub.add_parser("report", help="write the report of whatever has finished",
                        description="write OUT/report.{json,md,html} and OUT/figures/ from the finished runs")
     q.add_argument("out", help="the comparison directory")
     parsers["report"] = q
+    for name in ("run", "report"):
+        parsers[name].add_argument(
+            "--gen-seeds", type=int_at_least(1), default=0, metavar="K",
+            help="compute each finished run's protocol FID K times, with disjoint sampling seeds (resumable)")
+        parsers[name].add_argument(
+            "--fid", nargs="+", default=[], metavar="KEY=VALUE",
+            help="the protocol FID's settings in place of the run config's: its train.eval_* keys (not eval_every), "
+                 "e.g. train.eval_reference=ref.npz train.eval_num_images=10000 train.eval_fid_dims=2048")
     args = p.parse_args()
     q = parsers[args.command]
     configure_logging()
+    gen_seeds, fid = getattr(args, "gen_seeds", 0), getattr(args, "fid", [])  # run and report only
+    if fid and not gen_seeds:
+        q.error("--fid sets the protocol FID of --gen-seeds K: give --gen-seeds too")
 
-    from uvic.compare.plan import Arm, check_out_dir, make_plan, shell_command, write_plan
+    from uvic.compare.plan import Arm, check_out_dir, load_plan, make_plan, shell_command, write_plan
+    from uvic.compare.protocol_fid import Protocol, check_fid_keys, check_protocol, compute_protocol_fids
     from uvic.compare.report import write_report
     from uvic.compare.run import pending_runs, run_plan
-    from uvic.errors import ConfigError
+    from uvic.errors import USER_ERRORS, ConfigError
+
+    protocol = Protocol(gen_seeds, tuple(fid)) if gen_seeds else None
+    failed = []
 
     if args.command != "report":
         try:  # everything is checked before anything is written or trained
@@ -73,6 +93,8 @@ def main() -> None:
             check_out_dir(plan)
             if args.command == "run":
                 pending_runs(plan)  # refuses run dirs of another config before anything is written
+                if protocol:
+                    check_protocol(plan, protocol)
         except (ConfigError, FileNotFoundError, ValueError) as e:
             q.error(str(e))
         with cli_errors():
@@ -81,7 +103,7 @@ def main() -> None:
                 logging.info(f"wrote {plan.out / 'plan.json'}; run the commands from {Path.cwd()}, then "
                              f"`python {_script('compare.py')} report {plan.out}`")
                 for run in plan.runs:
-                    print(shell_command(plan.command(run, launcher or ["python"], _script("train.py"))))
+                    print(shell_command(plan.command(run, launcher, _script("train.py"))))
                 return
             # A `kill` (SIGTERM) stops the runs in training too, as Ctrl-C does.
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -89,12 +111,32 @@ def main() -> None:
                 failed = run_plan(plan, jobs=args.jobs, train_script=_script("train.py"), launcher=launcher)
             except KeyboardInterrupt:  # Ctrl-C: the runs were stopped (run_plan says so); no traceback
                 sys.exit(130)
+    elif protocol:
+        try:
+            plan = load_plan(args.out)
+            check_fid_keys(protocol)
+        except (FileNotFoundError, ConfigError) as e:  # not a comparison directory, a bad --fid: usage errors
+            q.error(str(e))
+    fid_error = None
+    if protocol:
+        try:
+            compute_protocol_fids(plan, protocol)
+        except USER_ERRORS as e:  # the report of what there is is still written
+            fid_error = e
+        except KeyboardInterrupt:  # the FIDs computed so far are kept; the same command continues
+            sys.exit(130)
+        from accelerate import PartialState
+
+        if not PartialState().is_main_process:  # `accelerate launch compare.py report`: the main process writes
+            sys.exit(1 if fid_error else 0)
     with cli_errors():
         try:
             data = write_report(args.out)
         except (FileNotFoundError, ConfigError) as e:  # not a comparison directory: a usage error
             q.error(str(e))
     _print_summary(args.out, data)
+    if fid_error is not None:
+        sys.exit(f"error: the protocol FID: {one_line(str(fid_error))}")
     if args.command == "run" and failed:
         sys.exit(f"error: {len(failed)} run(s) failed: {', '.join(r.label for r in failed)}; see "
                  f"{os.path.join(args.out, 'report.md')}")

@@ -85,6 +85,11 @@ def check_attention_kind(attention: object) -> AttentionKind:
     return attention
 
 
+# Set by `uvic.attention_probe.probe_attention` for the length of a probe: (op, kind) -> the op that records its
+# calls. None otherwise.
+_observer: Callable[[Callable[..., torch.Tensor], AttentionKind], Callable[..., torch.Tensor]] | None = None
+
+
 def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
     """The op of an attention kind: `cog_attention` for "cog", `softmax_attention` for "softmax" (same signature).
 
@@ -94,7 +99,10 @@ def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
         ValueError: `attention` is not one of ATTENTIONS.
     """
     ops = {"cog": cog_attention, "softmax": softmax_attention}  # a new kind adds its op here
-    return ops[check_attention_kind(attention)]
+    op = ops[check_attention_kind(attention)]
+    # While `uvic.attention_probe.probe_attention` records a model's calls, the op comes wrapped; otherwise this is
+    # one `is None` test per layer call and the op itself is returned.
+    return op if _observer is None else _observer(op, attention)
 
 
 def check_softmax_count(value: object, name: str) -> int:
@@ -434,7 +442,35 @@ def attention_ref(
     if upcast:
         ct = _compute_dtype(dtype)
         q, k, v = q.to(ct), k.to(ct), v.to(ct)
-    k, v = _drop_padded_keys(k, v, key_padding_mask)
+    attn = attention_weights(q, k, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
+                             softcap=softcap, attention=attention)  # fmt: skip
+    _, v = _drop_padded_keys(k, v, key_padding_mask)
+    return (attn @ v).to(dtype)
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    attention: AttentionKind = "cog",
+) -> torch.Tensor:
+    """The attention weights of `attention_ref`, in the dtype of q and k (no upcast: pass float64 for exact ones).
+
+    Cog: `sign(p) * softmax(|p|)` over the kept keys, p = scale * q k^T (paper Eq. 3); softmax: `softmax(p)`.
+    Masked keys and rows with no kept key get weight 0. The attention probe (`uvic.attention_probe`) reads them.
+
+    Args:
+        q: (B, nh, Lq, hd); k: (B, nh, Lk, hd).
+        causal, key_padding_mask, scale, window, softcap, attention: as `attention_ref`.
+    Returns:
+        (B, nh, Lq, Lk) weights.
+    """
+    k, _ = _drop_padded_keys(k, k, key_padding_mask)
     Lq, Lk = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = scale * (q @ k.transpose(-2, -1))  # (B, nh, Lq, Lk)
@@ -457,7 +493,7 @@ def attention_ref(
         attn = torch.softmax(scores, dim=-1)
     if has_key is not None:
         attn = attn * has_key
-    return (attn @ v).to(dtype)
+    return attn
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
 from uvic.guidance import DEFAULT_GUIDANCE_SCALE
 from uvic.lm.data import TOKEN_DTYPES
+from uvic.lm.synthetic import SYNTHETIC_TASKS
 from uvic.presets import UVIT_VAE_SCALE, cogformer_preset, uvit_preset
 from uvic.schedulers import sampler_names
 from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, schedule_preset
@@ -233,6 +234,9 @@ class TrainConfig:
     val_examples: int = 10_000
     val_batch_size: int = 64
     val_timesteps: int = 8
+    # With each validation: the share of negative attention weight per block (metrics.jsonl: "attn_neg_share"), on
+    # the first val_probe_examples held-out examples (0 = off).
+    val_probe_examples: int = 4
 
 
 @dataclass(frozen=True)
@@ -351,8 +355,12 @@ LMModelConfig = model_section(
 
 @dataclass(frozen=True)
 class LMDataConfig:
-    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`)."""
+    """Token data: a `.bin` of token ids or a text file plus a tokenizer (see `uvic.lm.data.load_tokens`), or a
+    synthetic task generated on the fly (`uvic.lm.synthetic`)."""
 
+    # "": the tokens of `path`; "mqar" / "induction": synthetic sequences of block_size tokens over model.vocab_size
+    # ids instead (associative recall, a copy task), trained and scored on their answer tokens only.
+    synthetic: str = ""
     path: str = ""
     format: str = "auto"  # "auto" (".bin" suffix -> "bin", else "text"), "bin" or "text"
     tokenizer: str = "byte"  # for text: "byte", a tokenizer.json, a sentencepiece .model, or a tokenizer dir
@@ -360,8 +368,12 @@ class LMDataConfig:
     block_size: int = 2048  # tokens per training sequence (the paper's context length)
     num_workers: int = 0  # DataLoader workers (windows are cut from an in-memory or memory-mapped array)
     # With train.val_every > 0: the share of the tokens, at the end of the data, held out for the validation loss
-    # (whole blocks of block_size).
+    # (whole blocks of block_size); of a synthetic source, round(val_fraction x num_sequences) held-out sequences
+    # from their own generators.
     val_fraction: float = 0.01
+    # Synthetic sources: training sequences (each made from its index when read), and MQAR's key-value pairs.
+    num_sequences: int = 100_000
+    num_kv_pairs: int = 8
 
 
 @dataclass(frozen=True)
@@ -632,7 +644,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     # data (images, MS-COCO features, LM tokens)
     "data.image_size": _AT_LEAST_1, "data.num_workers": _AT_LEAST_0, "data.p_uncond": _FRACTION,
     "data.latent_scale": _POSITIVE, "data.block_size": _AT_LEAST_1, "data.num_classes": _AT_LEAST_1,
-    "data.val_fraction": _OPEN_FRACTION,
+    "data.val_fraction": _OPEN_FRACTION, "data.num_sequences": _AT_LEAST_1, "data.num_kv_pairs": _AT_LEAST_1,
     # train
     "train.seed": _SEED, "train.max_steps": _AT_LEAST_1, "train.batch_size": _AT_LEAST_1,
     "train.grad_accum_steps": _AT_LEAST_1, "train.lr": _POSITIVE, "train.weight_decay": _AT_LEAST_0,
@@ -643,6 +655,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.eval_every": _AT_LEAST_0, "train.eval_num_images": _rule(lambda v: v >= 2, ">= 2 (a covariance)"),
     "train.eval_steps": _AT_LEAST_1, "train.eval_fid_dims": _AT_LEAST_1, "train.val_every": _AT_LEAST_0,
     "train.val_examples": _AT_LEAST_0, "train.val_batch_size": _AT_LEAST_1, "train.val_timesteps": _AT_LEAST_1,
+    "train.val_probe_examples": _AT_LEAST_0,
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
@@ -680,6 +693,7 @@ CHOICES: dict[str, Callable[[], tuple[Any, ...]]] = {
     "model.attention_backend": lambda: BACKENDS,
     "data.name": lambda: tuple(DATASETS),
     "data.token_dtype": lambda: TOKEN_DTYPES,
+    "data.synthetic": lambda: ("", *SYNTHETIC_TASKS),
     "sample.sampler": sampler_names,
     "train.eval_sampler": lambda: ("", *sampler_names()),
     "train.eval_fid_dims": lambda: importlib.import_module("uvic.fid.inception").DIMS,

@@ -19,10 +19,11 @@ CONFIG = str(ROOT / "configs" / "demo_digits.yaml")
 MAX_STEPS = 100
 
 
-def write_run(plan, arm, seed, *, losses=None, val=None, fids=None, finished=True, grid=True, extra_lines=""):
+def write_run(plan, arm, seed, *, losses=None, val=None, fids=None, finished=True, grid=True, extra_lines="",
+              shares=None):
     """Write the run dir of (arm, seed) of `plan`: training lines {step: loss}, validation lines {step: val_loss}
-    and FID lines {step: fid}; finished runs get the checkpoint at train.max_steps and pipeline/, unfinished ones a
-    checkpoint at half their last logged step."""
+    (with the attention probe's {step: {block: share}}) and FID lines {step: fid}; finished runs get the checkpoint
+    at train.max_steps and pipeline/, unfinished ones a checkpoint at half their last logged step."""
     run = plan.run(arm, seed)
     d = run.run_dir
     d.mkdir(parents=True, exist_ok=True)
@@ -30,7 +31,8 @@ def write_run(plan, arm, seed, *, losses=None, val=None, fids=None, finished=Tru
     cfg["train"].update(seed=seed, run_dir=str(d), resume="latest")
     (d / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     lines = [{"step": s, "loss": v, "lr": 1e-3} for s, v in (losses or {}).items()]
-    lines += [{"step": s, "val_loss": v} for s, v in (val or {}).items()]
+    lines += [{"step": s, "val_loss": v, **({"attn_neg_share": shares[s]} if s in (shares or {}) else {})}
+              for s, v in (val or {}).items()]
     lines.sort(key=lambda r: r["step"])  # at a step with both, the validation line comes after the training line
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + extra_lines)
     if fids:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from uvic.compare.metrics import CURVES, METRICS
+from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK
 from uvic.compare.rundirs import RunLogs
 
 
@@ -18,9 +18,21 @@ def _read(name, logs):
 
 
 def test_names_and_directions_are_unique_and_documented():
-    assert [m.name for m in METRICS] == ["val_loss", "train_loss", "fid_last", "fid_best"]
-    assert all(m.lower_is_better and m.description for m in METRICS)
+    assert [m.name for m in METRICS] == ["val_loss", "val_accuracy", "train_loss", "fid_last", "fid_best",
+                                         "fid_protocol"]
+    assert all(m.lower_is_better == (m.name != "val_accuracy") and m.description for m in METRICS)
     assert len({c.name for c in CURVES}) == len(CURVES)
+    assert [b.name for b in PER_BLOCK] == ["attn_neg_share"] and all(b.description for b in PER_BLOCK)
+
+
+def test_accuracy_is_the_last_validation_and_shares_the_last_line_that_has_them():
+    shares = [{"a.0": 0.0, "a.1": 0.25}, {"a.0": 0.0, "a.1": 0.5, "a.2": float("nan")}]
+    logs = RunLogs(Path("."), [], [{"step": 1, "val_loss": 2.0, "val_accuracy": 0.1, "attn_neg_share": shares[0]},
+                                   {"step": 2, "val_loss": 1.0, "val_accuracy": 0.3, "attn_neg_share": shares[1]},
+                                   {"step": 3, "val_loss": 0.5}], [])
+    assert _read("val_accuracy", logs) == 0.3
+    assert PER_BLOCK[0].read(logs) == {"a.0": 0.0, "a.1": 0.5}  # a non-finite share is left out
+    assert PER_BLOCK[0].read(_logs(val=[(1, 0.5)])) == {}
 
 
 @pytest.mark.parametrize("n, tail", [(100, 5), (1000, 50), (30, 2), (19, 1), (1, 1)])
@@ -34,6 +46,15 @@ def test_val_loss_is_the_last_validation_and_fid_the_last_and_best():
     assert (_read("val_loss", logs), _read("fid_last", logs), _read("fid_best", logs)) == (0.45, 8.0, 7.0)
 
 
+def test_the_protocol_fid_is_the_mean_of_the_runs_resamplings(tmp_path):
+    logs = RunLogs(tmp_path, [], [], [])
+    assert _read("fid_protocol", logs) is None  # none computed
+    (tmp_path / "fid_protocol.json").write_text('{"protocol": {}, "fids": [3.0, 4.5, 5.25]}')
+    assert _read("fid_protocol", logs) == 4.25
+    (tmp_path / "fid_protocol.json").write_text('{"protocol": {}, "fids": [3.0, Infinity]}')
+    assert _read("fid_protocol", logs) is None
+
+
 def test_absent_or_non_finite_values_are_none():
     empty = _logs()
     assert all(m.read(empty) is None for m in METRICS)
@@ -44,4 +65,4 @@ def test_absent_or_non_finite_values_are_none():
 def test_curves_are_step_to_value():
     logs = _logs([2.0, 1.0], val=[(2, 1.5)], fids=[(2, 30.0)])
     assert {c.name: c.read(logs) for c in CURVES} == {"train_loss": {1: 2.0, 2: 1.0}, "val_loss": {2: 1.5},
-                                                       "fid": {2: 30.0}}
+                                                       "val_accuracy": {}, "fid": {2: 30.0}}

@@ -5,12 +5,14 @@ one `error:` line, no traceback, and nothing written."""
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
 from synthetic_runs import CONFIG
 
 from uvic.compare.plan import Arm, Plan, config_difference, load_plan, make_plan, plan_difference
+from uvic.config import load_config
 from uvic.errors import ConfigError
 
 
@@ -48,10 +50,11 @@ def test_plan_prints_one_train_command_per_run_and_writes_plan_json(tmp_path, ru
     assert plan["arms"][0]["config"]["model"]["attention"] == "softmax"
     assert plan["arms"][1]["config"]["train"]["max_steps"] == 50 and "seed" not in plan["arms"][1]["config"]["train"]
     assert sorted(p.name for p in out.iterdir()) == ["plan.json"]  # nothing trained
-    # Without a launcher: python.
+    # Without a launcher: the Python that checked the plan (the one `run` uses), not whatever `python` a job's
+    # PATH finds.
     code, stdout, _ = run_script("compare.py", "plan", CONFIG, "train.max_steps=50", *ARMS, "--seeds", "3", "1",
                                  "--out", out)
-    assert code == 0 and all(line.startswith("python train.py ") for line in stdout.splitlines())
+    assert code == 0 and all(shlex.split(line)[:2] == [sys.executable, "train.py"] for line in stdout.splitlines())
 
 
 def test_the_plan_round_trips_through_plan_json(tmp_path):
@@ -162,3 +165,46 @@ def test_plan_and_config_differences():
     assert plan_difference(plan, plan) is None
     with pytest.raises(ConfigError, match="needs at least one seed"):
         make_plan(CONFIG, [], [Arm("a"), Arm("b")], [], "x")
+
+
+def test_the_arms_of_one_seed_start_from_the_same_weights_and_draw_the_same_data_noise_and_times(
+        tmp_path, image_dir, tiny_overrides, monkeypatch):
+    """Common random numbers through the real loop: each run of a plan is trained as its command trains it, and
+    what the loss sees at each step (the weights, the batch, the times and the noise) is captured."""
+    import torch
+
+    import uvic.training.losses as losses
+    from uvic.training import train
+
+    seen = []
+    eps_losses = losses.eps_losses
+
+    def capture(model, x0, t, eps, noise, **kwargs):
+        out = eps_losses(model, x0, t, eps, noise, **kwargs)
+        seen[-1].append({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                         "x0": x0.clone(), "t": t.clone(), "eps": eps.clone(), "losses": out.detach().clone()})
+        return out
+
+    monkeypatch.setattr(losses, "eps_losses", capture)
+    shared = [o for o in tiny_overrides(tmp_path, image_dir, **{"train.max_steps": 2, "train.save_every": 2, "train.warmup_steps": 0})
+              if not o.startswith("train.run_dir=")]
+    config = str(Path(CONFIG).with_name("cifar10_uvic_s2.yaml"))  # RGB, as the test's images
+    plan = make_plan(config, shared, [Arm("uvit", ("model.attention=softmax",)), Arm("uvic")], [5], tmp_path / "c")
+    for run in plan.runs:
+        seen.append([])
+        train(load_config(config, run.overrides))
+    uvit, uvic = seen
+    assert len(uvit) == len(uvic) == 2  # one loss per step
+    first = [steps[0]["weights"] for steps in seen]
+    assert first[0].keys() == first[1].keys() and all(torch.equal(first[0][k], first[1][k]) for k in first[0])
+    for a, b in zip(uvit, uvic):  # every step
+        for key in ("x0", "t", "eps"):
+            assert torch.equal(a[key], b[key]), key
+    # ... and the arms do differ: the same inputs give another loss, and the weights part after the first step.
+    assert not torch.equal(uvit[0]["losses"], uvic[0]["losses"])
+    assert not all(torch.equal(uvit[1]["weights"][k], uvic[1]["weights"][k]) for k in first[0])
+    # Another seed draws other numbers (the capture would see a seed that is ignored).
+    seen.append([])
+    train(load_config(config, [*shared, "model.attention=softmax", "train.seed=6", f"train.run_dir={tmp_path / 'o'}"]))
+    assert not torch.equal(seen[-1][0]["eps"], uvit[0]["eps"])
+    assert not all(torch.equal(seen[-1][0]["weights"][k], first[0][k]) for k in first[0])

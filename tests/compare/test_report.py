@@ -38,7 +38,7 @@ def test_report_json_has_the_documented_shape_and_the_paired_statistics(make_com
     _full(plan)
     data = write_report(plan.out)
     assert json.loads((plan.out / "report.json").read_text()) == data
-    assert set(data) == {"baseline", "arms", "seeds", "metrics", "runs"}
+    assert set(data) == {"baseline", "arms", "seeds", "metrics", "per_block", "runs"} and data["per_block"] == {}
     assert (data["baseline"], data["arms"], data["seeds"]) == ("uvit", ["uvit", "uvic"], [0, 1, 2])
     assert list(data["metrics"]) == ["val_loss", "train_loss", "fid_last", "fid_best"]
     for name, entry in data["metrics"].items():
@@ -128,6 +128,32 @@ def test_report_files_link_every_figure_and_the_html_embeds_them(make_comparison
     assert "http://" not in page and "https://" not in page and "url(" not in page and "<script" not in page
     sizes = [Image.open(io.BytesIO(base64.b64decode(s.split(",", 1)[1]))).size for s in sources]
     assert all(w > 100 and h > 100 for w, h in sizes)
+
+
+def test_per_block_attention_shares_and_accuracy_are_reported_from_the_last_validation(make_comparison):
+    """The validation lines' `attn_neg_share` {block: share} (the last line's per run) becomes report.json's
+    `per_block`, a table of the means over seeds and a figure; `val_accuracy` a metric where higher is better."""
+    plan = make_comparison()
+    blocks = ["in_blocks.0", "mid_block", "out_blocks.0"]
+    last = {}
+    for arm in ("uvit", "uvic"):
+        for seed in range(3):
+            cog = 0.0 if arm == "uvit" else 0.3 + 0.1 * seed
+            last[arm, seed] = {"in_blocks.0": 0.0, "mid_block": cog, "out_blocks.0": 0.0}
+            write_run(plan, arm, seed, losses=_losses(0.5, seed), val={50: 0.6, 100: 0.5}, grid=False,
+                      shares={50: dict.fromkeys(blocks, 0.9), 100: last[arm, seed]},
+                      extra_lines=json.dumps({"step": 100, "val_accuracy": 0.5 + 0.1 * (arm == "uvic") + 0.01 * seed})
+                      + "\n")
+    data = write_report(plan.out)
+    assert data["per_block"] == {"attn_neg_share": {arm: {str(s): last[arm, s] for s in range(3)}
+                                                    for arm in ("uvit", "uvic")}}
+    accuracy = data["metrics"]["val_accuracy"]
+    assert accuracy["lower_is_better"] is False and accuracy["vs_baseline"]["uvic"]["verdict"] == "better"
+    assert accuracy["vs_baseline"]["uvic"]["mean_diff"] == pytest.approx(0.1)
+    md = (plan.out / "report.md").read_text()
+    assert "| block | uvit | uvic |" in md and "| mid_block | 0.000 | 0.400 |" in md and "| in_blocks.0 | 0.000 | 0.000 |" in md
+    assert "](figures/blocks_attn_neg_share.png)" in md and "](figures/curve_val_accuracy.png)" in md
+    assert Image.open(plan.out / "figures" / "blocks_attn_neg_share.png").size[0] > 100
 
 
 def test_report_of_100_runs_with_1000_lines_each_takes_under_10_s_of_cpu(make_comparison):

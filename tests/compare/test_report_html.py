@@ -46,7 +46,8 @@ def test_report_html_in_headless_chromium(make_comparison, tmp_path, no_network)
         for seed in range(3):
             noise = 0.01 * ((seed * 7 + len(arm)) % 3 - 1)  # train_loss: differences of both signs: inconclusive
             write_run(plan, arm, seed, losses={s: 1 / s + noise for s in range(1, 101)},
-                      val={50: 0.6 + d + seed / 100, 100: 0.5 + d + seed / 100})
+                      val={50: 0.6 + d + seed / 100, 100: 0.5 + d + seed / 100},
+                      shares={100: {"in_blocks.0": 0.0, "mid_block": 0.0 if arm == "uvit" else 0.4 + seed / 10}})
     data = write_report(plan.out)
     verdicts = {(name, arm): vs["verdict"] for name, entry in data["metrics"].items()
                 for arm, vs in entry["vs_baseline"].items()}
@@ -60,7 +61,7 @@ def test_report_html_in_headless_chromium(make_comparison, tmp_path, no_network)
 
     # Figures: all of them, decoded whole (the pixels the browser draws are the PNG's), laid out with a visible box.
     figures = sorted((plan.out / "figures").glob("*.png"))
-    assert len(shown["images"]) == len(figures) == 5  # 2 curves, 2 paired dot plots, the samples
+    assert len(shown["images"]) == len(figures) == 6  # 2 curves, 2 paired dot plots, the attention shares, samples
     for image in shown["images"]:
         assert image["decoded"] and image["shown"], image
         assert min(image["natural"]) > 100 and min(image["box"]) > 50, image
@@ -73,6 +74,10 @@ def test_report_html_in_headless_chromium(make_comparison, tmp_path, no_network)
         metric = row[0].split(" (")[0] or metric
         rows[metric, row[1]] = row[-1]
     assert rows == {("val_loss", "uvit"): "baseline", ("train_loss", "uvit"): "baseline", **verdicts}
+    # The attention shares per block: the mean over seeds of each arm.
+    shares = next(t for t in shown["tables"] if t[0][0] == "block")
+    assert shares == [["block", "uvit", "uvic", "cog_all"], ["in_blocks.0", "0.000", "0.000", "0.000"],
+                      ["mid_block", "0.000", "0.500", "0.500"]]
     # Offline: the page asked for nothing but itself and its embedded images.
     assert requests and all(url == page.as_uri() or url.startswith("data:image/png;base64,") for url in requests), \
         requests

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
 run = args["train.run_dir"]
 os.makedirs(run, exist_ok=True)
 start = time.time()
-time.sleep(0.3)
+time.sleep(float(os.environ.get("FAKE_TRAIN_SECONDS", "0.3")))
 if "/bad/" in run:
     print("error: the loss became NaN or Inf at or before step 3", file=sys.stderr)
     sys.exit(1)
@@ -76,7 +75,8 @@ def test_failures_are_recorded_and_the_other_runs_go_on(tmp_path):
                 if line.startswith("=== ")]) == 2
 
 
-def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path):
+def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN_SECONDS", "2")  # longer than 3 interpreters take to start on a loaded machine
     plan, script = _plan(tmp_path, seeds=(0, 1, 2))
     assert run_plan(plan, jobs=3, train_script=script) == []
     records = [json.loads((r.run_dir / "fake.json").read_text()) for r in plan.runs]
@@ -90,6 +90,7 @@ def test_jobs_run_at_once_each_with_its_share_of_the_cores(tmp_path):
         argv = record["argv"]
         assert argv[1:] == [CONFIG, *run.overrides, f"train.cpu_threads={threads}", "--resume"]
     # A config that sets its threads keeps them; one job at a time changes nothing.
+    monkeypatch.delenv("FAKE_TRAIN_SECONDS")
     plan, script = _plan(tmp_path / "t", overrides=["train.cpu_threads=5"])
     run_plan(plan, jobs=2, train_script=script)
     assert not any("train.cpu_threads=1" in a for r in plan.runs
@@ -116,16 +117,12 @@ def test_a_run_that_exits_0_without_finishing_is_a_failure(tmp_path):
 
 def _tiny_shared(image_dir):
     """The shared overrides: a 2-block U-ViT on 8x8 images, 16 steps, a checkpoint every 4, a grid at the end."""
-    overrides = ["model.img_size=8", "model.patch_size=2", "model.embed_dim=16", "model.depth=2", "model.num_heads=2",
-                 "data.name=image_folder", f"data.root={image_dir}", "data.image_size=8", "data.num_workers=0",
-                 "train.batch_size=4", "train.max_steps=16", "train.warmup_steps=2", "train.lr=1e-3",
-                 "train.ema_decay=0.9", "train.log_every=1", "train.sample_every=16", "train.save_every=4",
-                 "train.log_with=none", "train.cpu_threads=1", "sample.num_images=4", "sample.num_inference_steps=2"]
-    from uvic.config import TrainConfig
-
-    if "val_every" in {f.name for f in fields(TrainConfig)}:  # the validation loss, once training has it
-        overrides.append("train.val_every=4")
-    return overrides
+    return ["model.img_size=8", "model.patch_size=2", "model.embed_dim=16", "model.depth=2", "model.num_heads=2",
+            "data.name=image_folder", f"data.root={image_dir}", "data.image_size=8", "data.num_workers=0",
+            "train.batch_size=4", "train.max_steps=16", "train.warmup_steps=2", "train.lr=1e-3",
+            "train.ema_decay=0.9", "train.log_every=1", "train.sample_every=16", "train.save_every=4",
+            "train.log_with=none", "train.cpu_threads=1", "sample.num_images=4", "sample.num_inference_steps=2",
+            "train.val_every=4"]
 
 
 def _wait_unlocked(run_dirs, timeout=120.0):
@@ -158,7 +155,7 @@ def test_run_killed_then_run_again_equals_the_plan_run_by_hand_and_aa_is_exact(t
     assert code == 0 and "A/A comparison" in err, err
     for line in stdout.splitlines():
         python, script, *rest = shlex.split(line)
-        assert (python, script) == ("python", "train.py")
+        assert (python, script) == (sys.executable, "train.py")
         code, _, err = run_script(script, *rest)
         assert code == 0, err[-3000:]
     code, _, err = run_script("compare.py", "report", hand)
@@ -192,7 +189,7 @@ def test_run_killed_then_run_again_equals_the_plan_run_by_hand_and_aa_is_exact(t
     # 3. The same numbers, bit for bit; A/A: identical arms, a difference of exactly 0.
     assert by_run["metrics"] == by_hand["metrics"]
     metrics = by_run["metrics"]
-    assert "train_loss" in metrics and ("val_loss" in metrics) == ("train.val_every=4" in shared)
+    assert {"train_loss", "val_loss"} <= set(metrics)
     for name, entry in metrics.items():
         assert entry["values"]["a"] == entry["values"]["b"] and len(entry["values"]["a"]) == 2, name
         assert entry["vs_baseline"]["b"] == {"n": 2, "mean_diff": 0.0, "ci95": [0.0, 0.0], "p_value": None,
@@ -205,3 +202,55 @@ def test_run_killed_then_run_again_equals_the_plan_run_by_hand_and_aa_is_exact(t
         grids = [np.asarray(Image.open(out / arm / f"seed_{seed}" / "samples" / "step_0000016.png")) for arm in "ab"]
         assert np.array_equal(*grids)
     assert (out / "report.html").is_file() and (out / "figures" / "samples.png").is_file()
+
+
+def test_a_three_arm_placement_comparison_runs_end_to_end(tmp_path, image_dir, run_script):
+    """The paper's placement ablation as ordinary arms: U-ViT (softmax everywhere), U-ViC (Cog between a softmax
+    first and last block) and Cog everywhere, 2 seeds; the plan's commands run by hand, then `report`."""
+    from uvic.models.layers import Attention
+    from uvic.training.runs import load_pipeline
+
+    shared = [o for o in _tiny_shared(image_dir) if not o.startswith(("train.max_steps", "train.save_every",
+                                                                       "train.sample_every", "train.val_every"))]
+    shared += ["train.max_steps=4", "train.save_every=4", "train.sample_every=4", "train.val_every=2"]
+    arms = ["--arm", "uvit", "model.attention=softmax", "--arm", "uvic",
+            "--arm", "cog_all", "model.keep_softmax_first=0", "model.keep_softmax_last=0"]
+    out = tmp_path / "cmp"
+    code, stdout, err = run_script("compare.py", "plan", str(ROOT / "configs" / "cifar10_uvic_s2.yaml"), *shared,
+                                   *arms, "--seeds", "0", "1", "--out", out)
+    assert code == 0, err
+    for line in stdout.splitlines():
+        _, script, *rest = shlex.split(line)
+        code, _, err = run_script(script, *rest)
+        assert code == 0, err[-3000:]
+    code, stdout, err = run_script("compare.py", "report", out)
+    assert code == 0, err
+    assert "6 of 6 runs finished" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert (report["baseline"], report["arms"]) == ("uvit", ["uvit", "uvic", "cog_all"])
+
+    # Each arm trained the placement it names: blocks in execution order (in, mid, out).
+    for arm, kinds in [("uvit", ["softmax"] * 3), ("uvic", ["softmax", "cog", "softmax"]), ("cog_all", ["cog"] * 3)]:
+        model = load_pipeline(out / arm / "seed_0" / "pipeline").transformer
+        assert [m.attention for m in model.modules() if isinstance(m, Attention)] == kinds, arm
+
+    # The values are the runs' own last validation lines, and each arm is paired with the baseline seed by seed.
+    val = report["metrics"]["val_loss"]
+    for arm in report["arms"]:
+        for seed in (0, 1):
+            lines = (out / arm / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines()
+            last = [json.loads(line) for line in lines if "val_loss" in line][-1]
+            assert last["step"] == 4 and val["values"][arm][str(seed)] == last["val_loss"]
+    for arm in ("uvic", "cog_all"):
+        diffs = [val["values"][arm][s] - val["values"]["uvit"][s] for s in ("0", "1")]
+        vs = val["vs_baseline"][arm]
+        assert vs["n"] == 2 and vs["mean_diff"] == pytest.approx(np.mean(diffs), rel=1e-12)
+        assert vs["ci95"][0] < vs["mean_diff"] < vs["ci95"][1] and vs["verdict"] in ("better", "worse", "inconclusive")
+        assert all(d != 0 for d in diffs)  # the placements are different models
+    assert set(report["metrics"]["train_loss"]["vs_baseline"]) == {"uvic", "cog_all"}
+    rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("|  | ")]
+    for arm in ("uvic", "cog_all"):  # a row per metric with its verdict, against the baseline
+        verdict = val["vs_baseline"][arm]["verdict"]
+        assert any(row.startswith(f"|  | {arm} |") and row.endswith(f"| **{verdict}** |") for row in rows), rows
+    assert {p.name for p in (out / "figures").glob("*.png")} >= {"paired_val_loss.png", "curve_val_loss.png",
+                                                                 "samples.png"}

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from synthetic_runs import MAX_STEPS, write_run
 
-from uvic.compare.rundirs import latest_samples, read_attempts, read_logs, record_attempt, run_state
+from uvic.compare.rundirs import final_samples, read_attempts, read_logs, record_attempt, run_state
 
 
 def test_training_and_validation_lines_of_one_step_are_both_kept(tmp_path):
@@ -71,12 +71,16 @@ def test_a_run_dir_of_another_config_is_a_mismatch_but_neutral_keys_do_not_count
     assert "train.seed is 1 there, 7 here" in run_state(plan, plan.run("uvic", 1), {}).detail
 
 
-def test_latest_samples_is_the_highest_step(tmp_path):
-    assert latest_samples(tmp_path) is None
+def test_the_final_samples_are_the_grid_of_the_last_step_where_the_task_writes_it(tmp_path):
+    from uvic.training.tasks import sample_path
+
+    assert final_samples(tmp_path, 1000) is None
     (tmp_path / "samples").mkdir()
-    for name in ["step_0000900.png", "step_0001000.png", "step_0000100.png", "step_x.png", "grid.png"]:
+    for name in ["step_0000900.png", "step_0001200.png", "grid.png"]:  # none of the last step
         (tmp_path / "samples" / name).write_bytes(b"")
-    assert latest_samples(tmp_path).name == "step_0001000.png"
+    assert final_samples(tmp_path, 1000) is None
+    sample_path(tmp_path, 1000, ".png").write_bytes(b"")
+    assert final_samples(tmp_path, 1000) == tmp_path / "samples" / "step_0001000.png"
 
 
 def test_attempts_are_rewritten_whole(tmp_path, make_comparison):

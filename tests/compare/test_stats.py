@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from uvic.compare.stats import mean_band, paired, paired_by_seed, verdict
+from uvic.compare.stats import fid_spreads, mean_band, paired, paired_by_seed, verdict
 
 
 BASE = [0.0712, 0.0709, 0.0715, 0.0721, 0.0704]
@@ -90,3 +90,15 @@ def test_mean_band_is_the_t_interval_per_step():
         ci = stats.ttest_1samp(col, 0).confidence_interval(0.95)
         assert mean[j] == pytest.approx(col.mean()) and (low[j], high[j]) == pytest.approx((ci.low, ci.high))
     assert mean[2] == low[2] == high[2] == 4.0  # one seed: no band
+
+
+def test_fid_spreads_separate_training_seeds_from_resamplings():
+    # Per-run means 11 and 14: sd across training seeds |14 - 11| / sqrt(2); resampling sds sqrt(2) and 0.
+    out = fid_spreads({0: [10.0, 12.0], 1: [14.0, 14.0]})
+    assert out == {"runs": 2, "gen_seeds": [2], "mean": 12.5, "training_seed_sd": pytest.approx(3 / math.sqrt(2)),
+                   "resampling_sd": pytest.approx(math.sqrt(2) / 2)}
+    # Undefined spreads are None: one run has no spread across seeds, one resampling none across resamplings.
+    assert fid_spreads({3: [5.0, 7.0]})["training_seed_sd"] is None
+    assert fid_spreads({0: [5.0], 1: [7.0, 8.0]})["resampling_sd"] is None
+    assert fid_spreads({}) == {"runs": 0, "gen_seeds": [], "mean": None, "training_seed_sd": None,
+                               "resampling_sd": None}

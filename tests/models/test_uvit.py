@@ -346,6 +346,24 @@ def test_demo_preset_is_the_model_of_the_demo_config():
     assert sum(p.numel() for p in model.parameters()) == _closed_form_params(**dataclasses.asdict(cfg))
 
 
+def test_the_compare_config_sees_17_tokens_in_5_blocks_with_uvics_placement():
+    """configs/compare_digits.yaml's comment: 2x2 patches of the 8x8 digits (16 + the time token), 5 blocks with
+    Cog between a softmax first and last, 0.27M parameters."""
+    import dataclasses
+    from pathlib import Path
+
+    from uvic.config import load_config
+    from uvic.models.layers import Attention
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "compare_digits.yaml").model
+    model = UViTModel(**dataclasses.asdict(cfg))
+    assert model.pos_embed.shape[1] == (8 // 2) ** 2 + 1 == 17
+    assert [m.attention for m in model.modules() if isinstance(m, Attention)] == ["softmax", "cog", "cog", "cog",
+                                                                                   "softmax"]
+    n = sum(p.numel() for p in model.parameters())
+    assert n == _closed_form_params(**dataclasses.asdict(cfg)) and round(n / 1e6, 2) == 0.27
+
+
 def test_official_init_statistics():
     torch.manual_seed(0)
     model = build_preset("uvit-demo")

@@ -18,7 +18,7 @@ from uvic.training import train
 from uvic.training.checkpoint import checkpoint_dir, list_checkpoints, remove_dir
 from uvic.training.logs import read_metrics
 from uvic.training.tasks import build_task
-from uvic.training.validation import VALIDATION_SEED, Validator, hold_out
+from uvic.training.validation import VALIDATION_SEED, Validator, hold_out, tracker_values
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,8 @@ def test_one_process_and_two_shards_give_the_same_value_bit_for_bit():
     assert sorted(i for v in shards for b in v.batches for i in b) == list(range(one.num_examples)) == list(range(90))
     value = one.validate(model)
     assert value == one.validate(model)  # every evaluation of the same weights
-    assert shards[0].combine(shards[0].local_values(model) + shards[1].local_values(model)) == value
+    assert shards[0].combine(shards[0].local_values(model) + shards[1].local_values(model)) == {
+        "val_loss": value["val_loss"]}  # the attention probe, `attn_neg_share`, is the same on every process
     # Another run seed and another training batch size draw the same examples, noise and times.
     other = _digits("unused", **{"train.val_batch_size": 7, "train.seed": 99, "train.batch_size": 16})
     assert Validator(other, build_task(other), _state()).validate(model) == value
@@ -139,7 +140,11 @@ def test_validation_lines_in_metrics_jsonl_and_the_trackers(tmp_path):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in lines if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4, 5]  # every 2 steps and the last
-    assert all(set(r) == {"step", "val_loss"} and np.isfinite(r["val_loss"]) for r in val)
+    assert all(set(r) == {"step", "val_loss", "attn_neg_share"} and np.isfinite(r["val_loss"]) for r in val)
+    # The tiny U-ViC's three blocks in execution order: softmax, Cog, softmax.
+    assert all(list(r["attn_neg_share"]) == ["in_blocks.0", "mid_block", "out_blocks.0"] for r in val)
+    assert all(r["attn_neg_share"]["in_blocks.0"] == r["attn_neg_share"]["out_blocks.0"] == 0.0 for r in val)
+    assert all(0 < r["attn_neg_share"]["mid_block"] < 1 for r in val)
     assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5]
     assert [(r["step"], "val_loss" in r) for r in read_metrics(run / "metrics.jsonl")] == [
         (1, False), (2, False), (2, True), (3, False), (4, False), (4, True), (5, False), (5, True)]
@@ -148,8 +153,40 @@ def test_validation_lines_in_metrics_jsonl_and_the_trackers(tmp_path):
     task = build_task(cfg)
     model = task.build_model()
     model.load_state_dict(load_file(str(checkpoint_dir(run, 5) / "ema.safetensors")))
-    assert Validator(cfg, task, _state()).validate(model.eval()) == {"val_loss": val[-1]["val_loss"]}
+    assert Validator(cfg, task, _state()).validate(model.eval()) == {k: v for k, v in val[-1].items() if k != "step"}
     assert (run / "loss_curve.png").is_file()
+
+
+def test_the_attention_probe_scores_the_first_held_out_examples_the_same_in_every_run():
+    """`attn_neg_share` is the probe (uvic.attention_probe) of the first `train.val_probe_examples` held-out examples
+    run through the task's own validation (its noise and times): the same for any validation batch size, run seed
+    or process, and absent with 0 probe examples."""
+    from uvic.attention_probe import probe_attention
+
+    cfg = _digits("unused", **{"train.val_batch_size": 7, "train.val_probe_examples": 3})
+    task = build_task(cfg)
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    validator = Validator(cfg, task, _state())
+    shares = validator.attention_shares(model)
+    held = task.validation_set()
+    batch = {k: torch.stack([held[i][k] for i in range(3)]) for k in held[0]}
+    with torch.inference_mode(), probe_attention(model) as probe:
+        task.validation_losses(model, batch, torch.arange(3))
+    assert shares == probe.negative_shares() and list(shares) == ["in_blocks.0", "mid_block", "out_blocks.0"]
+    assert validator.validate(model)["attn_neg_share"] == shares
+    for extra in ({"train.val_batch_size": 90, "train.seed": 99}, {"train.val_examples": 3}):
+        other = _digits("unused", **{"train.val_probe_examples": 3, **extra})
+        assert Validator(other, build_task(other), _state()).attention_shares(model) == shares
+    assert [Validator(cfg, task, _state(r, 2)).attention_shares(model) for r in range(2)] == [shares, shares]
+    # Another probe batch gives another value; none, no key.
+    other = _digits("unused", **{"train.val_probe_examples": 5})
+    assert Validator(other, build_task(other), _state()).attention_shares(model)["mid_block"] != shares["mid_block"]
+    off = _digits("unused", **{"train.val_probe_examples": 0})
+    assert set(Validator(off, build_task(off), _state()).validate(model)) == {"val_loss"}
+    # The trackers get scalars: the shares as attn_neg_share/<block>.
+    assert tracker_values({"val_loss": 0.5, "attn_neg_share": shares}) == {
+        "val_loss": 0.5, **{f"attn_neg_share/{b}": v for b, v in shares.items()}}
 
 
 def test_a_killed_and_resumed_run_writes_the_lines_of_an_uninterrupted_one(tmp_path):

@@ -3,6 +3,8 @@
     curve_figure      a curve per arm (mean over seeds, band = min..max over seeds) and its paired difference
                       from the baseline over steps (mean over seeds, band = 95% Student-t interval)
     paired_dots       one final metric: a dot per (arm, seed), a line per seed joining its arms
+    per_block_figure  a value per block (the share of negative attention weight): a panel per arm, the blocks in
+                      execution order along x, a dot per seed and the mean over seeds as a bar
     samples_figure    the runs' last sample grids, a row per seed and a column per arm (the grids of every run
                       are drawn from the same sampling seeds, so cells of one row differ only by the arm)
 """
@@ -124,6 +126,40 @@ def paired_dots(name: str, arms: Sequence[str], values: Mapping[str, Mapping[int
     ax.set_xlim(-0.5, len(arms) - 0.5)
     ax.set(ylabel=name, title=f"{name} per seed ({'lower' if lower_is_better else 'higher'} is better)")
     ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, out_png)
+
+
+def per_block_figure(title: str, arms: Sequence[str], values: Mapping[str, Mapping[int, Mapping[str, float]]],
+                     out_png: Path) -> Path:
+    """A panel per arm: a bar per block at the mean over seeds, a dot per seed; blocks in the order the runs list
+    them (execution order), the union over the arms so that the panels line up.
+
+    Args:
+        values: {arm: {seed: {block: value}}} of the finished runs.
+    """
+    plt = _pyplot()
+    blocks = list(dict.fromkeys(b for arm in arms for per_seed in values.get(arm, {}).values() for b in per_seed))
+    width = max(5.5, 0.35 * len(blocks) + 1.5)
+    fig, axes = plt.subplots(len(arms), 1, figsize=(width, 2.4 * len(arms) + 0.6), dpi=100, sharex=True,
+                             sharey=True, squeeze=False)
+    x = np.arange(len(blocks))
+    for i, arm in enumerate(arms):
+        ax = axes[i][0]
+        per_seed = values.get(arm, {})
+        rows = np.array([[v.get(b, np.nan) for b in blocks] for v in per_seed.values()]).reshape(-1, len(blocks))
+        if len(rows):
+            with warnings.catch_warnings():  # a block some arm lacks is NaN in every seed
+                warnings.simplefilter("ignore", RuntimeWarning)
+                ax.bar(x, np.nanmean(rows, 0), color=f"C{i}", alpha=0.35, width=0.7)
+            for row in rows:
+                ax.scatter(x, row, color=f"C{i}", s=14, zorder=2)
+        ax.set_title(f"{arm} ({len(per_seed)} seeds)", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    ax = axes[-1][0]
+    ax.set_xticks(x, blocks, rotation=60, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(blocks) - 0.4)
+    fig.suptitle(f"{title} (bar: mean over seeds, dot: a seed)", fontsize=10)
     fig.tight_layout()
     return _save(fig, out_png)
 

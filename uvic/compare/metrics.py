@@ -6,6 +6,8 @@ lines of metrics.jsonl, eval.jsonl, and `path` for anything else the run dir hol
 has no value (e.g. no validation or no FID while training); a metric no run has is left out of the report. The
 statistics, tables, paired dot plots and report.json pick the entry up with no other edit. A new curve is one
 `Curve` entry likewise: {step: value} from the logs, drawn per arm (mean over seeds) and as the paired difference.
+A quantity with one value per block of the model (the share of negative attention weight) is one `PerBlock` entry:
+{block: value} at the run's last validation, shown per arm with a point per seed, and tabled.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from uvic.compare import protocol_fid
 from uvic.compare.rundirs import RunLogs, finite
+from uvic.training.validation import ATTN_NEG_SHARE
 
 
 # Share of the logged training steps whose mean loss is `train_loss` (the last 5%: a single step's loss is noise).
@@ -43,6 +47,16 @@ class Curve:
     log_scale: bool = False
 
 
+@dataclass(frozen=True)
+class PerBlock:
+    """One value per block of the model (in execution order) of a finished run."""
+
+    name: str
+    title: str
+    read: Callable[[RunLogs], dict[str, float]]
+    description: str
+
+
 def last(records: list[dict[str, Any]], key: str) -> float | None:
     """`key` of the last record (by step) that has it."""
     values = [r[key] for r in records if key in r]
@@ -64,6 +78,17 @@ def tail_mean(records: list[dict[str, Any]], key: str, fraction: float) -> float
     return None if None in tail else sum(tail) / len(tail)
 
 
+def mean_or_none(values: list[float]) -> float | None:
+    """The mean of `values`, None when empty or not finite."""
+    return finite(sum(values) / len(values)) if values else None
+
+
+def last_per_block(records: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """{block: value} of `key` ({block: value}) in the last record (by step) that has it; finite values only."""
+    values = [r[key] for r in records if isinstance(r.get(key), dict)]
+    return {str(b): v for b, x in values[-1].items() if (v := finite(x)) is not None} if values else {}
+
+
 def series(records: list[dict[str, Any]], key: str) -> dict[int, float]:
     """{step: key} of the records with a finite `key`."""
     return {int(r["step"]): v for r in records if (v := finite(r.get(key))) is not None}
@@ -72,16 +97,28 @@ def series(records: list[dict[str, Any]], key: str) -> dict[int, float]:
 METRICS: tuple[Metric, ...] = (
     Metric("val_loss", True, lambda run: last(run.val, "val_loss"),
            "held-out validation loss at the last step (train.val_every)"),
+    Metric("val_accuracy", False, lambda run: last(run.val, "val_accuracy"),
+           "held-out accuracy on the answer tokens at the last step (LM synthetic tasks, data.synthetic)"),
     Metric("train_loss", True, lambda run: tail_mean(run.train, "loss", TRAIN_LOSS_TAIL),
            f"training loss, mean over the last {TRAIN_LOSS_TAIL:.0%} of logged steps"),
     Metric("fid_last", True, lambda run: last(run.evals, "fid"),
            "FID while training (train.eval_every) at the last evaluation"),
     Metric("fid_best", True, lambda run: lowest(run.evals, "fid"),
            "FID while training (train.eval_every), the lowest evaluation"),
+    Metric(protocol_fid.METRIC, True, lambda run: mean_or_none(protocol_fid.read_fids(run.path)),
+           "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings"),
 )  # fmt: skip
 
 CURVES: tuple[Curve, ...] = (
     Curve("train_loss", "training loss", lambda run: series(run.train, "loss"), True, log_scale=True),
     Curve("val_loss", "validation loss", lambda run: series(run.val, "val_loss"), True, log_scale=True),
+    Curve("val_accuracy", "held-out accuracy", lambda run: series(run.val, "val_accuracy"), False),
     Curve("fid", "FID while training", lambda run: series(run.evals, "fid"), True),
 )
+
+PER_BLOCK: tuple[PerBlock, ...] = (
+    PerBlock(ATTN_NEG_SHARE, "share of negative attention weight",
+             lambda run: last_per_block(run.val, ATTN_NEG_SHARE),
+             "each block's share of negative attention weight at the last validation, on the fixed probe batch "
+             "(train.val_probe_examples; softmax blocks: 0)"),
+)  # fmt: skip

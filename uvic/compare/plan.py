@@ -4,7 +4,8 @@
                      [Arm("uvit", ("model.attention=softmax",)), Arm("uvic", ())], seeds=[0, 1, 2], out="runs/cmp")
     check_out_dir(plan)          # refuses an --out that holds another comparison
     write_plan(plan)             # DIR/plan.json
-    plan.command(plan.runs[0])   # ["python", "train.py", CONFIG, ..., "train.seed=0", "train.run_dir=...", "--resume"]
+    plan.command(plan.runs[0])   # [sys.executable, "train.py", CONFIG, ..., "train.seed=0", "train.run_dir=...",
+                                 #  "--resume"]
 
 Run (arm, seed) lives in `DIR/<arm>/seed_<seed>/` and is trained by `train.py CONFIG <shared overrides> <arm's
 overrides> train.seed=<seed> train.run_dir=DIR/<arm>/seed_<seed> --resume`: its seed is the training seed and
@@ -22,6 +23,7 @@ import json
 import logging
 import re
 import shlex
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,10 +109,12 @@ class Plan:
         overrides = next(a.overrides for a in self.arms if a.name == arm)
         return Run(arm, seed, run_dir, (*self.overrides, *overrides, f"train.seed={seed}", f"train.run_dir={run_dir}"))
 
-    def command(self, run: Run, launcher: Sequence[str] = ("python",), train_script: str = "train.py",
+    def command(self, run: Run, launcher: Sequence[str] | None = None, train_script: str = "train.py",
                 extra: Sequence[str] = ()) -> list[str]:
-        """The argv that trains `run`: `launcher` (e.g. ["accelerate", "launch", "--num_processes", "8"]), the
-        script, CONFIG, the run's overrides, `extra` overrides, `--resume`."""
+        """The argv that trains `run`: `launcher` (e.g. ["accelerate", "launch", "--num_processes", "8"]; None:
+        this Python, `sys.executable`, so that a job runs with the packages that checked the plan, whatever
+        `python` its PATH finds), the script, CONFIG, the run's overrides, `extra` overrides, `--resume`."""
+        launcher = list(launcher) if launcher else [sys.executable]
         return [*launcher, train_script, self.config, *run.overrides, *extra, "--resume"]
 
     def to_json(self) -> dict[str, Any]:

@@ -10,10 +10,12 @@ report.json has this shape (for other tools; `runs` names every run's state, see
                               "vs_baseline": {"uvic": {"n": 3, "mean_diff": -0.0011, "ci95": [-0.0019, -0.0003],
                                                        "p_value": 0.03, "relative": -0.0155, "verdict": "better"}}},
                  "train_loss": {...}},
+     "per_block": {"attn_neg_share": {"uvit": {"0": {"in_blocks.0": 0.0, ...}, ...}, "uvic": {...}}},
      "runs": {"uvit": {"0": {"state": "finished", "detail": ""}, ...}, ...}}
 
 `values` holds finished runs only, and `vs_baseline` pairs the seeds both arms finished (`uvic.compare.stats`);
-a metric no finished run has (`uvic.compare.metrics.METRICS`) is left out. report.md and report.html are the
+a metric no finished run has (`uvic.compare.metrics.METRICS`) is left out, and so is a per-block quantity
+(`PER_BLOCK`: each finished run's {block: value} at its last validation). report.md and report.html are the
 same document (one list of blocks, two renderers): the runs, a table of every metric with the verdicts, per-seed
 values, and the figures; the HTML embeds them as base64 PNG data URIs, so it opens offline with nothing beside it.
 """
@@ -30,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from uvic.compare import figures
-from uvic.compare.metrics import CURVES, METRICS, Curve, Metric
+from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric
 from uvic.compare.plan import Plan, load_plan, shell_command
-from uvic.compare.rundirs import RunLogs, RunState, latest_samples, read_attempts, read_logs, run_state
-from uvic.compare.stats import paired_by_seed
+from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
+from uvic.compare.protocol_fid import read_fids
+from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state
+from uvic.compare.stats import fid_spreads, paired_by_seed
 from uvic.io import atomic_write
 
 
@@ -95,9 +99,26 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
             "values": {arm: {str(s): v for s, v in sorted(values.get(arm, {}).items())} for arm in arms},
             "vs_baseline": vs,
         }
+    if PROTOCOL_FID in metrics:  # the K resamplings behind each run's mean, and the two spreads they separate
+        by_arm: dict[str, dict[int, list[float]]] = {}
+        for (arm, seed), run in sorted(g.logs.items()):
+            if fids := read_fids(run.path):
+                by_arm.setdefault(arm, {})[seed] = fids
+        metrics[PROTOCOL_FID]["resamplings"] = {arm: {str(s): f for s, f in by_arm.get(arm, {}).items()}
+                                                for arm in arms}
+        metrics[PROTOCOL_FID]["spreads"] = {arm: fid_spreads(by_arm.get(arm, {})) for arm in arms}
+    per_block = {}
+    for entry in PER_BLOCK:
+        values = {}
+        for (arm, seed), run in sorted(g.logs.items()):
+            if by_block := entry.read(run):
+                values.setdefault(arm, {})[str(seed)] = by_block
+        if values:
+            per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
     runs = {arm: {str(seed): {"state": g.states[arm, seed].state, "detail": g.states[arm, seed].detail}
                   for seed in plan.seeds} for arm in arms}
-    return {"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics, "runs": runs}
+    return {"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics, "per_block": per_block,
+            "runs": runs}
 
 
 def write_report(out: str | Path) -> dict[str, Any]:
@@ -140,9 +161,13 @@ def _draw(g: _Gathered, data: dict[str, Any], folder: Path) -> dict[str, Path]:
         values = {arm: {int(s): v for s, v in by_seed.items()} for arm, by_seed in entry["values"].items()}
         drawn[f"paired_{name}"] = figures.paired_dots(name, arms, values, folder / f"paired_{name}.png",
                                                       lower_is_better=entry["lower_is_better"])
+    for name, by_arm in data["per_block"].items():
+        values = {arm: {int(s): v for s, v in by_seed.items()} for arm, by_seed in by_arm.items()}
+        title = next(entry.title for entry in PER_BLOCK if entry.name == name)
+        drawn[f"blocks_{name}"] = figures.per_block_figure(title, arms, values, folder / f"blocks_{name}.png")
     grids: dict[str, dict[int, Path]] = {}
     for (arm, seed), run in g.logs.items():
-        if (grid := latest_samples(run.path)) is not None:
+        if (grid := final_samples(run.path, g.plan.configs[arm]["train"]["max_steps"])) is not None:
             grids.setdefault(arm, {})[seed] = grid
     if (samples := figures.samples_figure(arms, grids, folder / "samples.png")) is not None:
         drawn["samples"] = samples
@@ -181,8 +206,9 @@ def _document(g: _Gathered, data: dict[str, Any], drawn: dict[str, Path]) -> lis
 MEANING = ("The interval covers the uncertainty from the training seeds of this comparison: which initial weights, data "
            "order and noise a run drew. It says whether the difference is larger than what another set of seeds would "
            "plausibly give, in this setting (this config, data, steps and model size); it says nothing about other "
-           "settings. Each arm and metric is tested on its own, without a correction for testing several; with 2 or 3 "
-           "seeds only large, consistent differences can be `better` or `worse`.")
+           "settings. `inconclusive` does not mean equal: these seeds cannot tell, and the interval shows how large a "
+           "difference they rule out. Each arm and metric is tested on its own, without a correction for testing "
+           "several; with 2 or 3 seeds only large, consistent differences can be `better` or `worse`.")
 
 
 def _header_blocks(plan: Plan, data: dict[str, Any]) -> list[tuple]:
@@ -248,9 +274,28 @@ def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
             table.append([str(seed), *map(_fmt, vals), *map(_fmt, diffs)])
         blocks += [("h3", name), ("p", described[name] + "."),
                    ("table", ["seed", *arms, *(f"{arm} - {base}" for arm in arms[1:])], table)]
+        if "spreads" in entry:
+            blocks += _spread_blocks(arms, entry["spreads"])
         if f"paired_{name}" in drawn:
             blocks.append(("figure", drawn[f"paired_{name}"], f"{name} per seed: a line joins the arms of one seed"))
     return blocks
+
+
+def _spread_blocks(arms: list[str], spreads: dict[str, dict[str, Any]]) -> list[tuple]:
+    """The protocol FID's two spreads per arm (`uvic.compare.stats.fid_spreads`)."""
+    rows = []
+    for arm in arms:
+        s = spreads[arm]
+        ratio = (s["training_seed_sd"] / s["resampling_sd"] if s["training_seed_sd"] is not None
+                 and s["resampling_sd"] else None)
+        rows.append([arm, str(s["runs"]), "/".join(map(str, s["gen_seeds"])) or "0", _fmt(s["mean"]),
+                     _fmt(s["training_seed_sd"]), _fmt(s["resampling_sd"]), _fmt(ratio, ".3g")])
+    return [("table", ["arm", "runs", "resamplings per run", "mean", "sd across training seeds",
+                       "sd across resamplings", "ratio"], rows),
+            ("p", "Each run's FID is computed once per resampling, with disjoint sampling seeds (the same for every "
+                  "run). sd across training seeds: the standard deviation across runs of the per-run means (it "
+                  "still holds 1/K of the resampling variance); sd across resamplings: the mean over runs of the "
+                  "standard deviation across their resamplings. The paired comparison above uses the per-run means.")]
 
 
 def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
@@ -260,10 +305,27 @@ def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
         blocks.append(("h2", "Curves"))
         blocks += [("figure", path, f"{curve.title}: per arm, and the paired difference from {data['baseline']}")
                    for curve, path in curves]
+    for entry in PER_BLOCK:
+        if entry.name not in data["per_block"]:
+            continue
+        by_arm = data["per_block"][entry.name]
+        names = list(dict.fromkeys(b for per_seed in by_arm.values() for v in per_seed.values() for b in v))
+        arms = [arm for arm in data["arms"] if arm in by_arm]
+        rows = [[name, *(_fmt(_mean([v[name] for v in by_arm[arm].values() if name in v]), ".3f") for arm in arms)]
+                for name in names]
+        blocks += [("h2", entry.title[0].upper() + entry.title[1:]), ("p", f"`{entry.name}`: {entry.description}; "
+                                                                           "the mean over the finished seeds."),
+                   ("table", ["block", *arms], rows),
+                   ("figure", drawn[f"blocks_{entry.name}"], f"{entry.title} per block: a bar at the mean over "
+                                                             "seeds, a dot per seed")]
     if "samples" in drawn:
         blocks += [("h2", "Samples"), ("figure", drawn["samples"], "each run's last sample grid; every grid is drawn "
                                                                    "from the same sampling seeds")]
     return blocks
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 _CODE = re.compile(r"`([^`]*)`")

@@ -79,11 +79,11 @@ def run_plan(plan: Plan, *, jobs: int = 1, train_script: str = "train.py",
     Args:
         jobs: runs trained at once (>= 1).
         train_script: the path of train.py.
-        launcher: the argv prefix that starts train.py (e.g. ["accelerate", "launch"]); default: this Python.
+        launcher: the argv prefix that starts train.py (e.g. ["accelerate", "launch"]); None: this Python
+            (`Plan.command`).
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    launcher = list(launcher) if launcher else [sys.executable]
     todo = pending_runs(plan)
     threads = max(1, _cores() // jobs)
     preexec = _die_with_parent_fn()

@@ -1,7 +1,7 @@
 """What the report reads from the run dirs of a comparison: each run's state, and the logs of a finished one.
 
 A run dir is an ordinary `train.py` run dir (`config.yaml`, `checkpoints/step_*`, `metrics.jsonl`, `eval.jsonl`,
-`samples/step_*.png`, `pipeline/`). A run is finished when its export `pipeline/` exists and it has a checkpoint at
+the sample grids at `uvic.training.tasks.sample_path`, `pipeline/`). A run is finished when its export `pipeline/` exists and it has a checkpoint at
 `train.max_steps` (the export is written last, after that checkpoint). Only finished runs enter the statistics and
 the figures; the others are named in the report with their state:
 
@@ -29,7 +29,8 @@ from uvic.compare.plan import Plan, Run, config_difference
 from uvic.io import atomic_write
 from uvic.training.checkpoint import list_checkpoints
 from uvic.training.evaluation import read_evaluations
-from uvic.training.logs import _records
+from uvic.training.logs import line_kind, read_metrics
+from uvic.training.tasks import sample_path
 
 
 ATTEMPTS_FILE = "attempts.json"
@@ -68,15 +69,9 @@ def read_logs(run_dir: str | Path) -> RunLogs:
         ValueError: metrics.jsonl is damaged before its last line.
     """
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    train: dict[int, dict[str, Any]] = {}
-    val: dict[int, dict[str, Any]] = {}
-    # Training and validation lines of one step are two records, so they are kept apart; lines of one kind and step
-    # are merged, the later winning (a run resumed from a checkpoint logs the steps after it again).
-    for _, record in _records(path) if path.is_file() else []:
-        (train if "loss" in record else val).setdefault(int(record["step"]), {}).update(record)
-    return RunLogs(run_dir, [train[s] for s in sorted(train)], [val[s] for s in sorted(val)],
-                   read_evaluations(run_dir))
+    records = read_metrics(run_dir / "metrics.jsonl")  # lines of one kind and step merged, the later winning
+    return RunLogs(run_dir, [r for r in records if line_kind(r) == "train"],
+                   [r for r in records if line_kind(r) == "val"], read_evaluations(run_dir))
 
 
 def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
@@ -141,12 +136,7 @@ def finite(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def latest_samples(run_dir: str | Path) -> Path | None:
-    """The sample grid of the run's last sampled step (`samples/step_*.png`), or None."""
-    grids = []
-    for p in (Path(run_dir) / "samples").glob("step_*.png"):
-        try:
-            grids.append((int(p.stem.removeprefix("step_")), p))
-        except ValueError:
-            continue
-    return max(grids)[1] if grids else None
+def final_samples(run_dir: str | Path, max_steps: int) -> Path | None:
+    """The sample grid a run with `train.sample_every` > 0 draws at its last step, `max_steps`, or None."""
+    path = sample_path(run_dir, max_steps, ".png")
+    return path if path.is_file() else None

@@ -122,3 +122,26 @@ def mean_band(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             sd = np.sqrt(np.nansum((rows[:, ok] - mean[ok]) ** 2, axis=0) / (n[ok] - 1))
             half[ok] = t_quantile(0.975, n[ok] - 1) * sd / np.sqrt(n[ok])
     return mean, mean - half, mean + half
+
+
+def fid_spreads(fids: Mapping[Any, Sequence[float]]) -> dict[str, Any]:
+    """The two spreads of one arm's protocol FIDs (`uvic.compare.protocol_fid`): the training seeds' and the
+    resamplings'.
+
+    Args:
+        fids: {training seed: the FIDs of that run's K resamplings (disjoint sampling seeds)}, K >= 1.
+    Returns:
+        {"runs": n, "gen_seeds": sorted distinct K, "mean": the mean over runs of the per-run means,
+         "training_seed_sd": the sample standard deviation (n - 1) across runs of the per-run means (None with
+         fewer than 2 runs), "resampling_sd": the mean over runs of each run's sample standard deviation across
+         its resamplings (None unless every run has K >= 2)}.
+    """
+    runs = [np.asarray(v, dtype=np.float64) for v in fids.values() if len(v)]
+    means = np.array([r.mean() for r in runs])
+    return {
+        "runs": len(runs),
+        "gen_seeds": sorted({len(r) for r in runs}),
+        "mean": float(means.mean()) if len(runs) else None,
+        "training_seed_sd": float(means.std(ddof=1)) if len(runs) >= 2 else None,
+        "resampling_sd": float(np.mean([r.std(ddof=1) for r in runs])) if runs and min(map(len, runs)) >= 2 else None,
+    }

@@ -319,8 +319,9 @@ class Evaluator:
                                         **sha_kw)  # fmt: skip
         self.reference = reference or self._image_reference()
         self.conditions = task.image_conditions("fid", self.num_images)
-        logger.info("FID every %d steps: fid%d (%d-d features, mode %s), sampler %s with %d steps, reference %s",
-                    tc.eval_every, self.num_images, self.dims, self.mode, self.sampler, self.steps, tc.eval_reference)
+        logger.info("FID%s: fid%d (%d-d features, mode %s), sampler %s with %d steps, reference %s",
+                    f" every {tc.eval_every} steps" if tc.eval_every else "", self.num_images, self.dims, self.mode,
+                    self.sampler, self.steps, tc.eval_reference)
 
     def _image_reference(self) -> Any:
         """The statistics of the reference images: from the run dir's cache when it was made from the same files
@@ -377,43 +378,53 @@ class Evaluator:
         interrupted)."""
         return any(r["step"] == step for r in read_evaluations(run_dir))
 
-    def evaluate(self, model: nn.Module, step: int, run_dir: str | os.PathLike, checkpoint: str) -> float:
-        """The FID of `model` (the sampling weights, eval mode; every process calls this); the main process records
-        it in eval.jsonl / best.json with `checkpoint` (relative to `run_dir`). The global RNG states are left as
-        they were, so a run that evaluates continues exactly as a resumed one."""
+    def fid(self, model: nn.Module, first_seed: int | None = None, step: int | None = None) -> float:
+        """The FID of `model` (eval mode; every process calls this) over images i < N from seeds `first_seed + i`
+        (default `sample.seed`, the protocol's), with the conditions of image i. The global RNG states are left as
+        they were."""
         from uvic.fid import compute_fid
 
         devices = [self.state.device] if self.state.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
-            result = compute_fid(self._batches(model, step), self.reference, num_samples=self.num_images,
+            result = compute_fid(self._batches(model, step, first_seed), self.reference, num_samples=self.num_images,
                                  extractor=self.extractor, mode=self.mode, batch_size=self.cfg.sample.batch_size,
                                  progress=False)
-        record = {"step": step, "fid": result.fid, "num_images": self.num_images, "dims": self.dims,
+        return result.fid
+
+    def evaluate(self, model: nn.Module, step: int, run_dir: str | os.PathLike, checkpoint: str) -> float:
+        """The FID of `model` (the sampling weights, eval mode; every process calls this); the main process records
+        it in eval.jsonl / best.json with `checkpoint` (relative to `run_dir`). The global RNG states are left as
+        they were, so a run that evaluates continues exactly as a resumed one."""
+        fid = self.fid(model, step=step)
+        record = {"step": step, "fid": fid, "num_images": self.num_images, "dims": self.dims,
                   "sampler": self.sampler, "steps": self.steps, "checkpoint": checkpoint}
         if self.state.is_main_process:
             record_evaluation(run_dir, record)
-        logger.info("step=%07d fid%d=%.4f (%s, %d steps)", step, self.num_images, result.fid, self.sampler,
-                    self.steps)
-        return result.fid
+        logger.info("step=%07d fid%d=%.4f (%s, %d steps)", step, self.num_images, fid, self.sampler, self.steps)
+        return fid
 
-    def _batches(self, model: nn.Module, step: int) -> Iterator[torch.Tensor]:
+    def _batches(self, model: nn.Module, step: int | None = None,
+                 first_seed: int | None = None) -> Iterator[torch.Tensor]:
         """This process's images as (B, H, W, 3) uint8 batches: images [rank * per, (rank + 1) * per), per =
-        ceil(N / processes); the gather keeps the first N, so the set does not depend on the process count."""
+        ceil(N / processes), image i from seed `first_seed + i` (default `sample.seed`); the gather keeps the first
+        N, so the set does not depend on the process count. `step` only names the progress bar."""
         from tqdm.auto import tqdm
 
         from uvic.pipelines.sampling import generate
 
         s, n = self.cfg.sample, self.num_images
+        seed0 = s.seed if first_seed is None else first_seed
         per = math.ceil(n / self.state.num_processes)
         first = self.state.process_index * per
         pipe = self.task.pipeline(model, vae=self.vae, sampler=self.sampler)
         pipe.to(self.state.device)
         pipe.set_progress_bar_config(disable=True)
-        with tqdm(total=per, unit="img", desc=f"fid{n} at step {step}", leave=False,
+        desc = f"fid{n}" if step is None else f"fid{n} at step {step}"
+        with tqdm(total=per, unit="img", desc=desc, leave=False,
                   disable=not self.state.is_local_main_process) as bar:  # fmt: skip
             for k in range(first, first + per, s.batch_size):
                 idx = list(range(k, min(k + s.batch_size, first + per)))
-                images = generate(pipe, [s.seed + i for i in idx], batch_size=s.batch_size,
+                images = generate(pipe, [seed0 + i for i in idx], batch_size=s.batch_size,
                                   num_inference_steps=self.steps, progress=bar, **self.conditions.kwargs(idx))
                 if images.shape[-1] == 1:  # grey images: the FID network takes RGB
                     images = images.repeat(3, axis=-1)

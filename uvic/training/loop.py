@@ -55,7 +55,7 @@ from uvic.training.preflight import check_run_config
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import Task, build_task
 from uvic.training.trackers import log_samples, start_trackers, tracker_names
-from uvic.training.validation import Validator
+from uvic.training.validation import Validator, tracker_values
 
 
 logger = get_logger(__name__)
@@ -426,10 +426,11 @@ def _validate(run: _Run) -> None:
     t0 = time.time()
     with _eval_mode(run.sampling_model) as model:
         metrics = run.validator.validate(model)
-    run.accelerator.log(metrics, step=run.step)
+    values = tracker_values(metrics)  # the per-block attention shares as scalars
+    run.accelerator.log(values, step=run.step)
     if run.accelerator.is_main_process:
         append_metrics(run.metrics_path, {"step": run.step, **metrics})
-    logger.info(f"step={run.step:07d} " + " ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
+    logger.info(f"step={run.step:07d} " + " ".join(f"{k}={v:.6g}" for k, v in values.items()))
     run.meter.since += time.time() - t0
 
 

@@ -14,17 +14,27 @@ What is scored is the task's (`Task.validation_losses`): for the diffusion tasks
 example's stored condition (no label or context dropout, no flip); for the LM the next-token cross-entropy of each
 held-out block, and the perplexity.
 
+What the attention does is measured beside it: the first `train.val_probe_examples` held-out examples (the probe
+batch, the same for every arm, seed and step, with the validation's own noise and times) are run once more through
+`Task.validation_losses` under `uvic.attention_probe.probe_attention`, which gives each attention block's share of
+negative attention weight, 0.0 for softmax blocks (defined in
+docs/attention.md, "Measuring the negative weights: the attention probe"). Every process computes the same probe;
+0 examples turn it off, as does a model with no `uvic.attention` layer.
+
 On disk, each validation appends one line to `run_dir/metrics.jsonl` (`uvic.training.logs`):
 
-    {"step": S, "val_loss": float, ...task extras, e.g. "val_ppl" for the LM}
+    {"step": S, "val_loss": float, ...task extras, e.g. "val_ppl" for the LM,
+     "attn_neg_share": {block name: share, ...}}      # blocks in execution order
 
-with no "loss" key (the training log lines have one); the trackers get the same values under the same names.
+with no "loss" key (the training log lines have one); the trackers get the same values under the same names, the
+shares as `attn_neg_share/<block name>` (`tracker_values`).
 A killed run resumes from its last checkpoint and validates again the steps after it, with the same values.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -32,16 +42,20 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset, default_collate
 
+from uvic.attention_probe import probe_attention
 from uvic.errors import ConfigError
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOLDOUT_SEED", "VALIDATION_SEED", "Validator", "example_generators", "hold_out", "held_out_subsets"]
+__all__ = ["ATTN_NEG_SHARE", "HOLDOUT_SEED", "VALIDATION_SEED", "Validator", "example_generators", "hold_out",
+           "held_out_subsets", "tracker_values"]
 
 # Fixed seeds, independent of `train.seed`: which examples are held out, and each held-out example's draws.
 HOLDOUT_SEED = 20_250_701
 VALIDATION_SEED = 1_000_003
+# The key of the per-block shares of negative attention weight in a validation line.
+ATTN_NEG_SHARE = "attn_neg_share"
 
 
 def hold_out(num_items: int, fraction: float, groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -107,19 +121,38 @@ class Validator:
         self.num_examples = n
         batches = [list(range(k, min(k + tc.val_batch_size, n))) for k in range(0, n, tc.val_batch_size)]
         self.batches = batches[state.process_index :: state.num_processes]
+        self.probe_index = list(range(min(tc.val_probe_examples, n)))  # the attention probe's examples
         logger.info("validation loss every %d steps on %d held-out examples", tc.val_every, n)
+
+    def _batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.state.device) for k, v in default_collate([self.dataset[i] for i in idx]).items()}
+
+    def _scoring(self) -> ExitStack:
+        """What scoring runs under: the global RNG states restored afterwards, no autograd, the run's autocast."""
+        device = self.state.device
+        stack = ExitStack()
+        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(self.state.autocast())
+        return stack
 
     def local_values(self, model: nn.Module) -> list[tuple[list[int], dict[str, list[float]]]]:
         """This process's share: (example indices, {name: per-example values}) per batch."""
-        device = self.state.device
         out = []
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
-                self.state.autocast():  # fmt: skip
+        with self._scoring():
             for idx in self.batches:
-                batch = {k: v.to(device) for k, v in default_collate([self.dataset[i] for i in idx]).items()}
-                values = self.task.validation_losses(model, batch, torch.tensor(idx))
+                values = self.task.validation_losses(model, self._batch(idx), torch.tensor(idx))
                 out.append((idx, {k: v.double().cpu().tolist() for k, v in values.items()}))
         return out
+
+    def attention_shares(self, model: nn.Module) -> dict[str, float]:
+        """{block name: share of negative attention weight} of `model` on the probe batch (`probe_index`), in
+        execution order; {} without probe examples or attention layers."""
+        if not self.probe_index:
+            return {}
+        with self._scoring(), probe_attention(model) as probe:
+            self.task.validation_losses(model, self._batch(self.probe_index), torch.tensor(self.probe_index))
+        return probe.negative_shares()
 
     def combine(self, shares: list[tuple[list[int], dict[str, list[float]]]]) -> dict[str, float]:
         """The metrics from every process's `local_values`: per-example values in example order, their float64
@@ -132,10 +165,26 @@ class Validator:
             raise ValueError("validation_losses must give every example a value under 'val_loss' (and each extra)")
         return self.task.validation_metrics({name: float(v.mean()) for name, v in full.items()})
 
-    def validate(self, model: nn.Module) -> dict[str, float]:
+    def validate(self, model: nn.Module) -> dict[str, Any]:
         """The validation metrics of `model` (the sampling weights, eval mode; every process calls this and gets
-        them). The global RNG states are left as they were."""
+        them): the task's numbers, and `ATTN_NEG_SHARE` {block: share} when the probe found attention layers. The
+        global RNG states are left as they were."""
         from accelerate.utils import gather_object
 
-        shares = self.local_values(model)
-        return self.combine(gather_object(shares) if self.state.num_processes > 1 else shares)
+        values = self.local_values(model)
+        metrics: dict[str, Any] = self.combine(gather_object(values) if self.state.num_processes > 1 else values)
+        attention = self.attention_shares(model)
+        if attention:
+            metrics[ATTN_NEG_SHARE] = attention
+        return metrics
+
+
+def tracker_values(metrics: dict[str, Any]) -> dict[str, float]:
+    """`metrics` with each dict value {name: {key: v}} spread into scalars `name/key` (the trackers take scalars)."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if isinstance(value, dict):
+            out.update({f"{name}/{key}": v for key, v in value.items()})
+        else:
+            out[name] = value
+    return out

@@ -237,3 +237,77 @@ def test_validation_scores_the_held_out_tail_with_transformers_own_loss(tmp_path
     run = train(cfg)
     val = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
     assert [r["step"] for r in val] == [3, 6] and all(r["val_ppl"] == math.exp(r["val_loss"]) for r in val)
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in model whose logits are given: (B, L, V)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, input_ids, use_cache=False):
+        return type("Out", (), {"logits": self.logits})()
+
+
+def test_synthetic_validation_scores_the_answers_only_by_hand():
+    """Loss and accuracy over the labelled positions only: position t's logits predict labels[t + 1]."""
+    cfg = load_config(ROOT / "configs" / "lm_mqar.yaml", ["train.val_every=1"])
+    task = LMTask(cfg)
+    logits = torch.log(torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4], [1 / 3, 1 / 3, 1 / 3]],
+                                     [[0.2, 0.5, 0.3], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.5, 0.25, 0.25]]]))
+    batch = {"input_ids": torch.tensor([[2, 0, 1, 2], [1, 1, 0, 2]]),
+             "labels": torch.tensor([[-100, 0, -100, 2], [-100, 2, 0, -100]])}
+    got = task.validation_losses(_FixedLogits(logits), batch, torch.arange(2))
+    # Sequence 0: label 0 from position 0 (p 0.7, argmax 0: right), label 2 from position 2 (p 0.4, argmax 2: right).
+    # Sequence 1: label 2 from position 0 (p 0.3, argmax 1: wrong), label 0 from position 1 (p 0.6, right).
+    want_loss = [-(math.log(0.7) + math.log(0.4)) / 2, -(math.log(0.3) + math.log(0.6)) / 2]
+    torch.testing.assert_close(got["val_loss"], torch.tensor(want_loss), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["val_accuracy"], torch.tensor([1.0, 0.5]))
+    # Without labels (token files) every next token counts, and there is no accuracy.
+    plain = task.validation_losses(_FixedLogits(logits), {"input_ids": batch["input_ids"]}, torch.arange(2))
+    assert set(plain) == {"val_loss"}
+    assert plain["val_loss"][0].item() == pytest.approx(-(math.log(0.7) + math.log(0.8) + math.log(0.4)) / 3)
+
+
+def test_synthetic_training_loss_counts_the_answers_only():
+    torch.manual_seed(0)
+    model = CogformerForCausalLM(CogformerConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=2, num_attention_heads=2,
+                                                 max_position_embeddings=16, attention="softmax"))
+    cfg = load_config(ROOT / "configs" / "lm_mqar.yaml", ["data.num_kv_pairs=4", "data.block_size=16"])
+    items = [LMTask(cfg).build_dataset()[i] for i in range(3)]
+    batch = {k: torch.stack([item[k] for item in items]) for k in ("input_ids", "labels")}
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+        nll = [-torch.log_softmax(logits[b, t - 1], -1)[batch["labels"][b, t]] for b in range(3) for t in range(16)
+               if batch["labels"][b, t] != -100]
+        assert len(nll) == 3 * 4  # 4 queries per sequence
+        torch.testing.assert_close(lm_loss(model, batch), torch.stack(nll).mean())
+
+
+def test_a_synthetic_run_logs_held_out_accuracy_and_attention_shares(tmp_path):
+    """configs/lm_mqar.yaml for a few steps: the held-out set is `data.val_fraction` of `data.num_sequences`
+    sequences from the held-out generators, each validation line has `val_accuracy` and the per-layer shares of
+    negative attention weight (the softmax layers' 0), and the export needs no tokenizer."""
+    cfg = load_config(ROOT / "configs" / "lm_mqar.yaml", [
+        f"train.run_dir={tmp_path / 'run'}", "train.max_steps=4", "train.batch_size=8", "train.val_every=2",
+        "train.val_examples=16", "train.val_batch_size=8", "train.save_every=0", "train.log_every=2",
+        "train.log_with=none", "train.sample_every=4", "data.num_sequences=400"])
+    task = LMTask(cfg)
+    assert len(task.build_dataset()) == 400 and len(task.validation_set()) == 4  # round(0.01 x 400)
+    assert task.validation_set()[0]["input_ids"].tolist() != task.build_dataset()[0]["input_ids"].tolist()
+    run = train(cfg)
+    val = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4]
+    for r in val:
+        assert 0 <= r["val_accuracy"] <= 1 and r["val_accuracy"] * 64 == round(r["val_accuracy"] * 64)  # 16 x 4 answers
+        shares = r["attn_neg_share"]
+        assert list(shares) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+        assert shares["model.layers.0"] == shares["model.layers.2"] == 0.0 and 0 < shares["model.layers.1"] < 1
+    model = AutoModelForCausalLM.from_pretrained(run / "pipeline")
+    assert model.config.vocab_size == 64 and not (run / "pipeline" / "tokenizer.json").exists()
+    # The sample: the first held-out sequence, its answers (one per key-value pair) and the model's.
+    sample = (run / "samples" / "step_0000004.txt").read_text().splitlines()
+    labels = task.validation_set()[0]["labels"]
+    assert sample[1] == f"answers:   {labels[labels != -100].tolist()}" and sample[2].endswith(f"of {cfg.data.num_kv_pairs} right)")

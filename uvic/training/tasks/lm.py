@@ -4,6 +4,10 @@ The recipe is the paper's (Sec. 4.1; the `LMTrainConfig` defaults in `uvic.confi
 weight decay 0.1 on weight matrices and embeddings only (norm gains and biases are not decayed: `param_groups`),
 gradient clipping at 1.0, linear warm-up then cosine decay to 4% of the peak, no EMA (the export is the trained
 model). The loss is the mean next-token cross-entropy.
+
+The data is a token file (`data.path`) or a synthetic task made on the fly (`data.synthetic: mqar | induction`,
+`uvic.lm.synthetic`), whose batches also hold `labels`: the answer tokens, -100 elsewhere. Then the loss, the
+validation loss and the held-out accuracy `val_accuracy` count the answer tokens only.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 
 from uvic.config import LMDataConfig, LMModelConfig
 from uvic.lm.data import TokenDataset, load_tokenizer, load_tokens
+from uvic.lm.synthetic import IGNORE_INDEX, SyntheticDataset
 from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 from uvic.training.optim import decay_matrices
 from uvic.training.rng import ShardedRNG
@@ -48,14 +53,17 @@ def build_dataset(cfg: LMDataConfig) -> TokenDataset:
 
 
 def lm_loss(model: CogformerForCausalLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) of a batch `{"input_ids": (B, L), "attention_mask"?: (B, L)}`.
+    """Mean next-token cross-entropy (nats) of a batch `{"input_ids": (B, L), "attention_mask"?: (B, L),
+    "labels"?: (B, L)}`.
 
-    Padding neither is predicted nor predicts: label t + 1 counts only when tokens t and t + 1 are both real.
+    With `labels` (a synthetic task's answers, -100 elsewhere) only the labelled tokens count. Otherwise every
+    token does, but padding neither is predicted nor predicts: label t + 1 counts only when tokens t and t + 1 are
+    both real.
     """
     input_ids = batch["input_ids"]
     mask = batch.get("attention_mask")
-    labels = input_ids
-    if mask is not None:
+    labels = batch.get("labels", input_ids)
+    if mask is not None and "labels" not in batch:
         real = mask.bool()
         keep = real.clone()
         keep[:, 1:] &= real[:, :-1]  # the model predicts labels[t + 1] from position t
@@ -66,8 +74,8 @@ def lm_loss(model: CogformerForCausalLM, batch: dict[str, torch.Tensor]) -> torc
 class LMTask:
     """The LM task (`uvic.training.tasks.Task`): `cfg.model` is an `LMModelConfig`, `cfg.data` an `LMDataConfig`.
 
-    Batches are `{"input_ids": (B, L)}` windows of `data.block_size` tokens. `on_sample` logs and writes a greedy
-    continuation of `sample_prompt`; `export` writes a `save_pretrained` directory (model, plus the tokenizer when
+    Batches are `{"input_ids": (B, L)}` windows of `data.block_size` tokens (a synthetic task's also hold
+    `"labels": (B, L)`). `on_sample` logs and writes a greedy continuation of `sample_prompt`; `export` writes a `save_pretrained` directory (model, plus the tokenizer when
     the data was tokenized with one), loadable by `AutoModelForCausalLM` and lm-eval's `hf` model.
     """
 
@@ -84,25 +92,36 @@ class LMTask:
 
     @property
     def tokenizer(self):
-        """The tokenizer named by `data.tokenizer` (for `.bin` data: the one the ids were made with)."""
-        if self._tokenizer is None:
+        """The tokenizer named by `data.tokenizer` (for `.bin` data: the one the ids were made with); None for a
+        synthetic task, whose ids are no text."""
+        if self._tokenizer is None and not self.data_cfg.synthetic:
             self._tokenizer = load_tokenizer(self.data_cfg.tokenizer)
         return self._tokenizer
 
     def build_model(self) -> CogformerForCausalLM:
         return build_model(self.model_cfg)
 
-    def build_dataset(self) -> TokenDataset:
+    def build_dataset(self) -> TokenDataset | SyntheticDataset:
         """Windows of the data's tokens; when validating (`train.val_every` > 0), of those before the held-out
-        tail."""
+        tail. A synthetic task: its `data.num_sequences` training sequences, validating or not."""
+        if self.data_cfg.synthetic:
+            return self._synthetic("train", self.data_cfg.num_sequences)
         data = self._data()
         return TokenDataset(data.tokens[: self._held_out_start()], data.block_size) if self.validating else data
 
-    def validation_set(self) -> TokenDataset:
+    def validation_set(self) -> TokenDataset | SyntheticDataset:
         """The last round(`data.val_fraction` x blocks) whole blocks of the data, in order (a held-out tail, as
-        nanoGPT's val split: training text never continues into it)."""
+        nanoGPT's val split: training text never continues into it). A synthetic task: round(`data.val_fraction`
+        x `data.num_sequences`) sequences (at least 1) from the held-out generators."""
+        if self.data_cfg.synthetic:
+            return self._synthetic("val", max(1, round(self.data_cfg.val_fraction * self.data_cfg.num_sequences)))
         data = self._data()
         return TokenDataset(data.tokens[self._held_out_start() :], data.block_size)
+
+    def _synthetic(self, split: str, num_sequences: int) -> SyntheticDataset:
+        d = self.data_cfg
+        return SyntheticDataset(d.synthetic, split, num_sequences, d.block_size, self.model_cfg.vocab_size,
+                                d.num_kv_pairs)
 
     def _data(self) -> TokenDataset:
         """All the data's windows (read once), checked against the vocabulary."""
@@ -134,14 +153,24 @@ class LMTask:
 
     def validation_losses(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
                           index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`val_loss`: each held-out block's mean next-token cross-entropy (nats); the LM loss draws nothing."""
+        """`val_loss`: each held-out block's mean next-token cross-entropy (nats); the LM loss draws nothing.
+
+        With `labels` (a synthetic task) the mean is over the answer tokens only, and `val_accuracy` is each
+        sequence's fraction of answer tokens predicted correctly by the argmax of the logits."""
         ids = batch["input_ids"]
-        logits = model(input_ids=ids, use_cache=False).logits  # (B, L, V)
-        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L - 1)
-        return {"val_loss": nll.mean(1)}
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # (B, L - 1, V): predicts ids[:, 1:]
+        targets = batch.get("labels", ids)[:, 1:]
+        nll = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, L - 1), 0 where ignored
+        if "labels" not in batch:
+            return {"val_loss": nll.mean(1)}
+        scored = targets != IGNORE_INDEX
+        count = scored.sum(1).clamp_min(1)
+        correct = (logits.argmax(-1) == targets) & scored
+        return {"val_loss": nll.sum(1) / count, "val_accuracy": correct.sum(1) / count}
 
     def validation_metrics(self, means: dict[str, float]) -> dict[str, float]:
-        """The mean cross-entropy per token (every block has L - 1 targets) and its perplexity, `val_ppl`."""
+        """The mean cross-entropy per token (every block has L - 1 targets; every synthetic sequence as many
+        answers) and its perplexity, `val_ppl`; a synthetic task's `val_accuracy` as it is."""
         return {**means, "val_ppl": math.exp(means["val_loss"])}
 
     def load_vae(self) -> NoReturn:
@@ -158,6 +187,10 @@ class LMTask:
 
     @torch.no_grad()
     def on_sample(self, model: torch.nn.Module, step: int, run_dir: Path) -> Path:
+        """A greedy continuation of `sample_prompt`; for a synthetic task, the first held-out sequence with the
+        model's argmax prediction of each answer."""
+        if self.data_cfg.synthetic:
+            return self._sample_synthetic(model, step, run_dir)
         tok = self.tokenizer
         device = next(model.parameters()).device
         ids = torch.tensor([tok.encode(self.sample_prompt, add_special_tokens=False)], device=device)
@@ -170,6 +203,25 @@ class LMTask:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         logger.info("sample at step %d: %r", step, text)
+        return path
+
+    def _sample_synthetic(self, model: torch.nn.Module, step: int, run_dir: Path) -> Path:
+        item = self.validation_set()[0]
+        ids, labels = item["input_ids"], item["labels"]
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        predicted = model(input_ids=ids[None].to(device), use_cache=False).logits[0, :-1].argmax(-1).cpu()
+        model.train(was_training)
+        answers = (labels[1:] != IGNORE_INDEX).nonzero().flatten().tolist()
+        right = sum(int(predicted[t] == labels[t + 1]) for t in answers)
+        text = (f"{self.data_cfg.synthetic} held-out sequence 0: {ids.tolist()}\n"
+                f"answers:   {[int(labels[t + 1]) for t in answers]}\n"
+                f"predicted: {[int(predicted[t]) for t in answers]} ({right} of {len(answers)} right)\n")
+        path = sample_path(run_dir, step, ".txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        logger.info("sample at step %d: %d of %d answers right", step, right, len(answers))
         return path
 
     def export(self, model: torch.nn.Module, out_dir: Path) -> None:
