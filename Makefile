@@ -23,7 +23,7 @@ test: install
 # dim, in both modes, plain and windowed/softcapped, compiled for sm_80 and sm_90 and read with ptxas (exit 1 on a
 # register spill or on shared memory over its table's budget). `make test` compiles a representative subset of it
 # (`uvic.kernels.aot.representative_specs`); any change to kernels/ runs this before it lands. Measured on a 2-core
-# machine with nothing else running (load average 2.0, triton 3.8.0, AOT_WORKERS=2): the 2,876 kernels in 56 min
+# machine (load average 2.0; other jobs ran at times, triton 3.8.0, AOT_WORKERS=2): the 2,876 kernels in 56 min
 # (6,135 CPU-s) from an empty triton cache, which is what a change to kernels/ leaves (their source is in every
 # cache key); 31 min with 908 of them (32%) cached; 8 s with all cached. `make test`'s subset, 128 kernels: 1 min
 # 55 s (223 CPU-s) from an empty cache.

@@ -48,7 +48,7 @@ from uvic.kernels.configs import (
 logger = logging.getLogger(__name__)
 
 
-# The module's first test compiles the representative subset (128 specs), in a cold triton cache 115 s on an idle
+# The module's first test compiles the representative subset (128 specs), in a cold triton cache 115 s on a
 # 2-core machine (docs/kernel_math.md); loaded, that can take longer than the suite-wide --timeout, so this module
 # gets its own limit.
 pytestmark = pytest.mark.timeout(1800)
