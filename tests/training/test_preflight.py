@@ -28,6 +28,8 @@ _TRACKER = "is not a tracker uvic starts; use one of ['tensorboard', 'wandb'], a
     ({"model.num_heads": 3}, _HEADS),
     ({"model.img_size": 6, "model.patch_size": 4}, "config section model: img_size=6 is not divisible by "
                                                    "patch_size=4"),
+    ({"train.batch_size": 3, "train.grad_accum_steps": 2}, "config key train.batch_size: 3 must be divisible by "
+                                                           "processes x train.grad_accum_steps = 1 x 2"),
 ])  # fmt: skip
 def test_image_run_config_errors_exit_2_and_write_nothing(tmp_path, image_dir, tiny_overrides, run_script, extra,
                                                           message):

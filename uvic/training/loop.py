@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from uvic.config import RunConfig, TrainConfig
-from uvic.errors import StorageError, UvicError, describe_os_error
+from uvic.errors import ConfigError, StorageError, UvicError, describe_os_error
 from uvic.training.checkpoint import (
     TrainingState,
     abandon_newer_checkpoints,
@@ -86,7 +86,7 @@ def train(cfg: RunConfig) -> Path:
     anything is written into it.
 
     Raises:
-        ConfigError: a config value no run can use (`check_run_config`).
+        ConfigError: a config value no run can use (`check_run_config`; the batch size against the process count).
         RunRecordError: a record of the run dir that is damaged or edited into something the run never writes.
         RunLockedError: another run holds the run dir.
         StorageError: a write failed (disk full, read-only, not a directory); names the last complete checkpoint.
@@ -224,16 +224,16 @@ def _setup(cfg: RunConfig, stack: ExitStack) -> tuple[Accelerator, Path | None]:
         log_with=tracker_names(tc.log_with) or None,
         project_dir=str(run_dir),
     )
+    world = accelerator.num_processes  # known only once the processes are up, so checked here, before the lock
+    if tc.batch_size % (world * tc.grad_accum_steps):
+        raise ConfigError(
+            f"config key train.batch_size: {tc.batch_size} must be divisible by processes x "
+            f"train.grad_accum_steps = {world} x {tc.grad_accum_steps}"
+        )
     stack.enter_context(hold_run_dir(run_dir, accelerator))
     if accelerator.is_main_process:
         sweep_leftovers(run_dir)
     accelerator.wait_for_everyone()
-    world = accelerator.num_processes
-    if tc.batch_size % (world * tc.grad_accum_steps):
-        raise ValueError(
-            f"train.batch_size={tc.batch_size} must be divisible by processes x grad_accum_steps = "
-            f"{world} x {tc.grad_accum_steps}"
-        )
     # Located and checked before config.yaml is written, so that a refused start leaves the run dir as it was.
     resume = resume_checkpoint(run_dir, tc.resume)
     check_run_records(run_dir)
