@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK
@@ -18,9 +19,9 @@ def _read(name, logs):
 
 
 def test_names_and_directions_are_unique_and_documented():
-    assert [m.name for m in METRICS] == ["val_loss", "val_accuracy", "train_loss", "fid_last", "fid_best",
-                                         "fid_protocol"]
-    assert all(m.lower_is_better == (m.name != "val_accuracy") and m.description for m in METRICS)
+    assert [m.name for m in METRICS] == ["val_loss", "val_accuracy", "val_loss_mean", "val_accuracy_mean",
+                                         "train_loss", "fid_last", "fid_best", "fid_protocol"]
+    assert all(m.lower_is_better == ("accuracy" not in m.name) and m.description for m in METRICS)
     assert len({c.name for c in CURVES}) == len(CURVES)
     assert [b.name for b in PER_BLOCK] == ["attn_neg_share"] and all(b.description for b in PER_BLOCK)
 
@@ -53,6 +54,33 @@ def test_the_protocol_fid_is_the_mean_of_the_runs_resamplings(tmp_path):
     assert _read("fid_protocol", logs) == 4.25
     (tmp_path / "fid_protocol.json").write_text('{"protocol": {}, "fids": [3.0, Infinity]}')
     assert _read("fid_protocol", logs) is None
+
+
+def test_curve_means_are_the_trapezoidal_area_over_the_span_of_the_validations():
+    # A straight line's trapezoidal area is exact: its mean is the midpoint's value.
+    line = _logs(val=[(s, 1.0 - 0.002 * s) for s in (100, 200, 300, 400, 500)])
+    assert _read("val_loss_mean", line) == pytest.approx(1.0 - 0.002 * 300, abs=1e-15)
+    # Unequally spaced, unordered steps: numpy's trapezoid over the sorted steps, divided by the span.
+    rng = np.random.default_rng(0)
+    steps = rng.choice(np.arange(1, 10_000), size=40, replace=False)
+    values = rng.random(40)
+    order = np.argsort(steps)
+    expected = np.trapezoid(values[order], steps[order]) / (steps.max() - steps.min())
+    assert _read("val_loss_mean", _logs(val=list(zip(steps.tolist(), values.tolist())))) == pytest.approx(expected)
+    assert _read("val_loss_mean", _logs(val=[(7, 0.25)])) == 0.25  # one validation: its value
+    assert _read("val_loss_mean", _logs(val=[(1, 0.5), (2, float("nan"))])) is None
+
+
+def test_accuracy_mean_is_higher_for_the_run_that_learns_sooner_with_the_same_last_value():
+    def run(curve):
+        return RunLogs(Path("."), [], [{"step": s, "val_loss": 1.0, "val_accuracy": a} for s, a in curve], [])
+
+    sooner = run([(250, 0.25), (500, 1.0), (750, 1.0), (1000, 1.0)])
+    later = run([(250, 0.25), (500, 0.25), (750, 0.25), (1000, 1.0)])
+    assert _read("val_accuracy", sooner) == _read("val_accuracy", later) == 1.0
+    # Areas over the 750-step span: 250 * (0.625 + 1 + 1) and 250 * (0.25 + 0.25 + 0.625).
+    assert _read("val_accuracy_mean", sooner) == pytest.approx(2.625 / 3)
+    assert _read("val_accuracy_mean", later) == pytest.approx(1.125 / 3)
 
 
 def test_absent_or_non_finite_values_are_none():

@@ -40,7 +40,7 @@ def test_report_json_has_the_documented_shape_and_the_paired_statistics(make_com
     assert json.loads((plan.out / "report.json").read_text()) == data
     assert set(data) == {"baseline", "arms", "seeds", "metrics", "per_block", "runs"} and data["per_block"] == {}
     assert (data["baseline"], data["arms"], data["seeds"]) == ("uvit", ["uvit", "uvic"], [0, 1, 2])
-    assert list(data["metrics"]) == ["val_loss", "train_loss", "fid_last", "fid_best"]
+    assert list(data["metrics"]) == ["val_loss", "val_loss_mean", "train_loss", "fid_last", "fid_best"]
     for name, entry in data["metrics"].items():
         assert set(entry) == {"lower_is_better", "values", "vs_baseline"} and entry["lower_is_better"] is True
         assert set(entry["values"]) == {"uvit", "uvic"} and set(entry["vs_baseline"]) == {"uvic"}
@@ -52,6 +52,9 @@ def test_report_json_has_the_documented_shape_and_the_paired_statistics(make_com
             assert data["metrics"]["train_loss"]["values"][arm][str(seed)] == pytest.approx(
                 np.mean([loss[s] for s in range(96, 101)]), rel=1e-12)
             assert data["metrics"]["val_loss"]["values"][arm][str(seed)] == level + 0.05 + 0.01 * seed
+            # Two validations: the mean over their span is their midpoint.
+            assert data["metrics"]["val_loss_mean"]["values"][arm][str(seed)] == pytest.approx(
+                level + 0.075 + 0.01 * seed, rel=1e-12)
             assert data["metrics"]["fid_best"]["values"][arm][str(seed)] == min(30 + 10 * level, 20 + 10 * level
                                                                                 + (arm == "uvic") * 0.1) + seed
     # The statistics, against scipy.
@@ -116,7 +119,8 @@ def test_report_files_link_every_figure_and_the_html_embeds_them(make_comparison
     write_report(plan.out)
     figures = sorted(p.name for p in (plan.out / "figures").iterdir())
     assert figures == ["curve_fid.png", "curve_train_loss.png", "curve_val_loss.png", "paired_fid_best.png",
-                       "paired_fid_last.png", "paired_train_loss.png", "paired_val_loss.png", "samples.png"]
+                       "paired_fid_last.png", "paired_train_loss.png", "paired_val_loss.png", "paired_val_loss_mean.png",
+                       "samples.png"]
     md = (plan.out / "report.md").read_text()
     assert sorted(re.findall(r"\]\(figures/([^)]+)\)", md)) == figures
     assert "| val_loss (lower is better) | uvit |" in md and "**better**" in md

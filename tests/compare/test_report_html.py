@@ -52,6 +52,7 @@ def test_report_html_in_headless_chromium(make_comparison, tmp_path, no_network)
     verdicts = {(name, arm): vs["verdict"] for name, entry in data["metrics"].items()
                 for arm, vs in entry["vs_baseline"].items()}
     assert verdicts == {("val_loss", "uvic"): "better", ("val_loss", "cog_all"): "worse",
+                        ("val_loss_mean", "uvic"): "better", ("val_loss_mean", "cog_all"): "worse",
                         ("train_loss", "uvic"): "inconclusive", ("train_loss", "cog_all"): "inconclusive"}
     page = plan.out / "report.html"
 
@@ -61,7 +62,7 @@ def test_report_html_in_headless_chromium(make_comparison, tmp_path, no_network)
 
     # Figures: all of them, decoded whole (the pixels the browser draws are the PNG's), laid out with a visible box.
     figures = sorted((plan.out / "figures").glob("*.png"))
-    assert len(shown["images"]) == len(figures) == 6  # 2 curves, 2 paired dot plots, the attention shares, samples
+    assert len(shown["images"]) == len(figures) == 7  # 2 curves, 3 paired dot plots, the attention shares, samples
     for image in shown["images"]:
         assert image["decoded"] and image["shown"], image
         assert min(image["natural"]) > 100 and min(image["box"]) > 50, image
@@ -73,7 +74,8 @@ def test_report_html_in_headless_chromium(make_comparison, tmp_path, no_network)
     for row in results[1:]:
         metric = row[0].split(" (")[0] or metric
         rows[metric, row[1]] = row[-1]
-    assert rows == {("val_loss", "uvit"): "baseline", ("train_loss", "uvit"): "baseline", **verdicts}
+    assert rows == {("val_loss", "uvit"): "baseline", ("val_loss_mean", "uvit"): "baseline",
+                    ("train_loss", "uvit"): "baseline", **verdicts}
     # The attention shares per block: the mean over seeds of each arm.
     shares = next(t for t in shown["tables"] if t[0][0] == "block")
     assert shares == [["block", "uvit", "uvic", "cog_all"], ["in_blocks.0", "0.000", "0.000", "0.000"],

@@ -78,6 +78,20 @@ def tail_mean(records: list[dict[str, Any]], key: str, fraction: float) -> float
     return None if None in tail else sum(tail) / len(tail)
 
 
+def curve_mean(records: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of `key` over training: the trapezoidal area under its curve over the steps of the records that
+    have it, divided by the span from the first to the last of them (the value itself when there is one record).
+    A run that reaches a value sooner has a higher mean (accuracy) or a lower one (loss) even where the last value
+    is the same. None if any of the values is not finite."""
+    points = sorted((int(r["step"]), finite(r[key])) for r in records if key in r)
+    if not points or any(v is None for _, v in points):
+        return None
+    if len(points) == 1 or points[-1][0] == points[0][0]:
+        return points[-1][1]
+    area = sum((s1 - s0) * (v0 + v1) / 2 for (s0, v0), (s1, v1) in zip(points, points[1:]))
+    return area / (points[-1][0] - points[0][0])
+
+
 def mean_or_none(values: list[float]) -> float | None:
     """The mean of `values`, None when empty or not finite."""
     return finite(sum(values) / len(values)) if values else None
@@ -99,6 +113,12 @@ METRICS: tuple[Metric, ...] = (
            "held-out validation loss at the last step (train.val_every)"),
     Metric("val_accuracy", False, lambda run: last(run.val, "val_accuracy"),
            "held-out accuracy on the answer tokens at the last step (LM synthetic tasks, data.synthetic)"),
+    Metric("val_loss_mean", True, lambda run: curve_mean(run.val, "val_loss"),
+           "validation loss averaged over training (area under its curve from the first to the last validation, "
+           "over that span): lower when a run learns sooner"),
+    Metric("val_accuracy_mean", False, lambda run: curve_mean(run.val, "val_accuracy"),
+           "held-out accuracy averaged over training (area under its curve from the first to the last "
+           "validation, over that span): higher when a run learns sooner"),
     Metric("train_loss", True, lambda run: tail_mean(run.train, "loss", TRAIN_LOSS_TAIL),
            f"training loss, mean over the last {TRAIN_LOSS_TAIL:.0%} of logged steps"),
     Metric("fid_last", True, lambda run: last(run.evals, "fid"),
