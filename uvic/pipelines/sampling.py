@@ -481,10 +481,15 @@ def mscoco_prompt_embeds(
 def image_shape(pipe: DiffusionPipeline) -> tuple[int, int, int]:
     """(H, W, C) of the images `pipe` generates, known before sampling (latent size x the VAE's downsampling)."""
     cfg = pipe.transformer.config
-    vae = getattr(pipe, "vae", None)
+    return decoded_shape(cfg.img_size, cfg.in_chans, getattr(pipe, "vae", None))
+
+
+def decoded_shape(img_size: int, in_chans: int, vae: Any | None) -> tuple[int, int, int]:
+    """(H, W, C) of the images a model of `img_size` x `img_size` x `in_chans` inputs makes: those inputs for a pixel
+    model (`vae` None), else the VAE's decoding of them (each down block but the last halves the side)."""
     if vae is None:
-        return cfg.img_size, cfg.img_size, cfg.in_chans
-    side = cfg.img_size * 2 ** (len(vae.config.block_out_channels) - 1)
+        return img_size, img_size, in_chans
+    side = img_size * 2 ** (len(vae.config.block_out_channels) - 1)
     return side, side, vae.config.out_channels
 
 

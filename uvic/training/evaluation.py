@@ -366,11 +366,9 @@ class Evaluator:
     @property
     def image_shape(self) -> tuple[int, int, int]:
         """(H, W, C) of the generated images (the VAE's decoded size for latent models)."""
-        m = self.cfg.model
-        if self.vae is None:
-            return m.img_size, m.img_size, m.in_chans
-        side = m.img_size * 2 ** (len(self.vae.config.block_out_channels) - 1)
-        return side, side, self.vae.config.out_channels
+        from uvic.pipelines.sampling import decoded_shape
+
+        return decoded_shape(self.cfg.model.img_size, self.cfg.model.in_chans, self.vae)
 
     @staticmethod
     def recorded(run_dir: str | os.PathLike, step: int) -> bool:
