@@ -8,8 +8,9 @@ drawn per example (`stratified_eps_losses`).
 A noise process picks the time, perturbs x_0 and says which timestep value the network embeds (always through
 `uvic.schedulers.timesteps.network_timestep`, which the pipelines use too):
 - `VPSDENoise`: continuous VP-SDE (U-ViT CIFAR-10, `sde.LSimple`): t ~ U(0, 1), network time 999 t.
-- `DiscreteNoise`: DDPM with diffusers' betas (`DDPMScheduler.alphas_cumprod`), t ~ U{0..T-1}, network time t + 1
-  (U-ViT's n in 1..T, as for MS-COCO), so diffusers' stock samplers drive the trained model through the pipeline.
+- `DiscreteNoise`: DDPM, t ~ U{0..T-1}, network time t + 1 (U-ViT's n in 1..T, as for MS-COCO), so diffusers' stock
+  samplers drive the trained model through the pipeline. alpha_bar is `DiscreteSchedule.alphas_cumprod`: U-ViT's
+  float64 construction (diffusers' `DDPMScheduler` builds the same betas in float32; they differ by rounding).
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-from diffusers import DDPMScheduler
 
 from uvic.models.autoencoder import sample_latents
-from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, VPSDE
+from uvic.schedulers.noise_schedule import SCHEDULE_PRESETS, VPSDE, DiscreteSchedule
 from uvic.schedulers.timesteps import network_timestep
 from uvic.training.rng import ShardedRNG
 
@@ -57,16 +57,11 @@ class VPSDENoise:
 
 
 class DiscreteNoise:
-    """Discrete DDPM; `t` is (B,) int64 in [0, T). alpha_bar comes from diffusers' `DDPMScheduler`."""
+    """Discrete DDPM; `t` is (B,) int64 in [0, T). alpha_bar is `DiscreteSchedule`'s (float64, as U-ViT builds it)."""
 
     def __init__(self, num_train_timesteps: int, beta_schedule: str, beta_start: float, beta_end: float) -> None:
-        sched = DDPMScheduler(
-            num_train_timesteps=num_train_timesteps,
-            beta_schedule=beta_schedule,
-            beta_start=beta_start,
-            beta_end=beta_end,
-        )
-        self.alphas_cumprod = sched.alphas_cumprod.double()  # (T,)
+        schedule = DiscreteSchedule(num_train_timesteps, beta_start, beta_end, beta_schedule)
+        self.alphas_cumprod = schedule.alphas_cumprod  # (T,) float64
         self.num_train_timesteps = num_train_timesteps
 
     def sample_time(self, rng: ShardedRNG, batch_size: int) -> torch.Tensor:
