@@ -40,7 +40,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from uvic.io import atomic_write  # the one home of atomic writes; this tool alone in uvic.kernels imports uvic
@@ -363,6 +363,7 @@ class SassMix:
     opcodes: dict[str, int]
     variants: dict[str, int] = field(default_factory=dict)  # full mnemonic with modifiers -> count
     loops: tuple[SassLoop, ...] = ()
+    loop_index: int | None = None  # which of `loops` is the main one; None: `main_loop` decides (`sass_pairs`)
 
     def counts(self) -> dict[str, int]:
         """{"total", "fp32", "int", "half2", "mufu", "mma", "sel/cmp"} -> number of instructions."""
@@ -370,8 +371,8 @@ class SassMix:
 
     @property
     def loop(self) -> SassLoop | None:
-        """The main loop (`main_loop`), None if no loop holds an MMA."""
-        return main_loop(self.loops)
+        """The main loop: `loops[loop_index]`, or `main_loop(loops)`; None if no loop holds an MMA."""
+        return self.loops[self.loop_index] if self.loop_index is not None else main_loop(self.loops)
 
     def loop_counts(self) -> dict[str, int]:
         """`counts()` of one iteration of the main loop (all zero without one)."""
@@ -436,9 +437,11 @@ def main_loop(loops) -> SassLoop | None:
     """The loop whose per-iteration cost matters: of the loops holding the most MMA instructions, the one with the
     fewest instructions. A kernel's key (or query) loop comes as an unmasked body and masked ones (the causal
     diagonal, the ragged end, a window's edges), each with the whole tile's MMAs; the masked ones run a few
-    iterations per program, the unmasked one the rest, and masking only adds instructions, so it is the shortest.
-    An outer loop around an inner one that holds all the MMAs has as many MMAs and more instructions, so the inner
-    one is chosen. Loops without an MMA (a wait on a barrier) are never chosen; None if no loop has an MMA."""
+    iterations per program, the unmasked one the rest. In softmax mode masking adds a select per score, so the
+    unmasked body is the shortest; Cog's backward takes its masks from zero rows, so a masked body can be as short
+    there, and `sass_pairs` gives a Cog kernel the loop at the place its softmax mode's main loop has. An outer loop
+    around an inner one that holds all the MMAs has as many MMAs and more instructions, so the inner one is chosen.
+    Loops without an MMA (a wait on a barrier) are never chosen; None if no loop has an MMA."""
     with_mma = [lp for lp in loops if lp.counts()["mma"] > 0]
     if not with_mma:
         return None
@@ -495,16 +498,26 @@ def sass_mix_all(specs: list[Spec], workers: int = 1) -> list[SassMix]:
 
 
 def sass_pairs(mixes: list[SassMix]) -> list[tuple[SassMix, SassMix]]:
-    """Pair each Cog-mode kernel with the softmax-mode kernel of the same spec otherwise."""
+    """Pair each Cog-mode kernel with the softmax-mode kernel of the same spec otherwise. Where both have as many
+    MMA loops, the Cog kernel's main loop is the one at the place of the softmax kernel's (`main_loop`), so that
+    the loops compared are the same loop of the source."""
     by_key = {(m.spec.kernel, m.spec.arch, m.spec.dtype, m.spec.head_dim, m.spec.config, m.spec.causal,
                m.spec.has_kpm, m.spec.window, m.spec.softcap, m.spec.cog): m for m in mixes}  # fmt: skip
-    return [(m, by_key[k[:-1] + (False,)]) for k, m in by_key.items() if k[-1] and k[:-1] + (False,) in by_key]
+    pairs = []
+    for k, cog in by_key.items():
+        soft = by_key.get(k[:-1] + (False,))
+        if not k[-1] or soft is None:
+            continue
+        if soft.loop is not None and len(cog.loops) == len(soft.loops):
+            cog = replace(cog, loop_index=soft.loops.index(soft.loop))
+        pairs.append((cog, soft))
+    return pairs
 
 
 def sass_target_failures(pairs: list[tuple[SassMix, SassMix]]) -> list[str]:
     """One line per pair that misses a target: the ratio of totals, of the whole kernel and of the main loop; MUFU
     and MMA counts equal, in the whole kernel and in the loop; the main loop found in both modes, at the same place
-    among the kernel's MMA loops (so that the loops compared are the same loop of the source)."""
+    among as many MMA loops (so that the loops compared are the same loop of the source)."""
     bad = []
     for cog, soft in pairs:
         s, c, n = cog.spec, cog.counts(), soft.counts()

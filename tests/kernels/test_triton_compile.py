@@ -12,6 +12,7 @@ candidate, the full matrix, and runs before any change to kernels/ lands.
 
 import logging
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -22,6 +23,8 @@ from uvic.kernels.aot import (
     SASS_LOOP_RATIO_TARGET,
     SASS_RATIO_TARGET,
     SassLoop,
+    SassMix,
+    Spec,
     all_specs,
     compile_all,
     format_report,
@@ -43,6 +46,7 @@ from uvic.kernels.configs import (
     SMEM_LIMIT,
     SMEM_NEEDED,
     TABLE_HEAD_DIMS,
+    KernelConfig,
     candidate_configs,
     head_dim_chunks,
     padded_width,
@@ -234,6 +238,23 @@ def test_sass_loops_and_main_loop_on_hand_written_sass():
     assert sum(parse_sass(_HAND_SASS).values()) == 23  # the whole-kernel count sees every line, labels resolved
 
 
+def test_sass_pairs_compare_the_same_loop():
+    """A Cog kernel's main loop is the one at the place of its softmax mode's: in the sm_80 hd-96 dQ kernel (no
+    mask) Cog's masked body (279 instructions; its masks come from zero rows) is shorter than its unmasked one (282),
+    while softmax mode's unmasked body (230) is its shortest."""
+    spec = Spec("bwd_dq", 80, "bf16", 96, KernelConfig(64, 32, 8, 2), cog=True, causal=False, has_kpm=False)
+
+    def mix(cog, *totals):
+        loops = tuple(SassLoop(i, i + 1, {"HMMA": 72, "FFMA": n - 72}, {}) for i, n in enumerate(totals))
+        return SassMix(replace(spec, cog=cog), {}, {}, loops)
+
+    (cog, soft), = sass_pairs([mix(True, 282, 279), mix(False, 230, 279)])
+    assert main_loop(cog.loops).counts()["total"] == 279  # alone, the shortest
+    assert cog.loop is cog.loops[0] and soft.loop is soft.loops[0] and cog.loop_counts()["total"] == 282
+    unequal = sass_pairs([mix(True, 282, 279, 300), mix(False, 230, 279)])
+    assert any("main loop is MMA loop" in b for b in sass_target_failures(unequal))
+
+
 @pytest.fixture(scope="module")
 def sass_mix_pairs():
     """sm_90 bf16 head dim 64, no mask, the first candidate config of each kernel, Cog and softmax mode; under
@@ -254,7 +275,7 @@ def sass_mix_pairs():
     pairs = sass_pairs(mixes[: len(specs)])
     logger.info("\n%s\n%s", format_sass_mix(pairs), format_sass_mix(pairs, loop=True))
     out = {cog.spec.kernel: (cog, soft) for cog, soft in pairs}
-    out["fwd_clamp"] = (mixes[len(specs)], out["fwd"][1])
+    out["fwd_clamp"] = sass_pairs([mixes[len(specs)], out["fwd"][1]])[0]
     for name, pair in zip(extra, sass_pairs(mixes[len(specs) + 1 :])):
         out[name] = pair
     assert [out[name][0].spec for name in extra] == [pair[0] for pair in extra.values()]
@@ -365,9 +386,12 @@ def test_sass_main_loop_is_one_tile_of_the_key_loop(sass_mix_pairs, name):
         assert len(mix.loops) == 2 and all(lp.counts()["mma"] == loop.counts()["mma"] for lp in mix.loops)
         assert mix.counts()["mma"] == 2 * loop.counts()["mma"]
         # without a causal mask the unmasked body comes first in each kernel's source, the masked one (the ragged
-        # end) second; the main loop is the unmasked one, and shorter
+        # end) second; the main loop is the unmasked one, and in softmax mode (whose masks select per score) the
+        # shorter, which is how `main_loop` finds it
         unmasked, masked = mix.loops
-        assert loop is unmasked and loop.counts()["total"] < masked.counts()["total"], spec
+        assert loop is unmasked, spec
+        if not spec.cog:
+            assert main_loop(mix.loops) is unmasked and unmasked.counts()["total"] < masked.counts()["total"], spec
         if spec.arch == 90 and spec.head_dim == 64:
             assert loop.counts()["mma"] == sum(k // 16 for _, _, k, _ in _loop_dots(spec))
 
