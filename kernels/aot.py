@@ -12,8 +12,10 @@ Cog mode and in softmax mode: `all_specs()`, the full matrix that `make aot-full
 `representative_specs()`, a subset chosen by a rule that meets every kernel, head dim, arch, dtype and variant.
 
 `--sass-mix` instead disassembles the cubins (`cuobjdump -sass`, also shipped with triton) of each kernel's first
-candidate config in both modes and counts instructions by opcode class: a static stand-in for the GPU timing of
-Cog against the same kernel's softmax mode, with the targets of `SASS_RATIO_TARGET`.
+candidate config in both modes and counts instructions by opcode class, over the whole kernel and over one
+iteration of its main loop (the loop over key tiles, dK/dV: query tiles; `main_loop`), where the per-score work is
+not diluted by the prologue and epilogue: a static stand-in for the GPU timing of Cog against the same kernel's
+softmax mode, with the targets of `SASS_RATIO_TARGET` and `SASS_LOOP_RATIO_TARGET`.
 
     python -m uvic.kernels.aot --workers 2     # the full matrix (make aot-full); exit 1 on a spill or smem overflow
     python -m uvic.kernels.aot --representative --workers 2     # the subset `make test` compiles
@@ -36,8 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from uvic.io import atomic_write  # the one home of atomic writes; this tool alone in uvic.kernels imports uvic
@@ -314,36 +317,135 @@ SASS_COLUMNS = ("total", *SASS_CLASSES)
 # The targets: whole-kernel instruction count of Cog over softmax mode, per kernel; MUFU and MMA equal.
 SASS_RATIO_TARGET = {"fwd": 1.05, "bwd_dkdv": 1.10, "bwd_dq": 1.10}
 SASS_EQUAL_CLASSES = ("mufu", "mma")
+# The same ratio over one iteration of the main loop (`main_loop`), where the per-score work is not diluted by the
+# prologue and epilogue. These are not goals but the measured state with a small margin, so that a change that
+# makes Cog's loop longer shows (triton 3.8.0, sm_90, bf16 and fp16, first candidate; hd 64, 72, 96, 128 plain or
+# causal; hd 64, 128 with a window, softcap, both, key padding): forward 1.073-1.089, 1.093 with a window (one
+# instruction per score: the sign step); dK/dV 1.052-1.284 and dQ 1.296-1.382, the highest with a window (three per
+# score: `_signed`'s bit-select, compare and select; docs/kernel_math.md, "Checking without a GPU").
+SASS_LOOP_RATIO_TARGET = {"fwd": 1.10, "bwd_dkdv": 1.30, "bwd_dq": 1.40}
 
-_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)")
+# One instruction line of `cuobjdump -sass`: address, optional predicate, opcode, modifiers, operands.
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)"
+                        r"([^;]*)")  # fmt: skip
+_SASS_LABEL = re.compile(r"^\s*(\.L[\w.]+):")  # a label line (nvdisasm style), naming the next instruction
+_BRANCH_TARGET = re.compile(r"^\s*(?:0x([0-9a-f]+)|`?\(?(\.L[\w.]+)\)?)")  # BRA's operand: an address or a label
+
+
+def _class_counts(opcodes: dict[str, int]) -> dict[str, int]:
+    """{"total", "fp32", "int", "half2", "mufu", "mma", "sel/cmp"} -> number of instructions, from base opcodes."""
+    out = {"total": sum(opcodes.values())}
+    for name, ops in SASS_CLASSES.items():
+        out[name] = sum(n for op, n in opcodes.items() if op in ops)
+    return out
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One loop of a kernel's machine code: the instructions from the target of a backward branch (the loop head)
+    to that branch, each counted once (static: code that a forward branch inside the body skips counts too)."""
+
+    start: int  # address of the loop head
+    end: int  # address of the backward branch (the farthest one, when several branch back to the same head)
+    opcodes: dict[str, int]  # base opcode -> count
+    variants: dict[str, int]  # full mnemonic with modifiers -> count
+
+    def counts(self) -> dict[str, int]:
+        return _class_counts(self.opcodes)
 
 
 @dataclass(frozen=True)
 class SassMix:
-    """Opcode counts of one compiled kernel (base opcode -> count), read from `cuobjdump -sass` of its cubin."""
+    """Opcode counts of one compiled kernel (base opcode -> count), read from `cuobjdump -sass` of its cubin, and
+    of the loops that hold its MMA instructions (`loops`, in address order; `loop` is the main one)."""
 
     spec: Spec
     opcodes: dict[str, int]
     variants: dict[str, int] = field(default_factory=dict)  # full mnemonic with modifiers -> count
+    loops: tuple[SassLoop, ...] = ()
+    loop_index: int | None = None  # which of `loops` is the main one; None: `main_loop` decides (`sass_pairs`)
 
     def counts(self) -> dict[str, int]:
         """{"total", "fp32", "int", "half2", "mufu", "mma", "sel/cmp"} -> number of instructions."""
-        out = {"total": sum(self.opcodes.values())}
-        for name, ops in SASS_CLASSES.items():
-            out[name] = sum(n for op, n in self.opcodes.items() if op in ops)
-        return out
+        return _class_counts(self.opcodes)
+
+    @property
+    def loop(self) -> SassLoop | None:
+        """The main loop: `loops[loop_index]`, or `main_loop(loops)`; None if no loop holds an MMA."""
+        return self.loops[self.loop_index] if self.loop_index is not None else main_loop(self.loops)
+
+    def loop_counts(self) -> dict[str, int]:
+        """`counts()` of one iteration of the main loop (all zero without one)."""
+        return self.loop.counts() if self.loop else _class_counts({})
+
+
+def _sass_instructions(text: str) -> list[tuple[int, str, str, str]]:
+    """(address, base opcode, full mnemonic, operands) of each instruction of `cuobjdump -sass` output, in order;
+    label operands (`.L_x_3`, as nvdisasm writes them) are replaced by the address they name."""
+    rows, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = _SASS_LINE.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update(dict.fromkeys(pending, addr))
+            pending = []
+            rows.append((addr, m.group(2), m.group(2) + m.group(3), m.group(4)))
+    out = []
+    for addr, op, name, operands in rows:
+        t = _BRANCH_TARGET.match(operands)
+        if op == "BRA" and t and t.group(2) in labels:
+            operands = f" {labels[t.group(2)]:#x}"
+        out.append((addr, op, name, operands))
+    return out
 
 
 def parse_sass(text: str, modifiers: bool = False) -> dict[str, int]:
     """Opcode counts of `cuobjdump -sass` output: by base opcode (predicates and modifiers stripped), or with
     `modifiers` by full mnemonic (e.g. "HMNMX2.BF16_V2.XORSIGN")."""
     counts: dict[str, int] = {}
-    for line in text.splitlines():
-        m = _SASS_LINE.match(line)
-        if m:
-            name = m.group(1) + m.group(2) if modifiers else m.group(1)
-            counts[name] = counts.get(name, 0) + 1
+    for _, op, name, _ in _sass_instructions(text):
+        key = name if modifiers else op
+        counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def sass_loops(text: str) -> list[SassLoop]:
+    """The loops of `cuobjdump -sass` output, by loop head address: each BRA whose target lies before it (a
+    self-branch, the trap after EXIT, is no loop) closes the loop from that target to itself; branches back to the
+    same head make one loop, up to the farthest. Nested loops each appear, the outer one holding the inner's
+    instructions."""
+    insts = _sass_instructions(text)
+    ends: dict[int, int] = {}
+    for addr, op, _, operands in insts:
+        t = _BRANCH_TARGET.match(operands)
+        if op == "BRA" and t and t.group(1) and int(t.group(1), 16) < addr:
+            head = int(t.group(1), 16)
+            ends[head] = max(ends.get(head, addr), addr)
+    loops = []
+    for head in sorted(ends):
+        body = [(op, name) for addr, op, name, _ in insts if head <= addr <= ends[head]]
+        loops.append(SassLoop(head, ends[head], dict(Counter(op for op, _ in body)),
+                              dict(Counter(name for _, name in body))))  # fmt: skip
+    return loops
+
+
+def main_loop(loops) -> SassLoop | None:
+    """The loop whose per-iteration cost matters: of the loops holding the most MMA instructions, the one with the
+    fewest instructions. A kernel's key (or query) loop comes as an unmasked body and masked ones (the causal
+    diagonal, the ragged end, a window's edges), each with the whole tile's MMAs; the masked ones run a few
+    iterations per program, the unmasked one the rest. In softmax mode masking adds a select per score, so the
+    unmasked body is the shortest; Cog's backward takes its masks from zero rows, so a masked body can be as short
+    there, and `sass_pairs` gives a Cog kernel the loop at the place its softmax mode's main loop has. An outer loop
+    around an inner one that holds all the MMAs has as many MMAs and more instructions, so the inner one is chosen.
+    Loops without an MMA (a wait on a barrier) are never chosen; None if no loop has an MMA."""
+    with_mma = [lp for lp in loops if lp.counts()["mma"] > 0]
+    if not with_mma:
+        return None
+    return min(with_mma, key=lambda lp: (-lp.counts()["mma"], lp.counts()["total"]))
 
 
 def disassemble(cubin: bytes) -> str:
@@ -360,7 +462,8 @@ def disassemble(cubin: bytes) -> str:
 def sass_mix(spec: Spec) -> SassMix:
     """Compile one spec for its GPU target and count the opcodes of its machine code."""
     text = disassemble(_compile(spec).asm["cubin"])
-    return SassMix(spec, parse_sass(text), parse_sass(text, modifiers=True))
+    loops = tuple(lp for lp in sass_loops(text) if lp.counts()["mma"] > 0)
+    return SassMix(spec, parse_sass(text), parse_sass(text, modifiers=True), loops)
 
 
 # The head dims `--sass-mix` reports by default: the two most used powers of two and the two most used chunked head
@@ -395,14 +498,26 @@ def sass_mix_all(specs: list[Spec], workers: int = 1) -> list[SassMix]:
 
 
 def sass_pairs(mixes: list[SassMix]) -> list[tuple[SassMix, SassMix]]:
-    """Pair each Cog-mode kernel with the softmax-mode kernel of the same spec otherwise."""
+    """Pair each Cog-mode kernel with the softmax-mode kernel of the same spec otherwise. Where both have as many
+    MMA loops, the Cog kernel's main loop is the one at the place of the softmax kernel's (`main_loop`), so that
+    the loops compared are the same loop of the source."""
     by_key = {(m.spec.kernel, m.spec.arch, m.spec.dtype, m.spec.head_dim, m.spec.config, m.spec.causal,
                m.spec.has_kpm, m.spec.window, m.spec.softcap, m.spec.cog): m for m in mixes}  # fmt: skip
-    return [(m, by_key[k[:-1] + (False,)]) for k, m in by_key.items() if k[-1] and k[:-1] + (False,) in by_key]
+    pairs = []
+    for k, cog in by_key.items():
+        soft = by_key.get(k[:-1] + (False,))
+        if not k[-1] or soft is None:
+            continue
+        if soft.loop is not None and len(cog.loops) == len(soft.loops):
+            cog = replace(cog, loop_index=soft.loops.index(soft.loop))
+        pairs.append((cog, soft))
+    return pairs
 
 
 def sass_target_failures(pairs: list[tuple[SassMix, SassMix]]) -> list[str]:
-    """One line per pair that misses the targets (ratio of totals; MUFU and MMA counts equal)."""
+    """One line per pair that misses a target: the ratio of totals, of the whole kernel and of the main loop; MUFU
+    and MMA counts equal, in the whole kernel and in the loop; the main loop found in both modes, at the same place
+    among as many MMA loops (so that the loops compared are the same loop of the source)."""
     bad = []
     for cog, soft in pairs:
         s, c, n = cog.spec, cog.counts(), soft.counts()
@@ -413,19 +528,51 @@ def sass_target_failures(pairs: list[tuple[SassMix, SassMix]]) -> list[str]:
         for cls in SASS_EQUAL_CLASSES:
             if c[cls] != n[cls]:
                 bad.append(f"{where}: {cls} cog {c[cls]} != softmax {n[cls]}")
+        if cog.loop is None or soft.loop is None:
+            bad.append(f"{where}: no loop with an MMA found (cog: {cog.loop is not None}, softmax: "
+                       f"{soft.loop is not None})")  # fmt: skip
+            continue
+        if cog.loops.index(cog.loop) != soft.loops.index(soft.loop) or len(cog.loops) != len(soft.loops):
+            bad.append(f"{where}: main loop is MMA loop {cog.loops.index(cog.loop)} of {len(cog.loops)} in Cog mode, "
+                       f"{soft.loops.index(soft.loop)} of {len(soft.loops)} in softmax mode")  # fmt: skip
+        lc, ln = cog.loop_counts(), soft.loop_counts()
+        limit = SASS_LOOP_RATIO_TARGET.get(s.kernel)
+        if limit is not None and lc["total"] > limit * ln["total"]:
+            bad.append(f"{where}: main loop cog/softmax = {lc['total']}/{ln['total']} = "
+                       f"{lc['total'] / ln['total']:.3f} > {limit}")  # fmt: skip
+        for cls in SASS_EQUAL_CLASSES:
+            if lc[cls] != ln[cls]:
+                bad.append(f"{where}: main loop {cls} cog {lc[cls]} != softmax {ln[cls]}")
     return bad
 
 
-def format_sass_mix(pairs: list[tuple[SassMix, SassMix]]) -> str:
-    """A fixed-width table: per kernel, 'cog/softmax' counts of each opcode class and the ratio of totals."""
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.3f}" if b else "-"
+
+
+def format_sass_mix(pairs: list[tuple[SassMix, SassMix]], loop: bool = False) -> str:
+    """A fixed-width table: per kernel, 'cog/softmax' counts of each opcode class and the ratio of totals, of the
+    whole kernel beside the ratio of the main loop's totals; with `loop`, the class counts of one iteration of the
+    main loop (`main_loop`) instead, with its place among the kernel's MMA loops ('1/2': the first of two)."""
+    targets = SASS_LOOP_RATIO_TARGET if loop else SASS_RATIO_TARGET
     head = f"{'arch':<6}{'dtype':<6}{'hd':>4} {'kernel':<9}{'config':<20}"
-    lines = [head + "".join(f"{c:>12}" for c in SASS_COLUMNS) + f"{'ratio':>7}{'target':>8}"]
+    tail = f"{'loop':>6}{'ratio':>7}{'target':>8}" if loop else f"{'ratio':>7}{'target':>8}{'loop':>7}{'target':>8}"
+    lines = [head + "".join(f"{c:>12}" for c in SASS_COLUMNS) + tail]
     for cog, soft in pairs:
-        s, c, n = cog.spec, cog.counts(), soft.counts()
+        s = cog.spec
+        c, n = (cog.loop_counts(), soft.loop_counts()) if loop else (cog.counts(), soft.counts())
         cells = "".join(f"{f'{c[k]}/{n[k]}':>12}" for k in SASS_COLUMNS)
-        target = SASS_RATIO_TARGET.get(s.kernel)
-        lines.append(f"sm_{s.arch:<3}{s.dtype:<6}{s.head_dim:>4} {s.kernel:<9}{str(s.config):<20}{cells}"
-                     f"{c['total'] / n['total']:>7.3f}{f'<={target}' if target else '':>8}")  # fmt: skip
+        target = targets.get(s.kernel)
+        row = f"sm_{s.arch:<3}{s.dtype:<6}{s.head_dim:>4} {s.kernel:<9}{str(s.config):<20}{cells}"
+        if loop:
+            where = f"{cog.loops.index(cog.loop) + 1}/{len(cog.loops)}" if cog.loop else "-"
+            row += f"{where:>6}{_ratio(c['total'], n['total']):>7}{f'<={target}' if target else '':>8}"
+        else:
+            lc, ln = cog.loop_counts(), soft.loop_counts()
+            ltarget = SASS_LOOP_RATIO_TARGET.get(s.kernel)
+            row += (f"{_ratio(c['total'], n['total']):>7}{f'<={target}' if target else '':>8}"
+                    f"{_ratio(lc['total'], ln['total']):>7}{f'<={ltarget}' if ltarget else '':>8}")  # fmt: skip
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -504,15 +651,19 @@ def _main_sass_mix(args: argparse.Namespace) -> int:
     mixes = sass_mix_all(specs, workers=args.workers)
     pairs = sass_pairs(mixes)
     logger.info("SASS instruction counts, cog/softmax (causal=%s, key_padding_mask=%s, window=%s, softcap=%s, "
-                "forward sign step: %s):\n%s", args.causal, args.key_padding_mask, args.window, args.softcap,
-                "clamp" if args.sign_clamp else "as launched",
-                format_sass_mix(pairs))  # fmt: skip
+                "forward sign step: %s), whole kernel (ratio) and its main loop (loop):\n%s\n"
+                "One iteration of the main loop (the shortest loop with the most MMAs, `main_loop`):\n%s",
+                args.causal, args.key_padding_mask, args.window, args.softcap,
+                "clamp" if args.sign_clamp else "as launched", format_sass_mix(pairs),
+                format_sass_mix(pairs, loop=True))  # fmt: skip
     bad = sass_target_failures(pairs)
-    logger.info("targets: total cog/softmax <= %s, %s counts equal; %d misses%s", SASS_RATIO_TARGET,
-                "/".join(SASS_EQUAL_CLASSES), len(bad), "".join("\n  " + b for b in bad))  # fmt: skip
+    logger.info("targets: total cog/softmax <= %s, main loop <= %s, %s counts equal; %d misses%s", SASS_RATIO_TARGET,
+                SASS_LOOP_RATIO_TARGET, "/".join(SASS_EQUAL_CLASSES), len(bad),
+                "".join("\n  " + b for b in bad))  # fmt: skip
     if args.json:
         with atomic_write(args.json, "w") as f:
-            json.dump([{**asdict(m.spec), "config": str(m.spec.config), "counts": m.counts(), "opcodes": m.opcodes}
+            json.dump([{**asdict(m.spec), "config": str(m.spec.config), "counts": m.counts(), "opcodes": m.opcodes,
+                        "loop_counts": m.loop_counts(), "loop_opcodes": m.loop.opcodes if m.loop else {}}
                        for m in mixes], f, indent=1)  # fmt: skip
     return 1 if bad else 0
 
