@@ -322,7 +322,8 @@ SASS_EQUAL_CLASSES = ("mufu", "mma")
 # makes Cog's loop longer shows (triton 3.8.0, sm_90, bf16 and fp16, first candidate; hd 64, 72, 96, 128 plain or
 # causal; hd 64, 128 with a window, softcap, both, key padding): forward 1.073-1.089, 1.093 with a window (one
 # instruction per score: the sign step); dK/dV 1.052-1.284 and dQ 1.296-1.382, the highest with a window (three per
-# score: `_signed`'s bit-select, compare and select; docs/kernel_math.md, "Checking without a GPU").
+# score: `_signed`'s bit-select, compare and select; "Checking without a GPU: AOT compile and the SASS proxy" in
+# docs/kernel_math.md).
 SASS_LOOP_RATIO_TARGET = {"fwd": 1.10, "bwd_dkdv": 1.30, "bwd_dq": 1.40}
 
 # One instruction line of `cuobjdump -sass`: address, optional predicate, opcode, modifiers, operands.
