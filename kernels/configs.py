@@ -146,14 +146,24 @@ def gpu_dot_precision(dtype: str) -> str:
     return "ieee" if dtype == "fp32" else "tf32"
 
 
-def forward_sign_ptx(arch: int, dtype: str) -> bool:
-    """Whether the forward kernel applies Cog's sign with the PTX instruction `min.xorsign.abs` (one packed
-    instruction per pair of scores) instead of a clamp (two): for 16-bit inputs on the sm_90 table.
+# The compute capability from which GPUs have `min.xorsign.abs` (PTX ISA 7.2: sm_86 and newer).
+SIGN_PTX_MIN_CAPABILITY = 86
+# GPU targets besides a table's own that `uvic.kernels.aot` compiles the table's 16-bit Cog forward kernels for:
+# the sm_80 table's GPUs that take the PTX sign step (`forward_sign_ptx`), RTX 30xx / A10 / A40 (sm_86),
+# RTX 40xx / L4 / L40 (sm_89) and RTX 50xx (sm_120). Compute capabilities as triton's GPUTarget takes them.
+SIGN_PTX_TARGETS = {80: (86, 89, 120)}
 
-    The instruction needs sm_86 or newer (PTX ISA 7.2); every GPU on the sm_90 table (majors 9 and 10) has it. The
-    sm_80 table keeps the clamp: A100 lacks it, and the table is checked by compiling for sm_80. float32 inputs
-    keep the clamp too (their P operand is fp32). "Zero scores and masked entries" in docs/kernel_math.md."""
-    return arch >= 90 and dtype in ("fp16", "bf16")
+
+def forward_sign_ptx(capability: int, dtype: str) -> bool:
+    """Whether the forward kernel applies Cog's sign with the PTX instruction `min.xorsign.abs` (one packed
+    instruction per pair of scores) instead of a clamp (two): for 16-bit inputs on GPUs that have it.
+
+    `capability` is the GPU's compute capability as 10 * major + minor (86 for sm_86, 120 for sm_120), not the
+    tile table: the instruction needs sm_86 or newer (PTX ISA 7.2), so A100 (sm_80) keeps the clamp while the
+    other GPUs of the sm_80 table (sm_86, 87, 89, 120) take the PTX form, as do all of the sm_90 table's.
+    float32 inputs keep the clamp (their P operand is fp32). "Zero scores and masked entries" in
+    docs/kernel_math.md."""
+    return capability >= SIGN_PTX_MIN_CAPABILITY and dtype in ("fp16", "bf16")
 
 
 # Sliding-window / softcap kernels (WINDOW or SOFTCAP, "banded" below) keep a few more values per score (the band

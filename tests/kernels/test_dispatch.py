@@ -123,3 +123,43 @@ def test_host_work_per_call_is_bounded():
         assert len(launches) == 4
     assert counts["fused fwd"] <= 45
     assert counts["fused fwd+bwd"] - counts["floor"] <= 80
+
+
+def test_forward_sign_ptx_follows_the_compute_capability():
+    """`min.xorsign.abs` exists from sm_86 (PTX ISA 7.2): the forward takes it for 16-bit inputs on every GPU of
+    compute capability 8.6 or newer, whichever tile table the GPU gets (sm_86, 87, 89 and 120 get the sm_80 one),
+    and A100 (sm_80) and float32 inputs keep the clamp."""
+    from uvic.kernels.configs import config_arch, forward_sign_ptx
+
+    for capability, ptx in ((80, False), (86, True), (87, True), (89, True), (90, True), (100, True), (120, True)):
+        assert forward_sign_ptx(capability, "bf16") is forward_sign_ptx(capability, "fp16") is ptx, capability
+        assert forward_sign_ptx(capability, "fp32") is False, capability
+    assert config_arch(8, 6, 101376, False) == config_arch(12, 0, 101376, False) == (80, None)  # the sm_80 table
+
+
+# (major, minor), opt-in shared memory per block, the SIGN_PTX the forward gets for bf16 and for fp32 inputs
+SIGN_CASES = {
+    "A100 sm_80": ((8, 0), 166912, False),
+    "RTX 30xx sm_86": ((8, 6), 101376, True),
+    "RTX 40xx sm_89": ((8, 9), 101376, True),
+    "H100 sm_90": ((9, 0), 232448, True),
+    "RTX 50xx sm_120": ((12, 0), 101376, True),
+}
+
+
+@pytest.mark.parametrize("gpu", SIGN_CASES)
+def test_the_forward_launch_takes_its_sign_step_from_the_devices_capability(gpu):
+    """What the launcher passes the forward kernel as SIGN_PTX, read from the recorded launch: decided by the
+    device's compute capability (the launcher's cached device query), not by its tile table (sm_86, 89 and 120 run
+    the sm_80 table with the PTX form; A100 the same table with the clamp)."""
+    capability, smem, ptx = SIGN_CASES[gpu]
+    names = kattn.KERNEL_FNS["fwd"].arg_names
+    for dtype, expected in ((torch.bfloat16, ptx), (torch.float16, ptx), (torch.float32, False)):
+        q, k, v = _qkv(dtype=dtype)
+        with stubbed_launches(capability, smem) as launches, torch.no_grad():
+            fused_attention(q, k, v)
+            assert len(launches) == 1
+            kernel, _, args = launches[0]
+            assert kattn._arch(q.device) == (90 if capability[0] in (9, 10) else 80)
+        assert len(args) == len(names)  # every parameter, the constexprs included (triton >= 3.3)
+        assert args[names.index("SIGN_PTX")] is expected, (gpu, dtype)
