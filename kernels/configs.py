@@ -146,24 +146,27 @@ def gpu_dot_precision(dtype: str) -> str:
     return "ieee" if dtype == "fp32" else "tf32"
 
 
-# The compute capability from which GPUs have `min.xorsign.abs` (PTX ISA 7.2: sm_86 and newer).
-SIGN_PTX_MIN_CAPABILITY = 86
 # GPU targets besides a table's own that `uvic.kernels.aot` compiles the table's 16-bit Cog forward kernels for:
-# the sm_80 table's GPUs that take the PTX sign step (`forward_sign_ptx`), RTX 30xx / A10 / A40 (sm_86),
-# RTX 40xx / L4 / L40 (sm_89) and RTX 50xx (sm_120). Compute capabilities as triton's GPUTarget takes them.
-SIGN_PTX_TARGETS = {80: (86, 89, 120)}
+# the sm_80 table's GPUs that take the PTX sign step (`forward_sign_ptx`), RTX 30xx / A10 / A40 (sm_86) and
+# RTX 40xx / L4 / L40 (sm_89). Compute capabilities as triton's GPUTarget takes them.
+SIGN_PTX_TARGETS = {80: (86, 89)}
 
 
 def forward_sign_ptx(capability: int, dtype: str) -> bool:
     """Whether the forward kernel applies Cog's sign with the PTX instruction `min.xorsign.abs` (one packed
-    instruction per pair of scores) instead of a clamp (two): for 16-bit inputs on GPUs that have it.
+    instruction per pair of scores) instead of a clamp (two): for 16-bit inputs on GPUs that have it and whose
+    tiles are checked with it.
 
-    `capability` is the GPU's compute capability as 10 * major + minor (86 for sm_86, 120 for sm_120), not the
-    tile table: the instruction needs sm_86 or newer (PTX ISA 7.2), so A100 (sm_80) keeps the clamp while the
-    other GPUs of the sm_80 table (sm_86, 87, 89, 120) take the PTX form, as do all of the sm_90 table's.
-    float32 inputs keep the clamp (their P operand is fp32). "Zero scores and masked entries" in
-    docs/kernel_math.md."""
-    return capability >= SIGN_PTX_MIN_CAPABILITY and dtype in ("fp16", "bf16")
+    `capability` is the GPU's compute capability as 10 * major + minor (86 for sm_86), not its tile table. The
+    instruction needs sm_86 or newer (PTX ISA 7.2): A100 (sm_80) keeps the clamp. The PTX form runs on the sm_90
+    table's GPUs (majors 9 and 10) and on the sm_80 table's sm_86, sm_87 and sm_89, where it compiles to one
+    HMNMX2.XORSIGN per pair and spills nowhere the clamp does not (ptxas for sm_86 and sm_89, triton 3.8.0;
+    `SIGN_PTX_TARGETS`). Majors 11 and 12 (sm_120: RTX 50xx) keep the clamp: the sm_80 table spills there in
+    either form (46 of its 148 16-bit Cog forward kernels with the clamp, 42 with the PTX form, up to 108 bytes),
+    and the PTX form spills in one where the clamp does not. float32 inputs keep the clamp (their P operand is
+    fp32). "Zero scores and masked entries" in docs/kernel_math.md."""
+    checked = 86 <= capability < 90 or capability // 10 in (9, 10)
+    return checked and dtype in ("fp16", "bf16")
 
 
 # Sliding-window / softcap kernels (WINDOW or SOFTCAP, "banded" below) keep a few more values per score (the band
