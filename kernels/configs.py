@@ -1,8 +1,9 @@
 """Autotune candidates of the fused attention kernels, per GPU architecture, dtype and head dim.
 
-This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these configs for sm_80 and sm_90 and
-checks them with ptxas (no register spills, shared memory under the limit), and the autotuner in
-`uvic.kernels.attention` only ever picks from them. Change a list here and the AOT test re-checks it.
+This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these configs for sm_80 and sm_90 (and the
+sm_80 table's 16-bit Cog forwards for sm_86 and sm_89) and checks them with ptxas (no register spills, shared
+memory under the limit), and the autotuner in `uvic.kernels.attention` only ever picks from them. Change a list
+here and the AOT test re-checks it.
 
 Choices follow "Tiles and shared memory" in docs/kernel_math.md: Cog's sign handling costs registers, so the
 128-wide tiles use 8 warps, and the (32, 128, 4 warps) dK/dV tile of the Triton tutorial is left out (it spills).
@@ -292,8 +293,12 @@ def config_arch(major: int, minor: int, smem_optin: int, is_hip: bool) -> tuple[
     capability 8.0 or newer (A100, RTX 30xx/40xx, RTX 50xx = sm_120) get the sm_80 tiles if they grant a block the
     SMEM_NEEDED[80] those tiles need. ROCm builds of torch report AMD GPUs as CUDA devices, but the kernels use
     NVIDIA-only settings (tf32 dot precision, tiles tuned with ptxas), so they are refused.
-    Only sm_80 and sm_90 are spill-checked by `uvic.kernels.aot`. Compiled for sm_86/sm_87/sm_89 (triton 3.9), four
-    sm_80 tiles spill 4-8 bytes, and for sm_120 twelve spill 4-64 bytes: correct, but not tuned for those GPUs.
+    The tables are spill-checked by `uvic.kernels.aot` for sm_80 and sm_90, and the sm_80 table's 16-bit Cog
+    forwards also for sm_86 and sm_89 (`SIGN_PTX_TARGETS`), where four of them (hd 104 and 112, at 255 registers on
+    sm_80) spill 16 bytes, with the PTX sign step and with the clamp alike (triton 3.8.0). Compiled for sm_120, 46
+    of those 148 forwards spill 24-108 bytes with the clamp that sm_120 runs (`forward_sign_ptx`). The backward
+    kernels were not compiled for those GPUs (with triton 3.9, a run over the whole table found four tiles spilling
+    4-8 bytes on sm_86/87/89 and twelve 4-64 bytes on sm_120). Correct there, but not tuned for those GPUs.
 
     Args:
         major, minor: compute capability (`torch.cuda.get_device_capability`).
