@@ -54,10 +54,9 @@ Cautions:
     - TRITON_INTERPRET=1 must be set before triton is first imported (triton builds its own @jit helpers then);
       under the interpreter a fixed small config runs (INTERPRET_CONFIGS) and bf16 dots are done in fp32
       (exact products, see `_dot`) because the triton 3.8 interpreter's bf16 tl.dot is wrong.
-    - the forward's sign step is inline PTX (`min.xorsign.abs`) for 16-bit inputs on GPUs of compute capability
-      8.6-8.9 and on the sm_90 table's (SIGN_PTX, `configs.forward_sign_ptx`, by the device's capability) and a
-      clamp elsewhere (A100, sm_120, fp32 inputs). The interpreter cannot run PTX: it runs the clamp unless
-      INTERPRET_SIGN_PTX is set, which the tests do with an emulator of the instruction.
+    - the forward's sign step is inline PTX (`min.xorsign.abs`) for 16-bit inputs on sm_86-89 and the sm_90 table's
+      GPUs (SIGN_PTX, `configs.forward_sign_ptx`) and a clamp elsewhere (A100, sm_120, fp32). The interpreter can't
+      run PTX: it runs the clamp unless INTERPRET_SIGN_PTX is set, as the tests do with an emulator of it.
     - autotuning benchmarks every candidate the first time a (head dim, dtype, causal, mask, length bucket) key
       is seen, re-running the kernel; the kernels only write their outputs, so this is safe.
     - the candidates live in `uvic.kernels.configs`; `python -m uvic.kernels.aot` compiles all of them for

@@ -1,9 +1,8 @@
 """Autotune candidates of the fused attention kernels, per GPU architecture, dtype and head dim.
 
-This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these configs for sm_80 and sm_90 (and the
-sm_80 table's 16-bit Cog forwards for sm_86 and sm_89) and checks them with ptxas (no register spills, shared
-memory under the limit), and the autotuner in `uvic.kernels.attention` only ever picks from them. Change a list
-here and the AOT test re-checks it.
+This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these configs for sm_80 and sm_90 (the
+sm_80 forwards for sm_86/89 too) and checks them with ptxas (no register spills, shared memory under the limit),
+and the autotuner in `uvic.kernels.attention` only ever picks from them. Change a list and the AOT test re-checks.
 
 Choices follow "Tiles and shared memory" in docs/kernel_math.md: Cog's sign handling costs registers, so the
 128-wide tiles use 8 warps, and the (32, 128, 4 warps) dK/dV tile of the Triton tutorial is left out (it spills).
