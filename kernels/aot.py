@@ -398,7 +398,8 @@ SASS_LOOP_RATIO_TARGET = {"fwd": 1.10, "bwd_dkdv": 1.30, "bwd_dq": 1.40}
 _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)"
                         r"([^;]*)")  # fmt: skip
 _SASS_LABEL = re.compile(r"^\s*(\.L[\w.]+):")  # a label line (nvdisasm style), naming the next instruction
-_BRANCH_TARGET = re.compile(r"^\s*(?:0x([0-9a-f]+)|`?\(?(\.L[\w.]+)\)?)")  # BRA's operand: an address or a label
+# BRA's operands: an optional uniform predicate (sm_120: `BRA.U !UP0, 0x1150`), then an address or a label
+_BRANCH_TARGET = re.compile(r"^\s*(?:!?U?P[T0-9]+\s*,\s*)?(?:0x([0-9a-f]+)|`?\(?(\.L[\w.]+)\)?)")
 
 
 def _class_counts(opcodes: dict[str, int]) -> dict[str, int]:

@@ -278,6 +278,21 @@ def test_sass_loops_and_main_loop_on_hand_written_sass():
     assert sum(parse_sass(_HAND_SASS).values()) == 23  # the whole-kernel count sees every line, labels resolved
 
 
+def test_sass_loops_with_a_predicate_operand():
+    """ptxas for sm_120 writes a loop's branch with its uniform predicate as an operand (`BRA.U !UP0, 0x10`) rather
+    than as a guard (`@!UP0 BRA`); both close the loop."""
+    text = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R24, R4, R8, R24 ;
+        /*0020*/                   FMNMX R8, |R24|, |R25|, !PT ;
+        /*0030*/                   BRA.U !UP0, 0x10 ;
+        /*0040*/                   EXIT ;
+"""
+    assert [(lp.start, lp.end, lp.counts()["mma"]) for lp in sass_loops(text)] == [(0x10, 0x30, 1)]
+    assert [(lp.start, lp.end) for lp in sass_loops(text.replace("BRA.U !UP0, 0x10", "@!UP0 BRA.U 0x10"))] == [
+        (0x10, 0x30)]
+
+
 def test_sass_pairs_compare_the_same_loop():
     """A Cog kernel's main loop is the one at the place of its softmax mode's: in the sm_80 hd-96 dQ kernel (no
     mask) Cog's masked body (279 instructions; its masks come from zero rows) is shorter than its unmasked one (282),
