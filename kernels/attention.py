@@ -54,9 +54,9 @@ Cautions:
     - TRITON_INTERPRET=1 must be set before triton is first imported (triton builds its own @jit helpers then);
       under the interpreter a fixed small config runs (INTERPRET_CONFIGS) and bf16 dots are done in fp32
       (exact products, see `_dot`) because the triton 3.8 interpreter's bf16 tl.dot is wrong.
-    - the forward's sign step is inline PTX (`min.xorsign.abs`) for 16-bit inputs on the sm_90 table
-      (SIGN_PTX, `configs.forward_sign_ptx`) and a clamp elsewhere. The interpreter cannot run PTX: it runs the
-      clamp unless INTERPRET_SIGN_PTX is set, which the tests do with an emulator of the instruction.
+    - the forward's sign step is inline PTX (`min.xorsign.abs`) for 16-bit inputs on sm_86-89 and the sm_90 table's
+      GPUs (SIGN_PTX, `configs.forward_sign_ptx`) and a clamp elsewhere (A100, sm_120, fp32). The interpreter can't
+      run PTX: it runs the clamp unless INTERPRET_SIGN_PTX is set, as the tests do with an emulator of it.
     - autotuning benchmarks every candidate the first time a (head dim, dtype, causal, mask, length bucket) key
       is seen, re-running the kernel; the kernels only write their outputs, so this is safe.
     - the candidates live in `uvic.kernels.configs`; `python -m uvic.kernels.aot` compiles all of them for
@@ -1132,10 +1132,13 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def _sign_ptx(q: torch.Tensor) -> bool:
-    """The forward's SIGN_PTX switch for inputs like q (`_signed_operand`)."""
-    if _interpreting():  # as the sm_90 table would, when the tests ask for it
+    """The forward's SIGN_PTX switch for inputs like q (`_signed_operand`): by q's GPU's compute capability (the
+    cached `cuda_device_info`), not by its tile table, since the sm_80 table's sm_86 and sm_89 GPUs have
+    `min.xorsign.abs` too. Called once per launch plan."""
+    if _interpreting():  # as an sm_90 GPU would, when the tests ask for it
         return INTERPRET_SIGN_PTX and forward_sign_ptx(90, _DTYPE_NAMES[q.dtype])
-    return forward_sign_ptx(_arch(q.device), _DTYPE_NAMES[q.dtype])
+    major, minor = cuda_device_info(q.device.index)[:2]
+    return forward_sign_ptx(10 * major + minor, _DTYPE_NAMES[q.dtype])
 
 
 def _int32_addressable(t: torch.Tensor) -> torch.Tensor:

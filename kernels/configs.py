@@ -1,8 +1,8 @@
 """Autotune candidates of the fused attention kernels, per GPU architecture, dtype and head dim.
 
-This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these configs for sm_80 and sm_90 and
-checks them with ptxas (no register spills, shared memory under the limit), and the autotuner in
-`uvic.kernels.attention` only ever picks from them. Change a list here and the AOT test re-checks it.
+This file is triton-free on purpose: `uvic.kernels.aot` compiles exactly these configs for sm_80 and sm_90 (the
+sm_80 forwards for sm_86/89 too) and checks them with ptxas (no register spills, shared memory under the limit),
+and the autotuner in `uvic.kernels.attention` only ever picks from them. Change a list and the AOT test re-checks.
 
 Choices follow "Tiles and shared memory" in docs/kernel_math.md: Cog's sign handling costs registers, so the
 128-wide tiles use 8 warps, and the (32, 128, 4 warps) dK/dV tile of the Triton tutorial is left out (it spills).
@@ -146,14 +146,27 @@ def gpu_dot_precision(dtype: str) -> str:
     return "ieee" if dtype == "fp32" else "tf32"
 
 
-def forward_sign_ptx(arch: int, dtype: str) -> bool:
-    """Whether the forward kernel applies Cog's sign with the PTX instruction `min.xorsign.abs` (one packed
-    instruction per pair of scores) instead of a clamp (two): for 16-bit inputs on the sm_90 table.
+# GPU targets besides a table's own that `uvic.kernels.aot` compiles the table's 16-bit Cog forward kernels for:
+# the sm_80 table's GPUs that take the PTX sign step (`forward_sign_ptx`), RTX 30xx / A10 / A40 (sm_86) and
+# RTX 40xx / L4 / L40 (sm_89). Compute capabilities as triton's GPUTarget takes them.
+SIGN_PTX_TARGETS = {80: (86, 89)}
 
-    The instruction needs sm_86 or newer (PTX ISA 7.2); every GPU on the sm_90 table (majors 9 and 10) has it. The
-    sm_80 table keeps the clamp: A100 lacks it, and the table is checked by compiling for sm_80. float32 inputs
-    keep the clamp too (their P operand is fp32). "Zero scores and masked entries" in docs/kernel_math.md."""
-    return arch >= 90 and dtype in ("fp16", "bf16")
+
+def forward_sign_ptx(capability: int, dtype: str) -> bool:
+    """Whether the forward kernel applies Cog's sign with the PTX instruction `min.xorsign.abs` (one packed
+    instruction per pair of scores) instead of a clamp (two): for 16-bit inputs on GPUs that have it and whose
+    tiles are checked with it.
+
+    `capability` is the GPU's compute capability as 10 * major + minor (86 for sm_86), not its tile table. The
+    instruction needs sm_86 or newer (PTX ISA 7.2): A100 (sm_80) keeps the clamp. The PTX form runs on the sm_90
+    table's GPUs (majors 9 and 10) and on the sm_80 table's sm_86, sm_87 and sm_89, where it compiles to one
+    HMNMX2.XORSIGN per pair and spills nowhere the clamp does not (ptxas for sm_86 and sm_89, triton 3.8.0;
+    `SIGN_PTX_TARGETS`). Majors 11 and 12 (sm_120: RTX 50xx) keep the clamp: the sm_80 table spills there in
+    either form (46 of its 148 16-bit Cog forward kernels with the clamp, 42 with the PTX form, up to 108 bytes),
+    and the PTX form spills in one where the clamp does not. float32 inputs keep the clamp (their P operand is
+    fp32). "Zero scores and masked entries" in docs/kernel_math.md."""
+    checked = 86 <= capability < 90 or capability // 10 in (9, 10)
+    return checked and dtype in ("fp16", "bf16")
 
 
 # Sliding-window / softcap kernels (WINDOW or SOFTCAP, "banded" below) keep a few more values per score (the band
@@ -279,8 +292,12 @@ def config_arch(major: int, minor: int, smem_optin: int, is_hip: bool) -> tuple[
     capability 8.0 or newer (A100, RTX 30xx/40xx, RTX 50xx = sm_120) get the sm_80 tiles if they grant a block the
     SMEM_NEEDED[80] those tiles need. ROCm builds of torch report AMD GPUs as CUDA devices, but the kernels use
     NVIDIA-only settings (tf32 dot precision, tiles tuned with ptxas), so they are refused.
-    Only sm_80 and sm_90 are spill-checked by `uvic.kernels.aot`. Compiled for sm_86/sm_87/sm_89 (triton 3.9), four
-    sm_80 tiles spill 4-8 bytes, and for sm_120 twelve spill 4-64 bytes: correct, but not tuned for those GPUs.
+    The tables are spill-checked by `uvic.kernels.aot` for sm_80 and sm_90, and the sm_80 table's 16-bit Cog
+    forwards also for sm_86 and sm_89 (`SIGN_PTX_TARGETS`), where four of them (hd 104 and 112, at 255 registers on
+    sm_80) spill 16 bytes, with the PTX sign step and with the clamp alike (triton 3.8.0). Compiled for sm_120, 46
+    of those 148 forwards spill 24-108 bytes with the clamp that sm_120 runs (`forward_sign_ptx`). The backward
+    kernels were not compiled for those GPUs (with triton 3.9, a run over the whole table found four tiles spilling
+    4-8 bytes on sm_86/87/89 and twelve 4-64 bytes on sm_120). Correct there, but not tuned for those GPUs.
 
     Args:
         major, minor: compute capability (`torch.cuda.get_device_capability`).

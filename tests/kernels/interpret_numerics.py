@@ -132,7 +132,7 @@ def test_matches_reference(B, nh, Lq, Lk, hd, dtype, causal, mask, cog, layout):
 
 
 def _use_sign_ptx(monkeypatch) -> ptx_emulator.Emulator:
-    """Run the forward as the sm_90 table does for 16-bit inputs: Cog's sign through the inline PTX
+    """Run the forward as GPUs of compute capability 8.6+ do for 16-bit inputs: Cog's sign through the inline PTX
     `min.xorsign.abs` (`_signed_operand`), which the interpreter runs through tests/kernels/ptx_emulator.py."""
     monkeypatch.setattr(kattn, "INTERPRET_SIGN_PTX", True)
     return ptx_emulator.install(monkeypatch)
@@ -143,7 +143,7 @@ SIGN_PTX_CASES = [c for c in CASES if c[5] != torch.float32 and c[8]]  # 16-bit 
 
 @pytest.mark.parametrize("B,nh,Lq,Lk,hd,dtype,causal,mask,cog,layout", SIGN_PTX_CASES)
 def test_matches_reference_with_sign_ptx(monkeypatch, B, nh, Lq, Lk, hd, dtype, causal, mask, cog, layout):
-    """The 16-bit Cog cases of `test_matches_reference` again, with the forward's sign step in the form sm_90 runs."""
+    """The 16-bit Cog cases of `test_matches_reference` again, with the forward's sign step in the form sm_86+ runs."""
     emu = _use_sign_ptx(monkeypatch)
     q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype)
     _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, layout=layout)
@@ -305,7 +305,7 @@ def test_masked_keys_are_never_read(monkeypatch, cog, dtype, sign_ptx):
     assert emu is None or emu.calls > 0
 
 
-# (dtype, sign_ptx): every dtype with the clamp, the 16-bit ones also with `min.xorsign.abs` (sm_90's form)
+# (dtype, sign_ptx): every dtype with the clamp, the 16-bit ones also with `min.xorsign.abs` (sm_86+'s form)
 SIGN_FORMS = [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
               (torch.float16, True)]  # fmt: skip
 

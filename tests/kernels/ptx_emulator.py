@@ -1,6 +1,6 @@
 """An emulator of the one PTX instruction the kernels reach through inline assembly, for TRITON_INTERPRET=1 runs.
 
-The forward kernel applies Cog's sign on the sm_90 table with `min.xorsign.abs.{bf16x2,f16x2}`
+The forward kernel applies Cog's sign on sm_86 and newer with `min.xorsign.abs.{bf16x2,f16x2}`
 (`_min_xorsign_abs` in kernels/attention.py); the triton interpreter cannot run PTX. `install` replaces the
 interpreter's `create_inline_asm` with a reader of exactly that instruction: it checks the PTX text, the
 constraints, the packing and the operand types a GPU compile gets, and computes the result as the PTX ISA defines

@@ -123,3 +123,45 @@ def test_host_work_per_call_is_bounded():
         assert len(launches) == 4
     assert counts["fused fwd"] <= 45
     assert counts["fused fwd+bwd"] - counts["floor"] <= 80
+
+
+def test_forward_sign_ptx_follows_the_compute_capability():
+    """`min.xorsign.abs` exists from sm_86 (PTX ISA 7.2): the forward takes it for 16-bit inputs on the GPUs of
+    compute capability 8.6 to 8.9, which run the sm_80 tile table, and on the sm_90 table's (9.x, 10.x). A100
+    (sm_80) keeps the clamp, and so do float32 inputs and majors 11 and 12 (RTX 50xx: the sm_80 table spills there
+    in either form, configs.forward_sign_ptx)."""
+    from uvic.kernels.configs import config_arch, forward_sign_ptx
+
+    for capability, ptx in ((80, False), (86, True), (87, True), (89, True), (90, True), (100, True), (103, True),
+                            (110, False), (120, False), (121, False)):  # fmt: skip
+        assert forward_sign_ptx(capability, "bf16") is forward_sign_ptx(capability, "fp16") is ptx, capability
+        assert forward_sign_ptx(capability, "fp32") is False, capability
+    assert config_arch(8, 6, 101376, False) == config_arch(12, 0, 101376, False) == (80, None)  # the sm_80 table
+
+
+# (major, minor), opt-in shared memory per block, the SIGN_PTX the forward gets for bf16 and for fp32 inputs
+SIGN_CASES = {
+    "A100 sm_80": ((8, 0), 166912, False),
+    "RTX 30xx sm_86": ((8, 6), 101376, True),
+    "RTX 40xx sm_89": ((8, 9), 101376, True),
+    "H100 sm_90": ((9, 0), 232448, True),
+    "RTX 50xx sm_120": ((12, 0), 101376, False),
+}
+
+
+@pytest.mark.parametrize("gpu", SIGN_CASES)
+def test_the_forward_launch_takes_its_sign_step_from_the_devices_capability(gpu):
+    """What the launcher passes the forward kernel as SIGN_PTX, read from the recorded launch: decided by the
+    device's compute capability (the launcher's cached device query), not by its tile table (sm_86 and sm_89 run
+    the sm_80 table with the PTX form; A100 and sm_120 the same table with the clamp)."""
+    capability, smem, ptx = SIGN_CASES[gpu]
+    names = kattn.KERNEL_FNS["fwd"].arg_names
+    for dtype, expected in ((torch.bfloat16, ptx), (torch.float16, ptx), (torch.float32, False)):
+        q, k, v = _qkv(dtype=dtype)
+        with stubbed_launches(capability, smem) as launches, torch.no_grad():
+            fused_attention(q, k, v)
+            assert len(launches) == 1
+            kernel, _, args = launches[0]
+            assert kattn._arch(q.device) == (90 if capability[0] in (9, 10) else 80)
+        assert len(args) == len(names)  # every parameter, the constexprs included (triton >= 3.3)
+        assert args[names.index("SIGN_PTX")] is expected, (gpu, dtype)

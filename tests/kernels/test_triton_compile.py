@@ -6,7 +6,7 @@ what `configs.config_arch` assumes its table needs (at most the 164 KB (A100) / 
 spawned worker processes (see uvic.kernels.aot).
 
 This module compiles the representative subset `representative_specs()` (every kernel at every head dim, on every
-arch and dtype, plain and windowed/softcapped); `make aot-full` (`python -m uvic.kernels.aot`) compiles every
+arch and dtype, plain and windowed/softcapped, and four forwards with the PTX sign step for sm_86 / sm_89); `make aot-full` (`python -m uvic.kernels.aot`) compiles every
 candidate, the full matrix, and runs before any change to kernels/ lands.
 """
 
@@ -18,10 +18,13 @@ import pytest
 
 from uvic.kernels import SUPPORTED_HEAD_DIMS
 from uvic.kernels.aot import (
+    OTHER_TARGET_SPILLS,
     SASS_CLASSES,
     SASS_EQUAL_CLASSES,
     SASS_LOOP_RATIO_TARGET,
     SASS_RATIO_TARGET,
+    TARGETS,
+    Result,
     SassLoop,
     SassMix,
     Spec,
@@ -43,11 +46,13 @@ from uvic.kernels.configs import (
     DTYPES,
     HEAD_DIMS,
     KERNELS,
+    SIGN_PTX_TARGETS,
     SMEM_LIMIT,
     SMEM_NEEDED,
     TABLE_HEAD_DIMS,
     KernelConfig,
     candidate_configs,
+    forward_sign_ptx,
     head_dim_chunks,
     padded_width,
     stride_unit,
@@ -58,7 +63,7 @@ from uvic.kernels.configs import (
 logger = logging.getLogger(__name__)
 
 
-# The module's first test compiles the representative subset (128 specs), in a cold triton cache 115 s on a
+# The module's first test compiles the representative subset (132 specs), in a cold triton cache 115 s on a
 # 2-core machine (docs/kernel_math.md); loaded, that can take longer than the suite-wide --timeout, so this module
 # gets its own limit.
 pytestmark = pytest.mark.timeout(1800)
@@ -73,13 +78,15 @@ def results():
 
 def test_matrix_covers_every_candidate():
     """Every (kernel, arch, dtype, head dim) has candidates, plain and banded, and each is compiled in both modes:
-    the plain ones as causal + key padding, the banded ones as sliding window + softcap + key padding."""
+    the plain ones as causal + key padding, the banded ones as sliding window + softcap + key padding. The 16-bit
+    forward candidates of the sm_80 table are compiled also for its GPUs that take the PTX sign step (sm_86, sm_89,
+    sm_120), in Cog mode, the one whose code differs there."""
     variants: dict[tuple, set] = {}
     for s in all_specs():
         banded = s.window and s.softcap
         assert s.window == banded and s.causal == (not banded and s.kernel != "bwd_pre"), s
-        variants.setdefault((s.kernel, s.arch, s.dtype, s.head_dim, s.config, banded), set()).add(s.cog)
-    assert {hd for _, _, _, hd, _, _ in variants} == set(SUPPORTED_HEAD_DIMS)
+        variants.setdefault((s.kernel, s.arch, s.target, s.dtype, s.head_dim, s.config, banded), set()).add(s.cog)
+    assert {k[4] for k in variants} == set(SUPPORTED_HEAD_DIMS)
     for arch in ARCHS:
         for dtype in DTYPES:
             for hd in HEAD_DIMS:
@@ -89,8 +96,19 @@ def test_matrix_covers_every_candidate():
                         assert configs, (kernel, arch, dtype, hd, banded)
                         for c in configs:
                             modes = {False} if kernel == "bwd_pre" else {True, False}
-                            assert variants.get((kernel, arch, dtype, hd, c, banded)) == modes, (kernel, arch, dtype,
-                                                                                                 hd, c, banded)
+                            assert variants.get((kernel, arch, None, dtype, hd, c, banded)) == modes, (kernel, arch,
+                                                                                                       dtype, hd, c)
+    # and the sm_80 table's other GPUs that take the PTX sign step: its 16-bit forward candidates, in Cog mode
+    for arch, targets in SIGN_PTX_TARGETS.items():
+        for target in targets:
+            assert forward_sign_ptx(target, "bf16") and not forward_sign_ptx(arch, "bf16")
+            expected = {("fwd", arch, target, dtype, hd, c, banded) for dtype in ("fp16", "bf16") for hd in HEAD_DIMS
+                        for banded in (False, True) for c in candidate_configs("fwd", arch, dtype, hd, banded)}
+            assert {k for k in variants if k[2] == target} == expected
+            assert all(variants[k] == {True} for k in expected)
+    assert all(s.sign_step_ptx == (s.target is not None or s.arch == 90)
+               for s in all_specs() if s.kernel == "fwd" and s.cog and s.dtype != "fp32")
+    assert {s.target for s in all_specs()} == {None, *TARGETS[len(ARCHS):]}
 
 
 def test_representative_subset_covers_every_kernel_head_dim_arch_and_dtype():
@@ -99,6 +117,12 @@ def test_representative_subset_covers_every_kernel_head_dim_arch_and_dtype():
     the plain (causal + key padding) and the banded (window + softcap + key padding) variant."""
     subset, full = representative_specs(), set(all_specs())
     assert all(s in full for s in subset) and len(set(subset)) == len(subset)
+    others = [s for s in subset if s.target is not None]  # the other GPU targets: a few PTX-sign forwards each
+    subset = [s for s in subset if s.target is None]
+    assert {s.target for s in others} == set(TARGETS[len(ARCHS):])
+    assert all(s.kernel == "fwd" and s.cog and s.sign_step_ptx for s in others)
+    assert {(s.dtype, s.window and s.softcap) for s in others} == {(d, b) for d in ("fp16", "bf16") for b in (0, 1)}
+    assert len(others) == 2 * len(TARGETS[len(ARCHS):])
     assert {(s.kernel, s.head_dim) for s in subset} == {(k, hd) for k in KERNELS for hd in SUPPORTED_HEAD_DIMS}
     assert {(s.kernel, s.arch, s.dtype) for s in subset} == {(k, a, d) for k in KERNELS for a in ARCHS for d in DTYPES}
     attention = [k for k in KERNELS if k != "bwd_pre"]
@@ -106,6 +130,22 @@ def test_representative_subset_covers_every_kernel_head_dim_arch_and_dtype():
         (k, cog, banded) for k in attention for cog in (True, False) for banded in (True, False)
     }
     assert len(subset) == len(KERNELS) * len(SUPPORTED_HEAD_DIMS) < len(full) / 10
+
+
+def test_known_spills_are_other_targets_only():
+    """`OTHER_TARGET_SPILLS` lists specs of the full matrix compiled for another GPU than their table's (never an
+    sm_80 or sm_90 compile, which must be spill-free), and a result counts as known only there, up to the listed
+    bytes: the same spill on sm_80, or more bytes, fails the check."""
+    others = {(s.gpu, s.dtype, s.head_dim, s.window and s.softcap, s.config): s for s in all_specs()
+              if s.target is not None}  # fmt: skip
+    assert OTHER_TARGET_SPILLS and set(OTHER_TARGET_SPILLS) <= set(others)
+    key, limit = next(iter(OTHER_TARGET_SPILLS.items()))
+    spec = others[key]
+    result = lambda spec, spill: Result(spec, 255, spill, spill, 0, 0.0)
+    assert result(spec, limit).known_spill and not result(spec, limit + 4).known_spill
+    assert not result(replace(spec, target=None), limit).known_spill  # the table's own arch: no allowance
+    assert not result(spec, 0).known_spill
+    assert all(r.spills for r in (result(spec, limit), result(spec, limit + 4)))
 
 
 def test_head_dim_chunks():
@@ -238,6 +278,21 @@ def test_sass_loops_and_main_loop_on_hand_written_sass():
     assert sum(parse_sass(_HAND_SASS).values()) == 23  # the whole-kernel count sees every line, labels resolved
 
 
+def test_sass_loops_with_a_predicate_operand():
+    """ptxas for sm_120 writes a loop's branch with its uniform predicate as an operand (`BRA.U !UP0, 0x10`) rather
+    than as a guard (`@!UP0 BRA`); both close the loop."""
+    text = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R24, R4, R8, R24 ;
+        /*0020*/                   FMNMX R8, |R24|, |R25|, !PT ;
+        /*0030*/                   BRA.U !UP0, 0x10 ;
+        /*0040*/                   EXIT ;
+"""
+    assert [(lp.start, lp.end, lp.counts()["mma"]) for lp in sass_loops(text)] == [(0x10, 0x30, 1)]
+    assert [(lp.start, lp.end) for lp in sass_loops(text.replace("BRA.U !UP0, 0x10", "@!UP0 BRA.U 0x10"))] == [
+        (0x10, 0x30)]
+
+
 def test_sass_pairs_compare_the_same_loop():
     """A Cog kernel's main loop is the one at the place of its softmax mode's: in the sm_80 hd-96 dQ kernel (no
     mask) Cog's masked body (279 instructions; its masks come from zero rows) is shorter than its unmasked one (282),
@@ -260,8 +315,9 @@ def sass_mix_pairs():
     """sm_90 bf16 head dim 64, no mask, the first candidate config of each kernel, Cog and softmax mode; under
     "fwd_clamp" the forward with its sign step as the clamp (the form of the sm_80 table) instead of the PTX; and,
     to check the loop finder where the tiles differ, the sm_90 bf16 forward at head dim 72 (two chunks, 64 + 16:
-    "fwd_hd72"), the dK/dV kernel at head dim 128 (a 64-key tile on two warpgroups: "bwd_dkdv_hd128") and the sm_80
-    bf16 forward at head dim 64 (HMMA, the clamp: "fwd_sm80")."""
+    "fwd_hd72"), the dK/dV kernel at head dim 128 (a 64-key tile on two warpgroups: "bwd_dkdv_hd128"), the sm_80
+    bf16 forward at head dim 64 (HMMA, the clamp: "fwd_sm80") and the same tile compiled for sm_86 (an RTX 30xx on
+    the sm_80 table, with the PTX sign step: "fwd_sm86")."""
     specs = sass_specs(dtypes=("bf16",), head_dims=(64,))
     clamp = sass_specs(dtypes=("bf16",), head_dims=(64,), kernels=("fwd",), sign_ptx=False)[0]
     assert clamp.cog and clamp.sign_ptx is False
@@ -269,6 +325,7 @@ def sass_mix_pairs():
         "fwd_hd72": sass_specs(dtypes=("bf16",), head_dims=(72,), kernels=("fwd",)),
         "bwd_dkdv_hd128": sass_specs(dtypes=("bf16",), head_dims=(128,), kernels=("bwd_dkdv",)),
         "fwd_sm80": sass_specs(archs=(80,), dtypes=("bf16",), head_dims=(64,), kernels=("fwd",)),
+        "fwd_sm86": sass_specs(archs=(86,), dtypes=("bf16",), head_dims=(64,), kernels=("fwd",)),
     }
     extra_specs = [s for pair in extra.values() for s in pair]
     mixes = sass_mix_all(specs + [clamp] + extra_specs, workers=2)
@@ -367,7 +424,8 @@ def _mma_macs(variant: str) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fwd", "bwd_dkdv", "bwd_dq", "fwd_clamp", "fwd_hd72", "bwd_dkdv_hd128", "fwd_sm80"])
+@pytest.mark.parametrize("name", ["fwd", "bwd_dkdv", "bwd_dq", "fwd_clamp", "fwd_hd72", "bwd_dkdv_hd128", "fwd_sm80",
+                                  "fwd_sm86"])
 def test_sass_main_loop_is_one_tile_of_the_key_loop(sass_mix_pairs, name):
     """The loop finder finds the loop over key (dK/dV: query) tiles: its MMA instructions do the multiply-adds of
     one (BLOCK_M x BLOCK_N) tile's dots at the head dim, computed from the config; every MMA of the kernel lies in
@@ -443,3 +501,34 @@ def test_sass_mix_banded_kernels_meet_targets():
     assert {cog.spec.kernel for cog, _ in pairs} == set(SASS_RATIO_TARGET)
     assert all(cog.counts()["mufu"] > 0 and cog.counts()["mma"] > 0 for cog, _ in pairs)
     assert sass_target_failures(pairs) == []
+
+
+@pytest.mark.slow
+def test_sass_main_loop_forward_sign_on_the_sm80_table(sass_mix_pairs):
+    """The sm_80 table's forward (bf16, head dim 64, 128 x 64 on 8 warps: 32 scores per thread) as its GPUs run it.
+    Compiled for sm_86 (RTX 30xx; sm_89 compiles to the same counts, `configs.forward_sign_ptx`) the sign step is
+    one HMNMX2.XORSIGN per pair of scores, and the loop pays at most one instruction per score over softmax mode,
+    not counting NOPs: ptxas fills the waits between dependent HMMAs with NOPs on sm_86 (softmax mode's loop has
+    6, the PTX form's 15, as fewer instructions are left to fill them; the clamp's loop on sm_86 has none).
+    Compiled for sm_80 (A100, which lacks `min.xorsign`) it keeps the clamp, two HMNMX2 per pair and no XORSIGN,
+    and pays more, at most 1.5 per score (sm_80's loops have no NOPs). MUFU and MMA equal in both."""
+    ptx, ptx_soft = sass_mix_pairs["fwd_sm86"]
+    clamp, clamp_soft = sass_mix_pairs["fwd_sm80"]
+    assert ptx.spec.target == 86 and ptx.spec.arch == clamp.spec.arch == 80 and ptx.spec.config == clamp.spec.config
+    cfg = ptx.spec.config
+    scores = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+
+    def issued(mix) -> int:  # one iteration of the main loop, NOPs left out
+        return mix.loop_counts()["total"] - mix.loop.opcodes.get("NOP", 0)
+
+    extra = issued(ptx) - issued(ptx_soft)
+    assert 0 < extra <= scores, (extra, scores)
+    assert ptx.loop.variants["HMNMX2.BF16_V2.XORSIGN"] == ptx.loop.opcodes["HMNMX2"] == scores // 2
+    assert ptx.variants["HMNMX2.BF16_V2.XORSIGN"] == ptx.opcodes["HMNMX2"] == _score_sites(ptx.spec) // 2
+    assert ptx.counts()["total"] <= SASS_RATIO_TARGET["fwd"] * ptx_soft.counts()["total"]
+    assert "NOP" not in clamp.loop.opcodes and "NOP" not in clamp_soft.loop.opcodes
+    clamp_extra = issued(clamp) - issued(clamp_soft)
+    assert extra < clamp_extra <= 1.5 * scores, (extra, clamp_extra)
+    assert clamp.loop.opcodes["HMNMX2"] == scores and not any("XORSIGN" in v for v in clamp.variants)
+    for cog, soft in (sass_mix_pairs["fwd_sm86"], sass_mix_pairs["fwd_sm80"]):
+        assert all(cog.loop_counts()[c] == soft.loop_counts()[c] > 0 for c in SASS_EQUAL_CLASSES)

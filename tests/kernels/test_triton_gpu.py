@@ -129,8 +129,8 @@ def test_zero_scores_on_gpu(scale):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_sign_forms_agree_on_gpu(monkeypatch, dtype):
-    """The forward's two forms of the sign step, `min.xorsign.abs` (16-bit inputs on the sm_90 table) and the clamp
-    (the sm_80 table), give bitwise the same output on this GPU, on random scores, exact zeros (a zero query and a
+    """The forward's two forms of the sign step, `min.xorsign.abs` (16-bit inputs on compute capability 8.6+) and the
+    clamp (A100), give bitwise the same output on this GPU, on random scores, exact zeros (a zero query and a
     zero key) and scores far below the 16-bit range (q.k ~ 2**-140 for bf16, 2**-48 for fp16)."""
     import uvic.kernels.attention as kattn
     from uvic.kernels.ops import fused_attention
