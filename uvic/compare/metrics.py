@@ -86,8 +86,8 @@ def curve_mean(records: list[dict[str, Any]], key: str) -> float | None:
     points = sorted((int(r["step"]), finite(r[key])) for r in records if key in r)
     if not points or any(v is None for _, v in points):
         return None
-    if len(points) == 1 or points[-1][0] == points[0][0]:
-        return points[-1][1]
+    if len(points) == 1:  # RunLogs holds one record per step, so two points span at least one step
+        return points[0][1]
     area = sum((s1 - s0) * (v0 + v1) / 2 for (s0, v0), (s1, v1) in zip(points, points[1:]))
     return area / (points[-1][0] - points[0][0])
 
