@@ -33,7 +33,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND (at most LIMIT_S seconds u
     [ "$rc" -eq 0 ] || status=1
 }
 
-# 1. What ran: GPU, torch, triton (the README quotes them with every number).
+# 1. What ran: GPU, torch, triton (docs/benchmarks.md quotes them with every number).
 step env 30 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability())"
 

@@ -108,7 +108,7 @@ def test_a_bin_read_as_text_says_which_format_reads_it(tmp_path):
 
 
 def test_the_tiny_lm_config_trains_on_a_prepared_bin(tmp_path):
-    """The README's LM journey: `python -m uvic.lm.prepare` writes a .bin, and configs/lm_tiny.yaml reads it as
+    """The LM journey of docs/language_models.md: `python -m uvic.lm.prepare` writes a .bin, and configs/lm_tiny.yaml reads it as
     token ids (the format follows the suffix) without a data.format override."""
     from uvic.config import load_config
     from uvic.lm.prepare import main

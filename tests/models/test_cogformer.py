@@ -64,7 +64,7 @@ def test_cache_is_taken_under_both_names():
 
 
 def test_generate_logs_no_deprecation_warning():
-    """The README's generate snippet: transformers >= 5.24 names the KV cache `cache` in its outputs, and logs a
+    """The generate snippet of docs/language_models.md: transformers >= 5.24 names the KV cache `cache` in its outputs, and logs a
     deprecation warning when an output is built or read under the old name `past_key_values`."""
     import logging
 

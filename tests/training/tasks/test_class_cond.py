@@ -100,7 +100,7 @@ def test_model_num_classes_follows_the_data_unless_set():
 
 
 def test_the_small_class_conditional_config_trains_on_a_few_classes(tmp_path, run_script):
-    """configs/class_cond_small.yaml on a 3-class folder (as the README shows it), shrunk to a tiny model: no
+    """configs/class_cond_small.yaml on a 3-class folder (as docs/training.md shows it), shrunk to a tiny model: no
     model.num_classes to keep in step by hand; the export has the 3 classes and the null class of guidance."""
     root = make_imagenet(tmp_path / "classes")
     run = tmp_path / "run"

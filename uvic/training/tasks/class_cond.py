@@ -1,7 +1,7 @@
 """Class-conditional ImageNet training as U-ViT does it (task "class_cond").
 
 Two recipes (U-ViT `train.py` with `configs/imagenet64_uvit_*.py`; `train_ldm_discrete.py` with
-`configs/imagenet{256,512}_uvit_*.py`; docs in README "ImageNet"):
+`configs/imagenet{256,512}_uvit_*.py`; docs in docs/training.md, "ImageNet class-conditional (U-ViT / U-ViC)"):
 - ImageNet 64, pixels: `data.source="pixels"`, the continuous VP-SDE, 1000 classes and no null class, a random
   horizontal flip drawn from the run's generator, no guidance.
 - ImageNet 256 / 512, latents: `data.source="features"`, the discrete SD schedule (network time t + 1), 1001 classes
