@@ -83,6 +83,14 @@ def test_an_arm_with_the_baselines_config_is_a_warning(tmp_path, run_script):
     ([*ARMS, "--arm", "model.attention=cog"], "arm name 'model.attention=cog' must be letters"),
     ([*ARMS, "--arm", "a/b"], "arm name 'a/b' must be letters"),
     ([*ARMS, "--arm", "figures"], "arm name 'figures' must be"),
+    # The comparison's own files: `--arm attempts.json` made every rerun fail, `--arm plan.json` too.
+    ([*ARMS, "--arm", "attempts.json"], "arm name 'attempts.json' must be"),
+    ([*ARMS, "--arm", "plan.json"], "arm name 'plan.json' must be"),
+    ([*ARMS, "--arm", "Report.HTML"], "arm name 'Report.HTML' must be"),  # one file on case-insensitive systems
+    ([*ARMS, "--arm", "a" * 300], "at most 100 characters"),  # passed plan and failed run with an OSError
+    ([*ARMS, "--arm", ".."], "arm name '..' must be"),
+    ([*ARMS, "--arm", "é"], "arm name 'é' must be"),
+    ([*ARMS, "--arm", "UVIC"], "duplicate arm name (letter case aside"),
     ([*ARMS, "--arm", "x", "train.seed=3"], "arm 'x': train.seed is set by the comparison for each run"),
     (["train.run_dir=/tmp/x", *ARMS], "the shared overrides: train.run_dir is set by the comparison"),
 ])  # fmt: skip
@@ -208,3 +216,64 @@ def test_the_arms_of_one_seed_start_from_the_same_weights_and_draw_the_same_data
     train(load_config(config, [*shared, "model.attention=softmax", "train.seed=6", f"train.run_dir={tmp_path / 'o'}"]))
     assert not torch.equal(seen[-1][0]["eps"], uvit[0]["eps"])
     assert not all(torch.equal(seen[-1][0]["weights"][k], first[0][k]) for k in first[0])
+
+
+@pytest.mark.parametrize("out_name", ["x #y", " lead", "123", "a: b"])
+def test_out_reaches_train_py_literally(tmp_path, run_script, monkeypatch, out_name):
+    """--out is a path: each run's train.run_dir, read back as train.py reads its overrides (`load_config`), is
+    the planned run dir itself; YAML used to cut `x #y` at the comment and drop the leading space of ` lead`."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / out_name
+    code, stdout, err = run_script("compare.py", "plan", CONFIG, *ARMS, "--seeds", "0", "--out", out)
+    assert code == 0, err
+    assert (out / "plan.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [out_name]
+    for line, arm in zip(stdout.splitlines(), ["uvit", "uvic"]):
+        _, _, config, *overrides, resume = shlex.split(line)
+        assert resume == "--resume"
+        assert load_config(config, overrides).train.run_dir == str(tmp_path / out_name / arm / "seed_0")
+    # A relative --out with a leading space stays relative, beside plan.json.
+    plan = make_plan(CONFIG, [], [Arm("a"), Arm("b", ("model.attention=softmax",))], [0], Path(" rel"))
+    assert load_config(CONFIG, plan.run("a", 0).overrides).train.run_dir == " rel/a/seed_0"
+
+
+def test_arm_names_are_portable_file_names():
+    from uvic.compare.plan import check_arm_name
+
+    for bad in ["-x", ".x", "", "a/b", "a\\b", "a" * 101, "FIGURES", "report.md", 3, None]:
+        with pytest.raises(ConfigError, match="must be letters"):
+            check_arm_name(bad)
+    for good in ["a", "a..b", "uvit_s2-1.0", "a" * 100, "plan"]:
+        check_arm_name(good)
+
+
+def test_an_out_that_cannot_be_passed_literally_is_refused(tmp_path, run_script):
+    line = _refused(run_script, "plan", CONFIG, *ARMS, "--seeds", "0", "--out", tmp_path / "a\x85b")  # NEL: YAML reads it as a line break
+    assert "cannot be passed to train.py literally" in line
+    assert sorted(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["arms"][1].update(name=7), "arm name 7 must be"),
+    (lambda d: d["arms"][1].update(name="../../x"), "arm name '../../x' must be"),
+    (lambda d: d["arms"][1].update(name="attempts.json"), "arm name 'attempts.json' must be"),
+    (lambda d: d["arms"][1]["config"].pop("train"), "arm 'uvic''s config has no 'train' section"),
+    (lambda d: d["arms"][0]["config"]["train"].update(max_steps="9"), "arm 'uvit''s config has train.max_steps '9'"),
+])  # fmt: skip
+def test_a_damaged_plan_json_is_refused_by_report_in_one_line(tmp_path, run_script, edit, message):
+    out = tmp_path / "cmp"
+    assert run_script("compare.py", "plan", CONFIG, *ARMS, "--seeds", "0", "--out", out)[0] == 0
+    data = json.loads((out / "plan.json").read_text())
+    edit(data)
+    (out / "plan.json").write_text(json.dumps(data))
+    line = _refused(run_script, "report", out)
+    assert str(out / "plan.json") in line and message in line
+    assert not (out / "report.json").exists()
+
+
+def test_an_unwritable_out_is_one_line(tmp_path, run_script):
+    (tmp_path / "file").write_text("")
+    for out in ["/proc/uvic-test/cmp", tmp_path / "file" / "cmp"]:
+        code, stdout, err = run_script("compare.py", "plan", CONFIG, *ARMS, "--seeds", "0", "--out", out)
+        assert code != 0 and "Traceback" not in err and stdout == ""
+        assert [line for line in err.splitlines() if "error:" in line] == [
+            line for line in err.splitlines() if line.startswith("error: cannot write")], err

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from uvic.config import load_config
-from uvic.errors import ConfigError
+from uvic.errors import ConfigError, storage_errors
 from uvic.io import atomic_write
 
 
@@ -43,9 +45,10 @@ RESERVED_KEYS = ("train.seed", "train.run_dir", "train.resume")
 # Keys that change how fast a run goes or where it is watched, never what it computes: plans that differ only in
 # them are the same comparison (and a run dir whose config differs only in them belongs to it).
 NEUTRAL_KEYS = ("train.cpu_threads", "train.log_with", "data.num_workers")
-# Arm names become directory names; `figures` is the report's own folder.
+# Arm names become directory names inside the comparison directory, beside its own files and folders.
 _ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_RESERVED_NAMES = ("figures",)
+MAX_ARM_NAME = 100  # portable: well under any file system's 255 bytes, with room for the seed folders
+_RESERVED_NAMES = ("plan.json", "attempts.json", "report.json", "report.md", "report.html", "figures")
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class Plan:
     def run(self, arm: str, seed: int) -> Run:
         run_dir = self.out / arm / f"seed_{seed}"
         overrides = next(a.overrides for a in self.arms if a.name == arm)
-        return Run(arm, seed, run_dir, (*self.overrides, *overrides, f"train.seed={seed}", f"train.run_dir={run_dir}"))
+        return Run(arm, seed, run_dir, (*self.overrides, *overrides, f"train.seed={seed}",
+                                        path_override("train.run_dir", run_dir)))
 
     def command(self, run: Run, launcher: Sequence[str] | None = None, train_script: str = "train.py",
                 extra: Sequence[str] = ()) -> list[str]:
@@ -145,11 +149,9 @@ def make_plan(config: str, overrides: Sequence[str], arms: Sequence[Arm], seeds:
         raise ConfigError(f"a comparison needs at least two arms (--arm NAME [KEY=VALUE ...]), got {len(arms)}")
     names = [a.name for a in arms]
     for name in names:
-        if not _ARM_NAME.match(name) or name in _RESERVED_NAMES:
-            hint = " (it looks like an override: write --arm NAME KEY=VALUE ...)" if "=" in name else ""
-            raise ConfigError(f"arm name {name!r} must be letters, digits, '.', '_' or '-' (not starting with '.' "
-                              f"or '-'), and not {' or '.join(_RESERVED_NAMES)}: it names a directory{hint}")
+        check_arm_name(name)
     _no_duplicates(names, "arm name")
+    _no_duplicates([n.lower() for n in names], "arm name (letter case aside: one folder on some file systems)")
     if not seeds:
         raise ConfigError("a comparison needs at least one seed (--seeds S [S ...])")
     _no_duplicates(list(seeds), "seed")
@@ -181,6 +183,41 @@ def make_plan(config: str, overrides: Sequence[str], arms: Sequence[Arm], seeds:
     return plan
 
 
+def check_arm_name(name: Any, where: str = "") -> None:
+    """Refuse an arm name that is not a portable file name or that is one of the comparison's own files or folders
+    (`_RESERVED_NAMES`, letter case aside): it names the arm's folder inside the comparison directory.
+
+    Raises:
+        ConfigError: naming the arm (and `where` it was read, e.g. plan.json).
+    """
+    ok = (isinstance(name, str) and bool(_ARM_NAME.match(name)) and len(name) <= MAX_ARM_NAME
+          and name.lower() not in _RESERVED_NAMES)
+    if not ok:
+        hint = " (it looks like an override: write --arm NAME KEY=VALUE ...)" if "=" in str(name) else ""
+        raise ConfigError(f"{where}arm name {name!r} must be letters, digits, '.', '_' or '-' (not starting with '.' "
+                          f"or '-'), at most {MAX_ARM_NAME} characters, and not one of the comparison's own files "
+                          f"or folders ({', '.join(_RESERVED_NAMES)}): it names a directory{hint}")
+
+
+def path_override(key: str, path: str | Path) -> str:
+    """The override `key=<path>` that gives `path` to train.py literally: an override's value is YAML, so a path
+    that YAML would read otherwise (`/tmp/x #y` is `/tmp/x`, ` /tmp/x` is `/tmp/x`, `123` is a number) is written
+    as a double-quoted YAML string.
+
+    Raises:
+        ConfigError: a path that no YAML string gives back exactly (e.g. one with a NUL or a non-printable
+            character).
+    """
+    text = str(path)
+    for value in (text, json.dumps(text, ensure_ascii=False)):
+        try:
+            if "\0" not in text and yaml.safe_load(value) == text:
+                return f"{key}={value}"
+        except yaml.YAMLError:
+            continue
+    raise ConfigError(f"the path {text!r} ({key}) cannot be passed to train.py literally: choose another --out")
+
+
 def load_plan(out: str | Path) -> Plan:
     """The plan recorded in `out/plan.json`.
 
@@ -195,9 +232,37 @@ def load_plan(out: str | Path) -> Plan:
         data = json.loads(path.read_text())
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"version {data.get('version')!r}, expected {PLAN_VERSION}")
-        return Plan.from_json(data, Path(out))
+        plan = Plan.from_json(data, Path(out))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{path} is not a comparison plan ({type(e).__name__}: {e})") from None
+    _check_loaded_plan(plan, path)
+    return plan
+
+
+def _check_loaded_plan(plan: Plan, path: Path) -> None:
+    """What a plan read back must hold before any run dir is looked at: arm names as `make_plan` accepts them,
+    and each arm's config with a `train` section whose `max_steps` is a positive integer.
+
+    Raises:
+        ConfigError: naming `path`, the arm and what is wrong.
+    """
+    for name in plan.arm_names:
+        check_arm_name(name, f"{path}: ")
+    try:
+        _no_duplicates(plan.arm_names, "arm name")
+        _no_duplicates([n.lower() for n in plan.arm_names], "arm name (letter case aside)")
+        _no_duplicates(list(plan.seeds), "seed")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if len(plan.arms) < 2 or not plan.seeds:
+        raise ConfigError(f"{path} is not a comparison plan: it needs at least two arms and a seed")
+    for name in plan.arm_names:
+        config = plan.configs.get(name)
+        train = config.get("train") if isinstance(config, dict) else None
+        steps = train.get("max_steps") if isinstance(train, dict) else None
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            what = "no 'train' section" if not isinstance(train, dict) else f"train.max_steps {steps!r}"
+            raise ConfigError(f"{path} is not a comparison plan: arm {name!r}'s config has {what}")
 
 
 def check_out_dir(plan: Plan) -> None:
@@ -236,11 +301,16 @@ def plan_difference(old: Plan, new: Plan) -> str | None:
 
 
 def write_plan(plan: Plan) -> Path:
-    """Write `plan.out/plan.json` (atomically); returns its path."""
-    plan.out.mkdir(parents=True, exist_ok=True)
+    """Write `plan.out/plan.json` (atomically); returns its path.
+
+    Raises:
+        StorageError: it cannot be written (no permission, a file in the way).
+    """
     path = plan.out / PLAN_FILE
-    with atomic_write(path, "w") as f:
-        json.dump(plan.to_json(), f, indent=1)
+    with storage_errors(f"cannot write {path}"):
+        plan.out.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path, "w") as f:
+            json.dump(plan.to_json(), f, indent=1)
     return path
 
 
