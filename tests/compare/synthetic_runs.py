@@ -42,6 +42,7 @@ def write_run(plan, arm, seed, *, losses=None, val=None, fids=None, finished=Tru
     last = max([*(losses or {}), 0])
     ckpt = d / "checkpoints" / f"step_{(max_steps if finished else last // 2):09d}"
     ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))  # as train.py saves it with the weights
     (ckpt / "meta.json").write_text("{}")
     if finished:
         (d / "pipeline").mkdir(exist_ok=True)

@@ -26,13 +26,19 @@ from uvic.compare.rundirs import read_attempts
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A stand-in for train.py: `train.run_dir=...` from its argv; writes the last checkpoint and pipeline/ of
-# train.max_steps=N, records its argv and start / end times, and fails (exit 1, an `error:` line) for arm "bad".
+# A stand-in for train.py: `train.run_dir=...` from its argv; writes the run's config (the plan's, from plan.json
+# two levels up), the last checkpoint and pipeline/ of train.max_steps=N, records its argv and start / end times,
+# and fails (exit 1, an `error:` line) for arm "bad".
 FAKE_TRAIN = """
 import json, os, sys, time
+import yaml
 args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
 run = args["train.run_dir"]
 os.makedirs(run, exist_ok=True)
+plan = json.load(open(os.path.join(run, "..", "..", "plan.json")))
+config = next(a["config"] for a in plan["arms"] if a["name"] == os.path.basename(os.path.dirname(run)))
+config["train"]["seed"] = int(args["train.seed"])
+open(f"{run}/config.yaml", "w").write(yaml.safe_dump(config))
 start = time.time()
 time.sleep(float(os.environ.get("FAKE_TRAIN_SECONDS", "0.3")))
 if "/bad/" in run:
@@ -40,6 +46,7 @@ if "/bad/" in run:
     sys.exit(1)
 step = int(args.get("train.max_steps", 3200))
 os.makedirs(f"{run}/checkpoints/step_{step:09d}", exist_ok=True)
+open(f"{run}/checkpoints/step_{step:09d}/config.yaml", "w").write(yaml.safe_dump(config))
 open(f"{run}/checkpoints/step_{step:09d}/meta.json", "w").write("{}")
 os.makedirs(f"{run}/pipeline", exist_ok=True)
 json.dump({"argv": sys.argv, "start": start, "end": time.time()}, open(f"{run}/fake.json", "w"))

@@ -89,3 +89,66 @@ def test_attempts_are_rewritten_whole(tmp_path, make_comparison):
     record_attempt(plan.out, plan.run("uvic", 0), 0, "", "uvic/seed_0.log")
     assert json.loads((plan.out / "attempts.json").read_text()) == {
         "uvic/seed_0": {"exit_code": 0, "error": "", "log": "uvic/seed_0.log"}}
+
+
+def test_a_run_dir_counts_only_if_provably_the_arms_run(make_comparison):
+    """The other arm's seed copied in with its config.yaml removed, a config.yaml edited back to the arm's while the
+    checkpoints say otherwise, a record that is a symlink to the other arm's: none is this arm's run."""
+    import shutil
+
+    from uvic.compare.report import write_report
+
+    plan = make_comparison(seeds=(0, 1, 2, 3))
+    for seed in range(4):
+        write_run(plan, "uvit", seed, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.5 + seed})
+    mine = write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.4})
+    # Seed 1: uvit's run copied in, its config.yaml removed.
+    copied = plan.run("uvic", 1).run_dir
+    shutil.copytree(plan.run("uvit", 1).run_dir, copied)
+    (copied / "config.yaml").unlink()
+    # Seed 2: uvit's run copied in and its config.yaml replaced by uvic's; its checkpoint still says softmax.
+    relabelled = plan.run("uvic", 2).run_dir
+    shutil.copytree(plan.run("uvit", 2).run_dir, relabelled)
+    cfg = yaml.safe_load((mine / "config.yaml").read_text())
+    cfg["train"]["seed"] = 2
+    (relabelled / "config.yaml").write_text(yaml.safe_dump(cfg))
+    # Seed 3: uvic's own run, but its metrics.jsonl a symlink to uvit's.
+    linked = write_run(plan, "uvic", 3, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.1})
+    (linked / "metrics.jsonl").unlink()
+    (linked / "metrics.jsonl").symlink_to(plan.run("uvit", 3).run_dir / "metrics.jsonl")
+    states = {seed: run_state(plan, plan.run("uvic", seed), {}) for seed in range(4)}
+    assert states[0].state == "finished"
+    assert (states[1].state, states[1].detail) == (
+        "mismatch", "it holds checkpoints or an export but no config.yaml, so nothing shows it is this arm's run")
+    assert states[2].state == "mismatch" and states[2].detail.startswith(f"its checkpoint step_{MAX_STEPS:09d}: "
+                                                                         "config.yaml differs from the plan: ")
+    assert "model.attention is 'cog' there, 'softmax' here" in states[2].detail
+    assert states[3].state == "mismatch" and states[3].detail.startswith("its metrics.jsonl is a symlink (to ")
+    data = write_report(plan.out)
+    assert data["metrics"]["val_loss"]["values"]["uvic"] == {"0": 0.4}
+    assert data["metrics"]["val_loss"]["vs_baseline"]["uvic"]["n"] == 1
+    assert [data["runs"]["uvic"][str(s)]["state"] for s in range(4)] == ["finished"] + ["mismatch"] * 3
+    md = (plan.out / "report.md").read_text()
+    assert "- uvic seed 3: mismatch (its metrics.jsonl is a symlink (to " in md and "5 of 8 runs finished" in md
+
+
+def test_a_record_that_resolves_outside_the_run_dir_is_a_mismatch(make_comparison, tmp_path):
+    plan = make_comparison(seeds=(0,))
+    d = write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0})
+    elsewhere = tmp_path / "elsewhere"
+    (d / "pipeline").rename(elsewhere)
+    (d / "pipeline").symlink_to(elsewhere)
+    state = run_state(plan, plan.run("uvic", 0), {})
+    assert state.state == "mismatch" and state.detail == (f"its pipeline is a symlink (to {elsewhere}): a run's "
+                                                          f"records must be its own files")
+    (d / "pipeline").unlink()
+    (d / "pipeline").mkdir()
+    ckpt = d / "checkpoints" / f"step_{MAX_STEPS:09d}"
+    (ckpt / "config.yaml").rename(tmp_path / "c.yaml")
+    (ckpt / "config.yaml").symlink_to(tmp_path / "c.yaml")
+    state = run_state(plan, plan.run("uvic", 0), {})
+    assert state.state == "mismatch" and state.detail.startswith(f"its checkpoints/step_{MAX_STEPS:09d}/config.yaml "
+                                                                 f"is a symlink")
+    (ckpt / "config.yaml").unlink()
+    state = run_state(plan, plan.run("uvic", 0), {})
+    assert state.detail == f"its checkpoint step_{MAX_STEPS:09d} has no config.yaml, so nothing shows it is this arm's run"

@@ -9,7 +9,9 @@ the figures; the others are named in the report with their state:
     unfinished   started, not complete (killed, still running, or trained by hand and not yet done)
     failed       not complete, and its last attempt under `compare.py run` exited with an error (attempts.json)
     missing      never started
-    mismatch     its config.yaml is not the plan's config for it (trained by another command): never counted
+    mismatch     not provably the plan's run: its config.yaml (or a checkpoint's) is not the plan's config for it
+                 (trained by another command), it has checkpoints but no config.yaml, or a record it holds
+                 (`RECORDS`) is a symlink or lies outside it: never counted, never trained over
 
 `compare.py run` records each attempt's exit status in `DIR/attempts.json` and its output in
 `DIR/<arm>/seed_<seed>.log`.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,13 +30,15 @@ import yaml
 
 from uvic.compare.plan import Plan, Run, config_difference
 from uvic.io import atomic_write
-from uvic.training.checkpoint import list_checkpoints
+from uvic.training.checkpoint import checkpoint_dir, list_checkpoints
 from uvic.training.evaluation import read_evaluations
 from uvic.training.logs import line_kind, read_metrics
 from uvic.training.tasks import sample_path
 
 
 ATTEMPTS_FILE = "attempts.json"
+# What the report and the comparison read in a run dir: each must be the run's own, never a symlink.
+RECORDS = ("config.yaml", "metrics.jsonl", "eval.jsonl", "fid_protocol.json", "checkpoints", "pipeline", "samples")
 # libyaml's safe loader where PyYAML has it: ten times faster than the Python one, which took most of a report.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 State = Literal["finished", "unfinished", "failed", "missing", "mismatch"]
@@ -80,7 +85,7 @@ def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
     if not run_dir.is_dir():
         return RunState("missing")
     max_steps = plan.configs[run.arm]["train"]["max_steps"]
-    why = _config_mismatch(plan, run)
+    why = _foreign_record(run_dir, max_steps) or _config_mismatch(plan, run) or _checkpoint_mismatch(plan, run)
     if why is not None:
         return RunState("mismatch", why)
     steps = [step for step, _ in list_checkpoints(run_dir)]
@@ -93,11 +98,50 @@ def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
     return RunState("unfinished", progress)
 
 
+def _foreign_record(run_dir: Path, max_steps: int) -> str | None:
+    """Why a record of `run_dir` (`RECORDS`, the last checkpoint's files, the last sample grid) is not the run's
+    own file (a symlink, or a path that resolves outside the run dir), or None."""
+    root = run_dir.resolve()
+    last = checkpoint_dir(run_dir, max_steps)
+    paths = [*(run_dir / name for name in RECORDS), last, last / "config.yaml", last / "meta.json",
+             sample_path(run_dir, max_steps, ".png")]
+    for path in paths:
+        name = path.relative_to(run_dir)
+        if path.is_symlink():
+            return f"its {name} is a symlink (to {os.readlink(path)}): a run's records must be its own files"
+        if path.exists() and not path.resolve().is_relative_to(root):
+            return f"its {name} lies outside it (in {path.resolve()}): a run's records must be its own files"
+    return None
+
+
+def _checkpoint_mismatch(plan: Plan, run: Run) -> str | None:
+    """How a checkpoint of the run (its `config.yaml`, the config it trained with) differs from the plan, or
+    None; a run dir that holds checkpoints or an export without a config.yaml is not provably the plan's run."""
+    checkpoints = list_checkpoints(run.run_dir)
+    if not (run.run_dir / "config.yaml").is_file():
+        if checkpoints or (run.run_dir / "pipeline").exists():
+            return "it holds checkpoints or an export but no config.yaml, so nothing shows it is this arm's run"
+        return None
+    for step, path in checkpoints:
+        if not (path / "config.yaml").is_file():
+            return f"its checkpoint {path.name} has no config.yaml, so nothing shows it is this arm's run"
+        why = _config_difference_of(plan, run, path / "config.yaml")
+        if why is not None:
+            return f"its checkpoint {path.name}: {why}"
+    return None
+
+
 def _config_mismatch(plan: Plan, run: Run) -> str | None:
     """How the run's config.yaml differs from what the plan trains there (None if it agrees or is not written)."""
     path = run.run_dir / "config.yaml"
     if not path.is_file():
         return None
+    why = _config_difference_of(plan, run, path)
+    return f"its {why}" if why and why.startswith("config.yaml") else why
+
+
+def _config_difference_of(plan: Plan, run: Run, path: Path) -> str | None:
+    """"config.yaml differs from the plan: KEY is ..." for the config file `path` of `run`, or None if it agrees."""
     try:
         actual = yaml.load(path.read_text(), Loader=_YAML_LOADER)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
@@ -108,7 +152,7 @@ def _config_mismatch(plan: Plan, run: Run) -> str | None:
     actual_train = actual.get("train") if isinstance(actual.get("train"), dict) else {}
     actual = {**actual, "train": {k: v for k, v in actual_train.items() if k not in ("run_dir", "resume")}}
     why = config_difference(expected, actual)
-    return f"its config.yaml differs from the plan: {why}" if why else None
+    return f"config.yaml differs from the plan: {why}" if why else None
 
 
 def read_attempts(out: str | Path) -> dict[str, Any]:
