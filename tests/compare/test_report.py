@@ -42,7 +42,8 @@ def test_report_json_has_the_documented_shape_and_the_paired_statistics(make_com
     assert (data["baseline"], data["arms"], data["seeds"]) == ("uvit", ["uvit", "uvic"], [0, 1, 2])
     assert list(data["metrics"]) == ["val_loss", "val_loss_mean", "train_loss", "fid_last", "fid_best"]
     for name, entry in data["metrics"].items():
-        assert set(entry) == {"lower_is_better", "values", "vs_baseline"} and entry["lower_is_better"] is True
+        assert set(entry) == {"lower_is_better", "values", "vs_baseline", "excluded"}
+        assert entry["lower_is_better"] is True and entry["excluded"] == {"uvit": {}, "uvic": {}}
         assert set(entry["values"]) == {"uvit", "uvic"} and set(entry["vs_baseline"]) == {"uvic"}
         assert set(entry["vs_baseline"]["uvic"]) == {"n", "mean_diff", "ci95", "p_value", "relative", "verdict"}
     # Values, read independently of the registry: the last 5 of 100 training lines; the last validation line.
@@ -171,3 +172,147 @@ def test_report_of_100_runs_with_1000_lines_each_takes_under_10_s_of_cpu(make_co
     cpu = time.process_time() - start
     assert all(len(v) == 50 for v in data["metrics"]["train_loss"]["values"].values())
     assert cpu < 10, f"report of 100 runs took {cpu:.1f} s of CPU"
+
+
+def _strict_json(path):
+    """report.json parsed as strict JSON: NaN or Infinity in it (not JSON) is an error."""
+    def refuse(token):
+        raise ValueError(f"{token} in {path}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_no_seed_leaves_a_pairing_silently(make_comparison):
+    """A NaN validation loss, a finished run without metrics.jsonl, a run whose last validation line is lost: each
+    is named under the metric it leaves, with the file and what is wrong, and values are paired at one step only."""
+    plan = make_comparison(seeds=(0, 1, 2, 3))
+    _full(plan, seeds=(0, 1, 2, 3))
+    nan = plan.run("uvic", 1).run_dir / "metrics.jsonl"
+    lines = nan.read_text().splitlines()
+    last_val = max(i for i, line in enumerate(lines) if "val_loss" in line)
+    lines[last_val] = '{"step": 100, "val_loss": NaN}'  # Python's json writes a NaN so
+    nan.write_text("\n".join(lines) + "\n")
+    (plan.run("uvic", 2).run_dir / "metrics.jsonl").unlink()
+    cut = plan.run("uvit", 3).run_dir / "metrics.jsonl"
+    cut.write_text("".join(line + "\n" for line in cut.read_text().splitlines() if '"val_loss"' not in line
+                           or '"step": 50' in line))
+    data = write_report(plan.out)
+    val = data["metrics"]["val_loss"]
+    assert val["excluded"] == {
+        "uvit": {"3": "metrics.jsonl has no val_loss at step 100, the last step (its last is at step 50)"},
+        "uvic": {"1": "metrics.jsonl: val_loss is nan at step 100", "2": "metrics.jsonl is missing"}}
+    assert set(val["values"]["uvit"]) == {"0", "1", "2"} and set(val["values"]["uvic"]) == {"0", "3"}
+    # Paired: only seed 0 is in both; its difference is the hand-made 0.48 - 0.5 at step 100.
+    assert val["vs_baseline"]["uvic"]["n"] == 1
+    assert val["vs_baseline"]["uvic"]["mean_diff"] == pytest.approx(-0.02, abs=1e-12)
+    assert data["metrics"]["val_loss_mean"]["excluded"]["uvit"] == val["excluded"]["uvit"]
+    assert data["metrics"]["train_loss"]["excluded"] == {"uvit": {}, "uvic": {"2": "metrics.jsonl is missing"}}
+    assert data["metrics"]["fid_last"]["excluded"] == {"uvit": {}, "uvic": {}}  # eval.jsonl is intact
+    assert all(s["state"] == "finished" for seeds in data["runs"].values() for s in seeds.values())
+    md = (plan.out / "report.md").read_text()
+    section = md.split("### val_loss\n", 1)[1].split("### ", 1)[0]
+    assert "Finished runs left out of this metric" in section
+    for line in ["uvit seed 3: metrics.jsonl has no val_loss at step 100, the last step (its last is at step 50)",
+                 "uvic seed 1: metrics.jsonl: val_loss is nan at step 100", "uvic seed 2: metrics.jsonl is missing"]:
+        assert f"- {line}" in section
+    assert _strict_json(plan.out / "report.json") == data
+
+
+def test_a_metric_every_run_lost_is_still_reported_with_why(make_comparison):
+    plan = make_comparison(seeds=(0,))
+    for arm in ("uvit", "uvic"):
+        write_run(plan, arm, 0, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: float("nan")}, grid=False)
+    data = write_report(plan.out)
+    assert data["metrics"]["val_loss"]["values"] == {"uvit": {}, "uvic": {}}
+    assert data["metrics"]["val_loss"]["excluded"] == {arm: {"0": "metrics.jsonl: val_loss is nan at step 100"}
+                                                       for arm in ("uvit", "uvic")}
+    assert data["metrics"]["val_loss"]["vs_baseline"]["uvic"]["n"] == 0
+
+
+def _protocol_record(run_dir, fids, **settings):
+    protocol = {"num_images": 1000, "reference": "ref.npz", "dims": 2048, "weights": "", "sampler": "dpm",
+                "steps": 25, "first_seed": 0, "step": MAX_STEPS, **settings}
+    (run_dir / "fid_protocol.json").write_text(json.dumps({"protocol": protocol, "fids": fids}))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy and matplotlib, on 1e308
+def test_huge_and_non_finite_values_never_break_the_report(make_comparison):
+    """val_loss 1e308 is shown as it is (its statistics overflow to null); FIDs "nan" / "inf" (strings, or a NaN)
+    in fid_protocol.json leave that run out, named; report.json stays valid JSON, and an older report is replaced."""
+    plan = make_comparison(seeds=(0, 1, 2))
+    (plan.out / "report.json").write_text('{"stale": true}')
+    for arm in ("uvit", "uvic"):
+        for seed in range(3):
+            huge = seed > 0
+            d = write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 1e308 if huge else 0.5},
+                          grid=False)
+            _protocol_record(d, [10.0 + seed + (arm == "uvic"), 11.0])
+    _protocol_record(plan.run("uvic", 1).run_dir, [10.0, "nan"])
+    _protocol_record(plan.run("uvic", 2).run_dir, ["inf", 10.0])
+    (plan.run("uvit", 2).run_dir / "fid_protocol.json").write_text(
+        '{"protocol": {"step": 100}, "fids": [NaN]}')
+    data = write_report(plan.out)
+    assert _strict_json(plan.out / "report.json") == data
+    val = data["metrics"]["val_loss"]
+    assert val["values"]["uvit"] == {"0": 0.5, "1": 1e308, "2": 1e308} and val["excluded"]["uvit"] == {}
+    fid = data["metrics"]["fid_protocol"]
+    assert fid["excluded"] == {"uvit": {"2": "fid_protocol.json: fids[0] is nan, not a finite number"},
+                               "uvic": {"1": "fid_protocol.json: fids[1] is 'nan', not a finite number",
+                                        "2": "fid_protocol.json: fids[0] is 'inf', not a finite number"}}
+    assert fid["values"] == {"uvit": {"0": 10.5, "1": 11.0}, "uvic": {"0": 11.0}}
+    assert fid["resamplings"] == {"uvit": {"0": [10.0, 11.0], "1": [11.0, 11.0]}, "uvic": {"0": [11.0, 11.0]}}
+    md = (plan.out / "report.md").read_text()
+    assert "- uvic seed 2: fid_protocol.json: fids[0] is 'inf', not a finite number" in md
+    assert "stale" not in (plan.out / "report.json").read_text()
+
+
+def test_fids_of_two_protocols_are_never_paired(make_comparison):
+    plan = make_comparison(seeds=(0, 1, 2))
+    for arm in ("uvit", "uvic"):
+        for seed in range(3):
+            d = write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, grid=False)
+            _protocol_record(d, [20.0 + seed + (arm == "uvic")])
+    _protocol_record(plan.run("uvic", 1).run_dir, [5.0], num_images=300)
+    _protocol_record(plan.run("uvit", 2).run_dir, [5.0], reference="other.npz")
+    _protocol_record(plan.run("uvit", 0).run_dir, [5.0], step=MAX_STEPS // 2)
+    fid = write_report(plan.out)["metrics"]["fid_protocol"]
+    assert fid["excluded"] == {
+        "uvit": {"0": f"fid_protocol.json is of step {MAX_STEPS // 2}, not the run's last step {MAX_STEPS}",
+                 "2": "fid_protocol.json is of another protocol than the other 3 run(s)' (reference is 'other.npz' "
+                      "here, 'ref.npz' there)"},
+        "uvic": {"1": "fid_protocol.json is of another protocol than the other 3 run(s)' (num_images is 300 here, "
+                      "1000 there)"}}
+    assert fid["values"] == {"uvit": {"1": 21.0}, "uvic": {"0": 21.0, "2": 23.0}}
+    assert fid["vs_baseline"]["uvic"]["n"] == 0
+
+
+@pytest.mark.parametrize("damage, what", [
+    (lambda out: (out / "report.html").mkdir(), "is a directory"),
+    (lambda out: (out / "figures").write_text("not a folder"), "a file is in the way"),
+])  # fmt: skip
+def test_local_damage_in_out_is_one_line_and_no_stale_report_stays(make_comparison, run_script, damage, what):
+    plan = make_comparison(seeds=(0,))
+    for arm in ("uvit", "uvic"):
+        write_run(plan, arm, 0, losses=_losses(0.5, 0), val={MAX_STEPS: 0.5}, grid=False)
+    for name in ("report.json", "report.md"):
+        (plan.out / name).write_text("an earlier report")
+    damage(plan.out)
+    code, stdout, err = run_script("compare.py", "report", plan.out)
+    assert code == 1 and stdout == "" and "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"error: cannot write the report into {plan.out}: {what}"), err
+    # What was written is this report; an earlier one is never left to pass for it.
+    for name in ("report.json", "report.md"):
+        assert not (plan.out / name).is_file() or (plan.out / name).read_text() != "an earlier report"
+
+
+def test_an_unwritable_out_for_run_is_one_line(run_script, tmp_path):
+    from synthetic_runs import CONFIG
+
+    (tmp_path / "file").write_text("")
+    for out in ["/proc/uvic-test/cmp", tmp_path / "file" / "cmp"]:
+        code, stdout, err = run_script("compare.py", "run", CONFIG, "--arm", "a", "--arm", "b",
+                                       "model.attention=softmax", "--seeds", "0", "--out", out)
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and "Traceback" not in err and stdout == ""
+        assert len(errors) == 1 and f"cannot write --out {out}: " in errors[0], err

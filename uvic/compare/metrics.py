@@ -34,6 +34,9 @@ class Metric:
     lower_is_better: bool
     read: Callable[[RunLogs], float | None]
     description: str
+    # Where `read` takes its value: (the RunLogs list, "train" | "val" | "evals", and the record key), so that a
+    # run left out can be told why (`exclusion`); None: `read` says it itself (the protocol FID).
+    source: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,33 @@ class PerBlock:
     title: str
     read: Callable[[RunLogs], dict[str, float]]
     description: str
+
+
+# The file each RunLogs list is read from.
+FILES = {"train": "metrics.jsonl", "val": "metrics.jsonl", "evals": "eval.jsonl"}
+
+
+def exclusion(metric: Metric, run: RunLogs, value: float | None, max_steps: int) -> str | None:
+    """Why a finished run's `value` of `metric` (`metric.read(run)`) is left out of the pairing, naming the file and
+    what is wrong or which step is missing; None when it is counted. A value read from a run's records is counted
+    only if the last record that has it is at `max_steps`, the run's last step (where train.py logs, validates and
+    evaluates whatever it does every so many steps), so that the runs' values are only ever paired at one step."""
+    if metric.source is None:
+        return None if value is not None else "no value"
+    kind, key = metric.source
+    file = FILES[kind]
+    if not (run.path / file).is_file():
+        return f"{file} is missing"
+    records = [r for r in getattr(run, kind) if key in r]
+    if not records:
+        return f"{file} has no {key}"
+    if value is None:
+        bad = next((r for r in reversed(records) if finite(r[key]) is None), None)
+        return (f"{file}: {key} is {bad[key]!r} at step {bad['step']}" if bad is not None
+                else f"{file}: no finite {key}")
+    if records[-1]["step"] != max_steps:
+        return f"{file} has no {key} at step {max_steps}, the last step (its last is at step {records[-1]['step']})"
+    return None
 
 
 def last(records: list[dict[str, Any]], key: str) -> float | None:
@@ -110,21 +140,22 @@ def series(records: list[dict[str, Any]], key: str) -> dict[int, float]:
 
 METRICS: tuple[Metric, ...] = (
     Metric("val_loss", True, lambda run: last(run.val, "val_loss"),
-           "held-out validation loss at the last step (train.val_every)"),
+           "held-out validation loss at the last step (train.val_every)", ("val", "val_loss")),
     Metric("val_accuracy", False, lambda run: last(run.val, "val_accuracy"),
-           "held-out accuracy on the answer tokens at the last step (LM synthetic tasks, data.synthetic)"),
+           "held-out accuracy on the answer tokens at the last step (LM synthetic tasks, data.synthetic)",
+           ("val", "val_accuracy")),
     Metric("val_loss_mean", True, lambda run: curve_mean(run.val, "val_loss"),
            "validation loss averaged over training (area under its curve from the first to the last validation, "
-           "over that span): lower when a run learns sooner"),
+           "over that span): lower when a run learns sooner", ("val", "val_loss")),
     Metric("val_accuracy_mean", False, lambda run: curve_mean(run.val, "val_accuracy"),
            "held-out accuracy averaged over training (area under its curve from the first to the last "
-           "validation, over that span): higher when a run learns sooner"),
+           "validation, over that span): higher when a run learns sooner", ("val", "val_accuracy")),
     Metric("train_loss", True, lambda run: tail_mean(run.train, "loss", TRAIN_LOSS_TAIL),
-           f"training loss, mean over the last {TRAIN_LOSS_TAIL:.0%} of logged steps"),
+           f"training loss, mean over the last {TRAIN_LOSS_TAIL:.0%} of logged steps", ("train", "loss")),
     Metric("fid_last", True, lambda run: last(run.evals, "fid"),
-           "FID while training (train.eval_every) at the last evaluation"),
+           "FID while training (train.eval_every) at the last evaluation", ("evals", "fid")),
     Metric("fid_best", True, lambda run: lowest(run.evals, "fid"),
-           "FID while training (train.eval_every), the lowest evaluation"),
+           "FID while training (train.eval_every), the lowest evaluation", ("evals", "fid")),
     Metric(protocol_fid.METRIC, True, lambda run: mean_or_none(protocol_fid.read_fids(run.path)),
            "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings"),
 )  # fmt: skip

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,12 +124,68 @@ def settings(cfg: Any) -> dict[str, Any]:
 
 
 def read_fids(run_dir: str | Path) -> list[float]:
-    """The FIDs of a run's `fid_protocol.json` (resampling j at index j), [] without one or when unreadable."""
+    """The FIDs of a run's `fid_protocol.json` (resampling j at index j), [] without one or when it is not a
+    record as `compute_protocol_fids` writes it (`read_record`)."""
     try:
-        data = json.loads((Path(run_dir) / FILE).read_text())
-        return [float(v) for v in data["fids"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        record = read_record(run_dir)
+    except ValueError:
         return []
+    return record[1] if record is not None else []
+
+
+def read_record(run_dir: str | Path) -> tuple[dict[str, Any], list[float]] | None:
+    """(settings, FIDs) of a run's `fid_protocol.json`, None without one.
+
+    Raises:
+        ValueError: it is not a record as `compute_protocol_fids` writes it: not JSON, no "protocol" mapping or
+            "fids" list, or a FID that is not a finite number (e.g. the strings "nan" or "inf"); the message names
+            the file and what is wrong.
+    """
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{FILE} does not parse ({type(e).__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("protocol"), dict) or not isinstance(data.get("fids"), list):
+        raise ValueError(f"{FILE} is not a protocol-FID record (a 'protocol' mapping and a 'fids' list)")
+    for j, value in enumerate(data["fids"]):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{FILE}: fids[{j}] is {value!r}, not a finite number")
+    return data["protocol"], [float(v) for v in data["fids"]]
+
+
+def record_exclusions(records: dict[Any, tuple[dict[str, Any], list[float]] | None | str],
+                      max_steps: dict[Any, int]) -> dict[Any, str]:
+    """{run: why} of the runs whose protocol FIDs cannot be paired with the others: no record or an unusable one
+    (`records[run]`: `read_record`'s result, or its error message), one of another step than the run's last
+    (`max_steps[run]`), or one of other settings than the record most runs hold (the first such in `records`'
+    order on a tie): the FIDs of two protocols are never in one pairing."""
+    out: dict[Any, str] = {}
+    usable: dict[Any, dict[str, Any]] = {}
+    for run, record in records.items():
+        if isinstance(record, str):
+            out[run] = record
+        elif record is None:
+            out[run] = f"{FILE} is missing"
+        elif not record[1]:
+            out[run] = f"{FILE} holds no FID"
+        elif record[0].get("step") != max_steps[run]:
+            out[run] = f"{FILE} is of step {record[0].get('step')!r}, not the run's last step {max_steps[run]}"
+        else:
+            usable[run] = {k: v for k, v in record[0].items() if k != "step"}
+    keys = [json.dumps(v, sort_keys=True) for v in usable.values()]
+    if keys:
+        common = json.loads(max(keys, key=keys.count))
+        count = keys.count(json.dumps(common, sort_keys=True))
+        for run, settings_ in usable.items():
+            differ = [k for k in sorted(set(common) | set(settings_)) if common.get(k) != settings_.get(k)]
+            if differ:
+                k = differ[0]
+                out[run] = (f"{FILE} is of another protocol than the other {count} run(s)' ({k} is "
+                            f"{settings_.get(k)!r} here, {common.get(k)!r} there)")
+    return out
 
 
 def _recorded(path: Path, expected: dict[str, Any]) -> list[float]:

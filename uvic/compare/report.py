@@ -8,13 +8,18 @@ report.json has this shape (for other tools; `runs` names every run's state, see
      "metrics": {"val_loss": {"lower_is_better": true,
                               "values": {"uvit": {"0": 0.0712, ...}, "uvic": {...}},
                               "vs_baseline": {"uvic": {"n": 3, "mean_diff": -0.0011, "ci95": [-0.0019, -0.0003],
-                                                       "p_value": 0.03, "relative": -0.0155, "verdict": "better"}}},
+                                                       "p_value": 0.03, "relative": -0.0155, "verdict": "better"}},
+                              "excluded": {"uvit": {}, "uvic": {"2": "metrics.jsonl: val_loss is nan at step 600"}}},
                  "train_loss": {...}},
      "per_block": {"attn_neg_share": {"uvit": {"0": {"in_blocks.0": 0.0, ...}, ...}, "uvic": {...}}},
      "runs": {"uvit": {"0": {"state": "finished", "detail": ""}, ...}, ...}}
 
 `values` holds finished runs only, and `vs_baseline` pairs the seeds both arms finished (`uvic.compare.stats`);
-a metric no finished run has (`uvic.compare.metrics.METRICS`) is left out, and so is a per-block quantity
+`excluded` names each finished run a metric leaves out and why (`uvic.compare.metrics.exclusion`: a missing file,
+a value that is not finite, no value at the run's last step; for `fid_protocol`, a record of another protocol or
+step, `uvic.compare.protocol_fid.record_exclusions`), so that no seed leaves a pairing silently. A statistic that
+overflows (values near the float limit) is null: report.json is always valid JSON. A metric no finished run
+records (`uvic.compare.metrics.METRICS`) is left out, and so is a per-block quantity
 (`PER_BLOCK`: each finished run's {block: value} at its last validation). report.md and report.html are the
 same document (one list of blocks, two renderers): the runs, a table of every metric with the verdicts, per-seed
 values, and the figures; the HTML embeds them as base64 PNG data URIs, so it opens offline with nothing beside it.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -32,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from uvic.compare import figures
-from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric
+from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric, exclusion
 from uvic.compare.plan import Plan, load_plan, shell_command
+from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
-from uvic.compare.protocol_fid import read_fids
+from uvic.compare.protocol_fid import read_fids, read_record, record_exclusions
 from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state
 from uvic.compare.stats import fid_spreads, paired_by_seed
+from uvic.errors import storage_errors
 from uvic.io import atomic_write
 
 
@@ -90,18 +98,22 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
     metrics = {}
     for metric in METRICS:
         values = _values(g, metric)
-        if not values:
+        if not values and not _present(g, metric):
             continue
+        excluded = _exclude(g, metric, values)
         vs = {arm: paired_by_seed(values.get(arm, {}), values.get(base, {}), metric.lower_is_better).to_dict()
               for arm in arms[1:]}
         metrics[metric.name] = {
             "lower_is_better": metric.lower_is_better,
             "values": {arm: {str(s): v for s, v in sorted(values.get(arm, {}).items())} for arm in arms},
             "vs_baseline": vs,
+            "excluded": excluded,
         }
     if PROTOCOL_FID in metrics:  # the K resamplings behind each run's mean, and the two spreads they separate
         by_arm: dict[str, dict[int, list[float]]] = {}
         for (arm, seed), run in sorted(g.logs.items()):
+            if str(seed) not in metrics[PROTOCOL_FID]["values"][arm]:  # left out (`excluded`)
+                continue
             if fids := read_fids(run.path):
                 by_arm.setdefault(arm, {})[seed] = fids
         metrics[PROTOCOL_FID]["resamplings"] = {arm: {str(s): f for s, f in by_arm.get(arm, {}).items()}
@@ -117,8 +129,58 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
             per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
     runs = {arm: {str(seed): {"state": g.states[arm, seed].state, "detail": g.states[arm, seed].detail}
                   for seed in plan.seeds} for arm in arms}
-    return {"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics, "per_block": per_block,
-            "runs": runs}
+    return _finite_only({"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics,
+                         "per_block": per_block, "runs": runs})
+
+
+def _present(g: _Gathered, metric: Metric) -> bool:
+    """Whether any finished run records `metric` at all (a value that is not finite included): then the metric is
+    reported, with the runs it leaves out named, even where none of them has a usable value."""
+    for run in g.logs.values():
+        if metric.source is None:
+            if (run.path / PROTOCOL_FILE).is_file():
+                return True
+        elif any(metric.source[1] in r for r in getattr(run, metric.source[0])):
+            return True
+    return False
+
+
+def _exclude(g: _Gathered, metric: Metric, values: dict[str, dict[int, float]]) -> dict[str, dict[str, str]]:
+    """{arm: {seed: why}} of the finished runs whose value of `metric` is left out of its pairing (why: the file
+    and what is wrong, or which step is missing; `uvic.compare.metrics.exclusion`); they are removed from `values`,
+    so that no seed leaves a pairing silently and values are paired only at one step."""
+    order = {(run.arm, run.seed): i for i, run in enumerate(g.plan.runs)}
+    finished = sorted(g.logs, key=order.__getitem__)
+    max_steps = {key: g.plan.configs[key[0]]["train"]["max_steps"] for key in finished}
+    reasons: dict[tuple[str, int], str] = {}
+    if metric.name == PROTOCOL_FID:
+        records: dict[tuple[str, int], Any] = {}
+        for key in finished:
+            try:
+                records[key] = read_record(g.logs[key].path)
+            except ValueError as e:
+                records[key] = str(e)
+        reasons = record_exclusions(records, max_steps)
+    out: dict[str, dict[str, str]] = {arm: {} for arm in g.plan.arm_names}
+    for arm, seed in finished:
+        value = values.get(arm, {}).get(seed)
+        why = reasons.get((arm, seed)) or exclusion(metric, g.logs[arm, seed], value, max_steps[arm, seed])
+        if why is not None:
+            out[arm][str(seed)] = why
+            values.get(arm, {}).pop(seed, None)
+    return out
+
+
+def _finite_only(data: Any) -> Any:
+    """`data` with every float that is not finite (a statistic of huge values that overflowed) as None, so that
+    report.json is valid JSON whatever the runs logged."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite_only(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_only(v) for v in data]
+    return data
 
 
 def write_report(out: str | Path) -> dict[str, Any]:
@@ -126,19 +188,42 @@ def write_report(out: str | Path) -> dict[str, Any]:
     report.json data.
 
     Raises:
-        FileNotFoundError: `out` holds no plan.json. ConfigError: the plan does not parse.
+        FileNotFoundError: `out` holds no plan.json. ConfigError: the plan does not parse. StorageError: a file
+            or folder of the report cannot be written (no permission, a folder or file in the way); a report file
+            of an earlier report that is not rewritten is removed, so that none is ever taken for the current one.
     """
     out = Path(out)
     g = _gather(out)
-    data = _report_data(g)
-    with atomic_write(out / "report.json", "w") as f:
-        json.dump(data, f, indent=1, allow_nan=False)
-    blocks = _document(g, data, _draw(g, data, out / FIGURES))
-    with atomic_write(out / "report.md", "w") as f:
-        f.write(to_markdown(blocks, out))
-    with atomic_write(out / "report.html", "w") as f:
-        f.write(to_html(blocks, title=f"Comparison: {' vs '.join(data['arms'])}"))
+    written: list[str] = []
+    try:
+        with storage_errors(f"cannot write the report into {out}"):
+            data = _report_data(g)
+            blocks = _document(g, data, _draw(g, data, out / FIGURES))
+            texts = {"report.json": json.dumps(data, indent=1, allow_nan=False), "report.md": to_markdown(blocks, out),
+                     "report.html": to_html(blocks, title=f"Comparison: {' vs '.join(data['arms'])}")}
+            for name, text in texts.items():
+                with atomic_write(out / name, "w") as f:
+                    f.write(text)
+                written.append(name)
+    except BaseException:
+        _withdraw_stale(out, keep=written)
+        raise
     return data
+
+
+REPORT_FILES = ("report.json", "report.md", "report.html")
+
+
+def _withdraw_stale(out: Path, keep: list[str]) -> None:
+    """Remove the report files of an earlier report (those not in `keep`, just written): a report that failed
+    leaves none that would pass for the current one."""
+    for name in REPORT_FILES:
+        path = out / name
+        if name not in keep and (path.is_file() or path.is_symlink()):
+            try:
+                path.unlink()
+            except OSError:  # it stays; the error line of the failure says the report was not written
+                pass
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -159,6 +244,8 @@ def _draw(g: _Gathered, data: dict[str, Any], folder: Path) -> dict[str, Path]:
                 lower_is_better=curve.lower_is_better)
     for name, entry in data["metrics"].items():
         values = {arm: {int(s): v for s, v in by_seed.items()} for arm, by_seed in entry["values"].items()}
+        if not any(values.values()):  # every finished run left out (`excluded`)
+            continue
         drawn[f"paired_{name}"] = figures.paired_dots(name, arms, values, folder / f"paired_{name}.png",
                                                       lower_is_better=entry["lower_is_better"])
     for name, by_arm in data["per_block"].items():
@@ -245,8 +332,8 @@ def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
         better = "lower" if entry["lower_is_better"] else "higher"
         for arm in arms:
             vals = list(entry["values"][arm].values())
-            spread = f" ± {_fmt(statistics.stdev(vals))}" if len(vals) > 1 else ""
-            cell = f"{_fmt(statistics.fmean(vals))}{spread}" if vals else "n/a"
+            spread = f" ± {_fmt(_stdev(vals))}" if len(vals) > 1 else ""
+            cell = f"{_fmt(_mean(vals))}{spread}" if vals else "n/a"
             if arm == base:
                 rows.append([f"{name} ({better} is better)", arm, cell, str(len(vals)), "", "", "", "baseline"])
                 continue
@@ -274,11 +361,28 @@ def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
             table.append([str(seed), *map(_fmt, vals), *map(_fmt, diffs)])
         blocks += [("h3", name), ("p", described[name] + "."),
                    ("table", ["seed", *arms, *(f"{arm} - {base}" for arm in arms[1:])], table)]
+        blocks += _excluded_blocks(entry.get("excluded", {}))
         if "spreads" in entry:
             blocks += _spread_blocks(arms, entry["spreads"])
         if f"paired_{name}" in drawn:
             blocks.append(("figure", drawn[f"paired_{name}"], f"{name} per seed: a line joins the arms of one seed"))
     return blocks
+
+
+def _excluded_blocks(excluded: dict[str, dict[str, str]]) -> list[tuple]:
+    """The finished runs a metric leaves out, each with why (report.json's `excluded`)."""
+    items = [f"{arm} seed {seed}: {why}" for arm, by_seed in excluded.items() for seed, why in by_seed.items()]
+    if not items:
+        return []
+    return [("p", "Finished runs left out of this metric (not paired, not in the mean):"), ("list", items)]
+
+
+def _stdev(values: list[float]) -> float | None:
+    """The sample standard deviation, None where it overflows (values near the float limit)."""
+    try:
+        return statistics.stdev(values)
+    except (OverflowError, ValueError):
+        return None
 
 
 def _spread_blocks(arms: list[str], spreads: dict[str, dict[str, Any]]) -> list[tuple]:
@@ -325,7 +429,11 @@ def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
 
 
 def _mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
+    """The mean, None when there are no values or it overflows (values near the float limit)."""
+    try:
+        return statistics.fmean(values) if values else None
+    except OverflowError:
+        return None
 
 
 _CODE = re.compile(r"`([^`]*)`")
