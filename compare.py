@@ -79,8 +79,8 @@ def main() -> None:
     from uvic.compare.plan import Arm, check_out_dir, load_plan, make_plan, shell_command, write_plan
     from uvic.compare.protocol_fid import Protocol, check_fid_keys, check_protocol, compute_protocol_fids
     from uvic.compare.report import write_report
-    from uvic.compare.run import pending_runs, run_plan
-    from uvic.errors import USER_ERRORS, ConfigError
+    from uvic.compare.run import lock_comparison, pending_runs, run_plan
+    from uvic.errors import USER_ERRORS, ConfigError, StorageError
 
     protocol = Protocol(gen_seeds, tuple(fid)) if gen_seeds else None
     failed = []
@@ -95,8 +95,9 @@ def main() -> None:
                 pending_runs(plan)  # refuses run dirs of another config before anything is written
                 if protocol:
                     check_protocol(plan, protocol)
-        except (ConfigError, FileNotFoundError, ValueError) as e:
-            q.error(str(e))
+                lock = lock_comparison(plan.out)  # a second `run` on this --out is refused here, having written nothing
+        except (ConfigError, FileNotFoundError, ValueError, StorageError) as e:
+            q.error(one_line(str(e)))
         with cli_errors():
             write_plan(plan)
             if args.command == "plan":
@@ -135,6 +136,8 @@ def main() -> None:
         except (FileNotFoundError, ConfigError) as e:  # not a comparison directory: a usage error
             q.error(str(e))
     _print_summary(args.out, data)
+    if args.command == "run":
+        lock.release()
     if fid_error is not None:
         sys.exit(f"error: the protocol FID: {one_line(str(fid_error))}")
     if args.command == "run" and failed:

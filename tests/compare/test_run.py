@@ -261,3 +261,44 @@ def test_a_three_arm_placement_comparison_runs_end_to_end(tmp_path, image_dir, r
         assert any(row.startswith(f"|  | {arm} |") and row.endswith(f"| **{verdict}** |") for row in rows), rows
     assert {p.name for p in (out / "figures").glob("*.png")} >= {"paired_val_loss.png", "curve_val_loss.png",
                                                                  "samples.png"}
+
+
+def test_the_error_line_is_read_past_a_progress_bar(tmp_path):
+    from uvic.compare.run import _error_line
+
+    log = tmp_path / "seed_0.log"
+    log.write_bytes(b"=== 2026-01-01 00:00:00: python train.py\n"
+                    b"\r  0%|          | 0/6 [00:00<?, ?it/s]\r 50%|#####     | 3/6 [00:01<00:01, 2.90it/s]"
+                    b"error: run dir x is in use by another training run (PID 12)\n")
+    assert _error_line(log) == "error: run dir x is in use by another training run (PID 12)"
+    log.write_bytes(b"=== header\nerror: a [b]error: c\n")  # a line that is an error line is kept whole
+    assert _error_line(log) == "error: a [b]error: c"
+
+
+def test_a_second_run_on_one_out_is_refused_up_front(tmp_path, run_script):
+    """Another process holds the comparison (`compare.py run`): a second `run` exits 2 naming its PID and writes
+    nothing; once it is gone, the same command runs."""
+    from uvic.compare.run import lock_comparison
+
+    plan, _ = _plan(tmp_path, seeds=(0,))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from uvic.compare.run import lock_comparison\n"
+                               f"lock = lock_comparison(Path({str(plan.out)!r}))\nprint('held', flush=True)\n"
+                               "sys.stdin.read()\nlock.release()\n"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = {p.name: p.read_bytes() for p in plan.out.iterdir() if p.is_file()}
+        code, out, err = run_script("compare.py", "run", CONFIG, "train.max_steps=7", "--arm", "a", "--arm", "b",
+                                    "--seeds", "0", "--out", plan.out)
+        assert code == 2 and out == "" and "Traceback" not in err
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert errors == [f"compare.py run: error: --out {plan.out} is in use by another `compare.py run` (PID "
+                          f"{holder.pid}); wait for it to finish, or stop it (the same command continues it)"]
+        assert {p.name: p.read_bytes() for p in plan.out.iterdir() if p.is_file()} == before
+        assert not (plan.out / "a").exists()
+    finally:
+        holder.communicate("")
+    assert holder.returncode == 0
+    lock_comparison(plan.out).release()  # free again
+    assert sorted(p.name for p in plan.out.iterdir()) == ["plan.json"]

@@ -34,6 +34,7 @@ import yaml
 from uvic.config import load_config
 from uvic.errors import ConfigError, storage_errors
 from uvic.io import atomic_write
+from uvic.training.lock import LOCK_NAME
 
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ def check_out_dir(plan: Plan) -> None:
     out = plan.out
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p.name != LOCK_NAME for p in out.iterdir()):  # a lock a kill -9 left is nothing
         return
     if not (out / PLAN_FILE).is_file():
         raise ConfigError(f"--out {out} is not empty and holds no {PLAN_FILE}: it is not a comparison, and nothing "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from typing import IO
 
 from uvic.compare.plan import Plan, Run, shell_command
 from uvic.compare.rundirs import read_attempts, record_attempt, run_state
-from uvic.errors import ConfigError
+from uvic.errors import ConfigError, RunLockedError, StorageError, describe_os_error
+from uvic.training.lock import RunDirLock
 
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,32 @@ def pending_runs(plan: Plan) -> list[Run]:
     return todo
 
 
+def lock_comparison(out: Path) -> RunDirLock:
+    """Take the lock of comparison directory `out` (`out/.lock`, flock'd, with this process's PID) for the life of
+    a `compare.py run`: two of them on one `--out` would train the same runs into the same logs. Release it with
+    `.release()`; a process that dies drops it.
+
+    Raises:
+        ConfigError: another process holds it (its PID is named); nothing is written.
+        StorageError: `out` cannot be created or written.
+    """
+    lock = RunDirLock(out)
+    try:
+        lock.acquire()
+    except RunLockedError:
+        try:
+            holder = lock.path.read_text().strip() or "unknown"
+        except OSError:
+            holder = "unknown"
+        raise ConfigError(f"--out {out} is in use by another `compare.py run` (PID {holder}); wait for it to "
+                          f"finish, or stop it (the same command continues it)") from None
+    except StorageError as e:
+        cause = e.__cause__
+        why = describe_os_error(cause) if isinstance(cause, OSError) else str(e)
+        raise StorageError(f"cannot write --out {out}: {why}") from None
+    return lock
+
+
 def _threads(plan: Plan, run: Run) -> int:
     return plan.configs[run.arm]["train"].get("cpu_threads", 0)
 
@@ -170,13 +198,24 @@ def _error_line(log: Path, tail_bytes: int = 20_000) -> str:
     try:
         with open(log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+            lines = [_past_progress(line.strip()) for line in f.read().decode(errors="replace").splitlines()
+                     if line.strip()]
     except OSError:
         return ""
     headers = [i for i, line in enumerate(lines) if line.startswith("=== ")]
     lines = lines[headers[-1] + 1:] if headers else lines
     errors = [line for line in lines if line.startswith("error:")]
     return (errors or lines or [""])[-1][:500]
+
+
+# A progress bar (tqdm's "\r 50%|#####     | 3/6 [00:01<00:01, 2.9it/s]") that a line was written after, without
+# a line break between them.
+_PROGRESS = re.compile(r"^.*\]\s*(?=error:)")
+
+
+def _past_progress(line: str) -> str:
+    """`line` less a progress bar's last state before an `error:` written right after it."""
+    return line if line.startswith("error:") else _PROGRESS.sub("", line, count=1)
 
 
 def _stop(running: list[_Job]) -> None:
