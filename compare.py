@@ -152,6 +152,10 @@ def _print_summary(out: str, data: dict) -> None:
             ci = f"[{vs['ci95'][0]:.4g}, {vs['ci95'][1]:.4g}]" if vs["ci95"] else "n/a"
             diff = f"{vs['mean_diff']:.4g}" if vs["mean_diff"] is not None else "n/a"
             print(f"{name}: {arm} - {data['baseline']} = {diff} (95% interval {ci}, {vs['n']} seeds): {vs['verdict']}")
+    for name, entry in data["metrics"].items():
+        if left_out := [f"{arm} seed {seed} ({why})" for arm, by_seed in entry.get("excluded", {}).items()
+                        for seed, why in by_seed.items()]:
+            print(f"{name}: finished runs left out: {'; '.join(left_out)}")
     states = [s["state"] for seeds in data["runs"].values() for s in seeds.values()]
     print(f"{states.count('finished')} of {len(states)} runs finished; report: {os.path.join(out, 'report.html')}")
 

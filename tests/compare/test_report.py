@@ -218,6 +218,16 @@ def test_no_seed_leaves_a_pairing_silently(make_comparison):
     assert _strict_json(plan.out / "report.json") == data
 
 
+def test_the_console_summary_names_the_runs_left_out(make_comparison, run_script):
+    plan = make_comparison(seeds=(0,))
+    for arm in ("uvit", "uvic"):
+        write_run(plan, arm, 0, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.5 if arm == "uvit" else float("nan")},
+                  grid=False)
+    code, stdout, err = run_script("compare.py", "report", plan.out)
+    assert code == 0, err
+    assert "val_loss: finished runs left out: uvic seed 0 (metrics.jsonl: val_loss is nan at step 100)" in stdout
+
+
 def test_a_metric_every_run_lost_is_still_reported_with_why(make_comparison):
     plan = make_comparison(seeds=(0,))
     for arm in ("uvit", "uvic"):

@@ -152,3 +152,14 @@ def test_a_record_that_resolves_outside_the_run_dir_is_a_mismatch(make_compariso
     (ckpt / "config.yaml").unlink()
     state = run_state(plan, plan.run("uvic", 0), {})
     assert state.detail == f"its checkpoint step_{MAX_STEPS:09d} has no config.yaml, so nothing shows it is this arm's run"
+    # A run dir, or an arm's folder, that is a symlink to another's (an A/A comparison's configs agree).
+    aa = make_comparison(arms={"a": [], "b": []}, seeds=(0,), out=tmp_path / "aa")
+    write_run(aa, "a", 0, losses={MAX_STEPS: 1.0})
+    (aa.out / "b").mkdir()
+    (aa.out / "b" / "seed_0").symlink_to(aa.run("a", 0).run_dir)
+    state = run_state(aa, aa.run("b", 0), {})
+    assert state.state == "mismatch" and state.detail.startswith(f"{aa.out / 'b' / 'seed_0'} is a symlink (to ")
+    (aa.out / "b" / "seed_0").unlink()
+    (aa.out / "b").rmdir()
+    (aa.out / "b").symlink_to(aa.out / "a")
+    assert run_state(aa, aa.run("b", 0), {}).detail.startswith(f"{aa.out / 'b'} is a symlink (to ")

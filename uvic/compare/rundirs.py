@@ -82,6 +82,10 @@ def read_logs(run_dir: str | Path) -> RunLogs:
 def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
     """The state of `run` (see the module docstring); `attempts` is `read_attempts(plan.out)`."""
     run_dir = run.run_dir
+    for folder in (run_dir.parent, run_dir):  # another run's folder linked in would report its numbers as this one's
+        if folder.is_symlink():
+            return RunState("mismatch", f"{folder} is a symlink (to {os.readlink(folder)}): a run dir must be the "
+                                        f"comparison's own folder")
     if not run_dir.is_dir():
         return RunState("missing")
     max_steps = plan.configs[run.arm]["train"]["max_steps"]
