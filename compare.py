@@ -60,6 +60,10 @@ def main() -> None:
     q = sub.add_parser("report", help="write the report of whatever has finished",
                        description="write OUT/report.{json,md,html} and OUT/figures/ from the finished runs")
     q.add_argument("out", help="the comparison directory")
+    q.add_argument("--baseline", default=None, metavar="ARM",
+                   help="compare every other arm with ARM (default: the first arm of the plan), from the same runs")
+    q.add_argument("--all-pairs", action="store_true",
+                   help="also compare every two arms (each metric's `pairs` in report.json, a table in report.md)")
     parsers["report"] = q
     for name in ("run", "report"):
         parsers[name].add_argument(
@@ -132,8 +136,8 @@ def main() -> None:
             sys.exit(1 if fid_error else 0)
     with cli_errors():
         try:
-            data = write_report(args.out)
-        except (FileNotFoundError, ConfigError) as e:  # not a comparison directory: a usage error
+            data = write_report(args.out, getattr(args, "baseline", None), getattr(args, "all_pairs", False))
+        except (FileNotFoundError, ConfigError) as e:  # not a comparison directory, an unknown --baseline: usage errors
             q.error(str(e))
     _print_summary(args.out, data)
     if args.command == "run":
@@ -153,6 +157,11 @@ def _print_summary(out: str, data: dict) -> None:
             diff = f"{vs['mean_diff']:.4g}" if vs["mean_diff"] is not None else "n/a"
             print(f"{name}: {arm} - {data['baseline']} = {diff} (95% interval {ci}, {vs['n']} seeds): {vs['verdict']}")
     for name, entry in data["metrics"].items():
+        for pair, vs in entry.get("pairs", {}).items():
+            if pair.partition(" - ")[2] != data["baseline"]:  # the baseline's contrasts are above
+                ci = f"[{vs['ci95'][0]:.4g}, {vs['ci95'][1]:.4g}]" if vs["ci95"] else "n/a"
+                diff = f"{vs['mean_diff']:.4g}" if vs["mean_diff"] is not None else "n/a"
+                print(f"{name}: {pair} = {diff} (95% interval {ci}, {vs['n']} seeds): {vs['verdict']}")
         if left_out := [f"{arm} seed {seed} ({why})" for arm, by_seed in entry.get("excluded", {}).items()
                         for seed, why in by_seed.items()]:
             print(f"{name}: finished runs left out: {'; '.join(left_out)}")

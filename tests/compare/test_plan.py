@@ -124,16 +124,21 @@ def test_an_out_dir_of_another_comparison_is_refused_naming_the_difference(tmp_p
     assert code == 0, err
     before = (out / "plan.json").read_bytes()
     cases = [
-        (["train.max_steps=50", *ARMS, "--arm", "x"], ["0", "1"],
-         "arms ['uvit', 'uvic'] there, ['uvit', 'uvic', 'x'] here (the first is the baseline)"),
+        (["train.max_steps=50", "--arm", "x", *ARMS], ["0", "1"],
+         "arms ['uvit', 'uvic'] there, ['x', 'uvit', 'uvic'] here (the first is the baseline; a comparison grows by "
+         "arms added after its own)"),
         (["train.max_steps=50", "--arm", "uvic", "--arm", "uvit", "model.attention=softmax"], ["0", "1"],
-         "arms ['uvit', 'uvic'] there, ['uvic', 'uvit'] here (the first is the baseline)"),
-        (["train.max_steps=50", *ARMS], ["0", "1", "2"], "seeds [0, 1] there, [0, 1, 2] here"),
-        (["train.max_steps=60", *ARMS], ["0", "1"], "arm 'uvit': train.max_steps is 50 there, 60 here"),
+         "arms ['uvit', 'uvic'] there, ['uvic', 'uvit'] here (the first is the baseline"),
+        (["train.max_steps=50", *ARMS[:3], "--arm", "x"], ["0", "1"],
+         "arms ['uvit', 'uvic'] there, ['uvit', 'x'] here"),  # an arm dropped
+        (["train.max_steps=50", *ARMS], ["0", "2"], "seeds [0, 1] there, [0, 2] here (a comparison grows by seeds, "
+                                                    "[1] dropped)"),
+        (["train.max_steps=60", *ARMS, "--arm", "x"], ["0", "1"], "arm 'uvit': train.max_steps is 50 there, 60 here"),
     ]
     for args, seeds, message in cases:
         line = _refused(run_script, "run", CONFIG, *args, "--seeds", *seeds, "--out", out)
-        assert f"--out {out} holds another comparison ({message}); the results of two plans are never mixed" in line
+        assert f"--out {out} holds another comparison ({message}" in line
+        assert "); the results of two plans are never mixed: choose another --out" in line
         assert (out / "plan.json").read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["plan.json"]
     # The same comparison, spelled differently (seed order, a neutral key, another spelling of a value), is accepted.
     code, _, err = run_script("compare.py", "plan", CONFIG, "train.max_steps=50", "train.lr=0.0015",
@@ -277,3 +282,16 @@ def test_an_unwritable_out_is_one_line(tmp_path, run_script):
         assert code != 0 and "Traceback" not in err and stdout == ""
         assert [line for line in err.splitlines() if "error:" in line] == [
             line for line in err.splitlines() if line.startswith("error: cannot write")], err
+
+
+def test_a_comparison_grows_by_arms_and_seeds(tmp_path, run_script):
+    """Arms added after the others and seeds added: accepted, plan.json grows, and the old runs are kept (the
+    trainings themselves: tests/compare/test_run.py)."""
+    out = tmp_path / "cmp"
+    assert run_script("compare.py", "plan", CONFIG, "train.max_steps=50", *ARMS, "--seeds", "0", "--out", out)[0] == 0
+    code, stdout, err = run_script("compare.py", "plan", CONFIG, "train.max_steps=50", *ARMS, "--arm", "cog_all",
+                                   "model.keep_softmax_first=0", "--seeds", "0", "1", "--out", out)
+    assert code == 0, err
+    assert f"--out {out}: the comparison grows by arms ['cog_all'] and seeds [1]" in err
+    assert len(stdout.splitlines()) == 6
+    assert load_plan(out).arm_names == ["uvit", "uvic", "cog_all"] and load_plan(out).seeds == (0, 1)

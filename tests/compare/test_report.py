@@ -326,3 +326,38 @@ def test_an_unwritable_out_for_run_is_one_line(run_script, tmp_path):
         errors = [line for line in err.splitlines() if "error:" in line]
         assert code == 2 and "Traceback" not in err and stdout == ""
         assert len(errors) == 1 and f"cannot write --out {out}: " in errors[0], err
+
+
+@pytest.mark.filterwarnings("ignore:Precision loss occurred:RuntimeWarning")  # scipy, on equal differences
+def test_report_baseline_and_every_pair_from_the_same_runs(make_comparison, run_script):
+    """`report --baseline ARM` compares every arm with ARM; `--all-pairs` adds each pair of arms. The differences are
+    checked against the hand-made values: arm levels 0.5, 0.48 and 0.45 plus 0.01 per seed at the last validation."""
+    plan = make_comparison(arms={"uvit": ["model.attention=softmax"], "uvic": [], "cog_all":
+                                 ["model.keep_softmax_first=0", "model.keep_softmax_last=0"]})
+    levels = {"uvit": 0.5, "uvic": 0.48, "cog_all": 0.45}
+    wobble = {0: 0.0, 1: 0.002, 2: -0.001}  # per (arm, seed), so that the intervals have a width
+    val = {(arm, s): level + 0.01 * s + wobble[s] * (arm == "cog_all") for arm, level in levels.items() for s in range(3)}
+    for (arm, seed), v in val.items():
+        write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: v}, grid=False)
+    code, stdout, err = run_script("compare.py", "report", plan.out, "--baseline", "uvic", "--all-pairs")
+    assert code == 0, err
+    data = json.loads((plan.out / "report.json").read_text())
+    assert (data["baseline"], data["arms"]) == ("uvic", ["uvic", "uvit", "cog_all"])
+    entry = data["metrics"]["val_loss"]
+    assert set(entry["vs_baseline"]) == {"uvit", "cog_all"}
+    assert set(entry["pairs"]) == {"uvit - uvic", "cog_all - uvic", "cog_all - uvit"}
+    for pair, vs in entry["pairs"].items():
+        a, b = pair.split(" - ")
+        diffs = [val[a, s] - val[b, s] for s in range(3)]
+        ref = stats.ttest_rel([val[a, s] for s in range(3)], [val[b, s] for s in range(3)])
+        assert vs["n"] == 3 and vs["mean_diff"] == pytest.approx(np.mean(diffs), abs=1e-12)
+        if b == "uvic":
+            assert entry["vs_baseline"][a] == vs
+        if a == "cog_all":  # the one arm with a spread of differences
+            assert vs["ci95"] == pytest.approx(list(ref.confidence_interval(0.95)), rel=1e-6)
+    assert entry["pairs"]["cog_all - uvit"]["verdict"] == "better"  # -0.05 +- 0.003
+    assert "val_loss: cog_all - uvit = " in stdout
+    md = (plan.out / "report.md").read_text()
+    assert "| pair | n | difference (95% interval) | relative | p | verdict |" in md and "| cog_all - uvit | 3 |" in md
+    code, _, err = run_script("compare.py", "report", plan.out, "--baseline", "nope")
+    assert code == 2 and "--baseline 'nope' is not an arm of this comparison (uvit, uvic, cog_all)" in err

@@ -302,3 +302,26 @@ def test_a_second_run_on_one_out_is_refused_up_front(tmp_path, run_script):
     assert holder.returncode == 0
     lock_comparison(plan.out).release()  # free again
     assert sorted(p.name for p in plan.out.iterdir()) == ["plan.json"]
+
+
+def test_a_grown_comparison_trains_only_its_new_runs_and_keeps_the_others_bit_for_bit(tmp_path):
+    from uvic.compare.plan import check_out_dir
+
+    plan, script = _plan(tmp_path, arms=("a", "b"), seeds=(0,))
+    assert run_plan(plan, train_script=script) == []
+    old = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in plan.out.rglob("*") if p.is_file()
+           and p.name not in ("plan.json", "attempts.json")}
+    assert len(old) >= 2 * 5  # per run: config.yaml, fake.json, the checkpoint's two files, the log
+    grown = make_plan(CONFIG, ["train.max_steps=7"], [Arm("a"), Arm("b"), Arm("c", ("train.lr=0.01",))], [0, 1],
+                      plan.out)
+    check_out_dir(grown)
+    write_plan(grown)
+    new = ["c seed 0", "a seed 1", "b seed 1", "c seed 1"]
+    assert [r.label for r in pending_runs(grown)] == new
+    assert run_plan(grown, train_script=script) == []
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in old} == old
+    assert sorted(read_attempts(plan.out)) == sorted(r.key for r in grown.runs)
+    for run in grown.runs:
+        argv = json.loads((run.run_dir / "fake.json").read_text())["argv"]
+        assert argv[1:] == [CONFIG, *run.overrides, "--resume"]
+        assert (run.label in new) == (run.log_path.stat().st_mtime_ns not in [m for _, m in old.values()])

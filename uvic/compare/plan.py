@@ -19,6 +19,7 @@ order, seeds, and each arm's resolved config up to `NEUTRAL_KEYS`), so the resul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -282,10 +283,15 @@ def check_out_dir(plan: Plan) -> None:
         raise ConfigError(f"--out {out} is not empty and holds no {PLAN_FILE}: it is not a comparison, and nothing "
                           f"in it is overwritten; choose another --out")
     old = load_plan(out)
-    why = plan_difference(old, plan)
+    why = plan_growth(old, plan)
     if why is not None:
         raise ConfigError(f"--out {out} holds another comparison ({why}); the results of two plans are never "
                           f"mixed: choose another --out")
+    arms, seeds = plan.arm_names[len(old.arms):], sorted(set(plan.seeds) - set(old.seeds))
+    if arms or seeds:
+        logger.info(f"--out {out}: the comparison grows by {f'arms {arms}' if arms else ''}"
+                    f"{' and ' if arms and seeds else ''}{f'seeds {seeds}' if seeds else ''}; its runs so far are "
+                    f"kept as they are")
 
 
 def plan_difference(old: Plan, new: Plan) -> str | None:
@@ -299,6 +305,34 @@ def plan_difference(old: Plan, new: Plan) -> str | None:
         if why is not None:
             return f"arm {name!r}: {why}"
     return None
+
+
+def plan_growth(old: Plan, new: Plan) -> str | None:
+    """How `new` differs from `old` other than by growing (None if it is `old`, or `old` with arms added after its
+    arms or seeds added): a grown comparison trains only its new runs and keeps the others as they are, so every arm
+    of `old` must keep its place (the first is the baseline) and its config, and no seed may be dropped."""
+    if new.arm_names[:len(old.arms)] != old.arm_names:
+        return (f"arms {old.arm_names} there, {new.arm_names} here (the first is the baseline; a comparison grows by "
+                f"arms added after its own)")
+    if dropped := sorted(set(old.seeds) - set(new.seeds)):
+        return f"seeds {sorted(old.seeds)} there, {sorted(new.seeds)} here (a comparison grows by seeds, {dropped} dropped)"
+    for name in old.arm_names:
+        why = config_difference(old.configs[name], new.configs[name])
+        if why is not None:
+            return f"arm {name!r}: {why}"
+    return None
+
+
+def rebase(plan: Plan, baseline: str) -> Plan:
+    """`plan` with `baseline` as its first arm (the others in their order): the contrasts of the report against it.
+
+    Raises:
+        ConfigError: `baseline` is not an arm of the plan.
+    """
+    if baseline not in plan.arm_names:
+        raise ConfigError(f"--baseline {baseline!r} is not an arm of this comparison ({', '.join(plan.arm_names)})")
+    arms = tuple(sorted(plan.arms, key=lambda a: a.name != baseline))  # stable: the others keep their order
+    return dataclasses.replace(plan, arms=arms)
 
 
 def write_plan(plan: Plan) -> Path:

@@ -39,7 +39,7 @@ from typing import Any
 
 from uvic.compare import figures
 from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric, exclusion
-from uvic.compare.plan import Plan, load_plan, shell_command
+from uvic.compare.plan import Plan, load_plan, rebase, shell_command
 from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
 from uvic.compare.protocol_fid import read_fids, read_record, record_exclusions
@@ -62,8 +62,10 @@ class _Gathered:
     logs: dict[tuple[str, int], RunLogs]
 
 
-def _gather(out: Path) -> _Gathered:
+def _gather(out: Path, baseline: str | None = None) -> _Gathered:
     plan = load_plan(out)
+    if baseline is not None:  # another arm's contrasts from the same runs
+        plan = rebase(plan, baseline)
     attempts = read_attempts(out)
     states, logs = {}, {}
     for run in plan.runs:
@@ -87,9 +89,10 @@ def _values(g: _Gathered, metric: Metric) -> dict[str, dict[int, float]]:
     return out
 
 
-def build_report(out: str | Path) -> dict[str, Any]:
-    """The report.json data of comparison directory `out` (nothing is written)."""
-    return _report_data(_gather(Path(out)))
+def build_report(out: str | Path, baseline: str | None = None, all_pairs: bool = False) -> dict[str, Any]:
+    """The report.json data of comparison directory `out` (nothing is written); `baseline`, `all_pairs`: see
+    `write_report`."""
+    return _with_pairs(_report_data(_gather(Path(out), baseline)), all_pairs)
 
 
 def _report_data(g: _Gathered) -> dict[str, Any]:
@@ -131,6 +134,19 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
                   for seed in plan.seeds} for arm in arms}
     return _finite_only({"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics,
                          "per_block": per_block, "runs": runs})
+
+
+def _with_pairs(data: dict[str, Any], all_pairs: bool) -> dict[str, Any]:
+    """`data` with, when `all_pairs`, each metric's `pairs`: {"<arm> - <other>": paired comparison} of every arm
+    with every arm before it (baseline first), over the seeds both have a value of (`values`, after `excluded`)."""
+    if not all_pairs:
+        return data
+    arms = data["arms"]
+    for name, entry in data["metrics"].items():
+        lower = entry["lower_is_better"]
+        entry["pairs"] = {f"{a} - {b}": paired_by_seed(entry["values"][a], entry["values"][b], lower).to_dict()
+                          for i, a in enumerate(arms) for b in arms[:i]}
+    return _finite_only(data)
 
 
 def _present(g: _Gathered, metric: Metric) -> bool:
@@ -183,9 +199,11 @@ def _finite_only(data: Any) -> Any:
     return data
 
 
-def write_report(out: str | Path) -> dict[str, Any]:
+def write_report(out: str | Path, baseline: str | None = None, all_pairs: bool = False) -> dict[str, Any]:
     """Write report.json, report.md, report.html and figures/*.png into comparison directory `out`; returns the
-    report.json data.
+    report.json data. `baseline`: the arm every other is compared with (default: the plan's first), read from the
+    same runs; `all_pairs`: each metric also gets `pairs`, {"<arm> - <other>": the paired comparison} of every two
+    arms (each arm against every arm before it, baseline first).
 
     Raises:
         FileNotFoundError: `out` holds no plan.json. ConfigError: the plan does not parse. StorageError: a file
@@ -193,11 +211,11 @@ def write_report(out: str | Path) -> dict[str, Any]:
             of an earlier report that is not rewritten is removed, so that none is ever taken for the current one.
     """
     out = Path(out)
-    g = _gather(out)
+    g = _gather(out, baseline)
     written: list[str] = []
     try:
         with storage_errors(f"cannot write the report into {out}"):
-            data = _report_data(g)
+            data = _with_pairs(_report_data(g), all_pairs)
             blocks = _document(g, data, _draw(g, data, out / FIGURES))
             texts = {"report.json": json.dumps(data, indent=1, allow_nan=False), "report.md": to_markdown(blocks, out),
                      "report.html": to_html(blocks, title=f"Comparison: {' vs '.join(data['arms'])}")}
@@ -362,11 +380,24 @@ def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
         blocks += [("h3", name), ("p", described[name] + "."),
                    ("table", ["seed", *arms, *(f"{arm} - {base}" for arm in arms[1:])], table)]
         blocks += _excluded_blocks(entry.get("excluded", {}))
+        blocks += _pair_blocks(entry.get("pairs", {}))
         if "spreads" in entry:
             blocks += _spread_blocks(arms, entry["spreads"])
         if f"paired_{name}" in drawn:
             blocks.append(("figure", drawn[f"paired_{name}"], f"{name} per seed: a line joins the arms of one seed"))
     return blocks
+
+
+def _pair_blocks(pairs: dict[str, dict[str, Any]]) -> list[tuple]:
+    """Every pair of arms (`write_report(all_pairs=True)`), each as a row of the results table."""
+    if not pairs:
+        return []
+    rows = [[pair, str(vs["n"]), _fmt(vs["mean_diff"]) + (f" [{_fmt(vs['ci95'][0])}, {_fmt(vs['ci95'][1])}]"
+                                                          if vs["ci95"] else ""),
+             "n/a" if vs["relative"] is None else f"{100 * vs['relative']:+.3g}%", _fmt(vs["p_value"], ".2g"),
+             vs["verdict"]] for pair, vs in pairs.items()]
+    return [("p", "Every pair of arms (a - b over the seeds both have):"),
+            ("table", ["pair", "n", "difference (95% interval)", "relative", "p", "verdict"], rows)]
 
 
 def _excluded_blocks(excluded: dict[str, dict[str, str]]) -> list[tuple]:
