@@ -218,6 +218,7 @@ def test_no_seed_leaves_a_pairing_silently(make_comparison):
     assert _strict_json(plan.out / "report.json") == data
 
 
+@pytest.mark.filterwarnings("ignore:No artists with labels:UserWarning")  # uvic's validation curve has no point
 def test_the_console_summary_names_the_runs_left_out(make_comparison, run_script):
     plan = make_comparison(seeds=(0,))
     for arm in ("uvit", "uvic"):
