@@ -3,8 +3,8 @@
     cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
     model = UViTModel(**dataclasses.asdict(cfg.model))
 
-Every config dataclass of the built-in tasks lives here. A run config's class depends on `task`, through the one
-task table `TASKS` (task name -> (run-config class, training-task class)):
+Every config dataclass of the built-in tasks lives here. A run config's class depends on `task`, through the table
+`TASKS` (task name -> run-config class; the training-task classes are `uvic.training.tasks.TASK_CLASSES`):
 
     task          class                  sections
     "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
@@ -415,41 +415,29 @@ RunConfig = Config | Text2ImageRunConfig | LMRunConfig | ClassCondRunConfig
 # The task table
 # ---------------------------------------------------------------------------------------------------------
 
-# `task` in a config -> (its run-config class, its training task: a `uvic.training.tasks.Task` class). Either entry
-# may be written "module:Class" and is then imported on first use (`task_config_class`, `task_class`), as
-# `uvic.schedulers.SAMPLER_TABLE` names its schedulers: loading a config imports no task or model code. A new task
-# is one row here and one file (its task class, and its config class when its sections differ); the config's
-# `task` key, `train.py`, the loop, the validation and FID while training all read this table.
-TASKS: dict[str, tuple[type | str, type | str]] = {
-    "diffusion": (Config, "uvic.training.tasks.diffusion:DiffusionTask"),
-    "t2i": (Text2ImageRunConfig, "uvic.training.tasks.text2image:Text2ImageTask"),
-    "class_cond": (ClassCondRunConfig, "uvic.training.tasks.class_cond:ClassConditionalTask"),
-    "lm": (LMRunConfig, "uvic.training.tasks.lm:LMTask"),
+# `task` in a config -> its run-config class: the task names and the config classes, which is all a config needs.
+# The training task of each name (a `uvic.training.tasks.Task` class) is registered where the tasks live,
+# `uvic.training.tasks.TASK_CLASSES`, so that this module names nothing above it; a new task adds its run-config
+# class here (`uvic.training.tasks.register_task` does both). The config's `task` key, `train.py`, the loop, the
+# validation and FID while training all read these two tables.
+TASKS: dict[str, type] = {
+    "diffusion": Config,
+    "t2i": Text2ImageRunConfig,
+    "class_cond": ClassCondRunConfig,
+    "lm": LMRunConfig,
 }
 
 
-def _task_row(task: Any) -> tuple[type | str, type | str]:
+def check_task_name(task: Any) -> str:
+    """`task` if `TASKS` holds it; else ConfigError naming the valid tasks."""
     if not isinstance(task, str) or task not in TASKS:
         raise ConfigError(f"config key task: {task!r} is not one of {list(TASKS)}")
-    return TASKS[task]
-
-
-def _resolve(entry: type | str) -> type:
-    """A class, or the class a "module:Class" entry names (imported now)."""
-    if isinstance(entry, str):
-        module, _, name = entry.partition(":")
-        return getattr(importlib.import_module(module), name)
-    return entry
+    return task
 
 
 def task_config_class(task: str) -> type:
     """The run-config class of `task`. Raises ConfigError for a name `TASKS` does not hold."""
-    return _resolve(_task_row(task)[0])
-
-
-def task_class(task: str) -> type:
-    """The training-task class of `task` (imported now). Raises ConfigError for a name `TASKS` does not hold."""
-    return _resolve(_task_row(task)[1])
+    return TASKS[check_task_name(task)]
 
 
 def _plain(obj: Any) -> Any:
