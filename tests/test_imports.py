@@ -233,3 +233,25 @@ def test_importing_the_kernel_modules_loads_no_other_uvic_module():
     loaded = out.stdout.split()
     assert "uvic.kernels.ops" in loaded  # the check saw the imports at all
     assert [m for m in loaded if not m.startswith("uvic.kernels.")] == []
+
+
+# Public names that more than one module defines, and why that is one thing under one name.
+SHARED_NAMES = {
+    "main": "the entry point of each `python -m` tool",
+    "apply_cog_attention": "the same call for two libraries' models (uvic.integrations.diffusers / .transformers)",
+    # Left as found: the datasets' VAE / CLIP feature extraction (imagenet, mscoco) and FID's Inception features.
+    "extract_features": "feature extraction of a dataset (uvic.data.imagenet, uvic.data.mscoco, uvic.fid.stats)",
+}
+
+
+def test_distinct_things_have_distinct_names():
+    """No two modules define a public class or function of one name (`uvic.fid.ImageFolder` reads a folder as it
+    is, `uvic.data.ResizedImageFolder` crops and resizes; `uvic.io.quantize_uint8` quantises,
+    `uvic.fid.to_uint8` also fixes the layout and the grayscale channel), apart from `SHARED_NAMES`."""
+    defined: dict[str, list[str]] = {}
+    for module, path in _modules().items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_"):
+                defined.setdefault(node.name, []).append(module)
+    shared = {name: sorted(modules) for name, modules in defined.items() if len(modules) > 1}
+    assert sorted(set(shared) - set(SHARED_NAMES)) == [], shared
