@@ -216,11 +216,17 @@ def test_model_section_defaults_are_the_model_signatures():
     from uvic.config import LMModelConfig
     from uvic.models import CogformerConfig
 
-    for section, fn in ((UViTConfig, UViTModel.__init__), (LMModelConfig, CogformerConfig.__init__)):
-        # uvic.config reads the signatures from the model sources (it does not import diffusers / transformers).
+    # The LM section leaves out the generation settings and token ids (the export takes them from the tokenizer).
+    lm_only = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "kwargs")
+    for section, fn, exclude in ((UViTConfig, UViTModel.__init__, ()),
+                                 (LMModelConfig, CogformerConfig.__init__, lm_only)):  # fmt: skip
+        # uvic.config writes the fields out (it does not import diffusers / transformers): the same names in the
+        # same order, with the signature's defaults and types.
         params, hints = inspect.signature(fn).parameters, typing.get_type_hints(fn)
-        assert all(f.default == params[f.name].default for f in dataclasses.fields(section))
-        assert all(f.type == hints[f.name] for f in dataclasses.fields(section))
+        fields, section_hints = dataclasses.fields(section), typing.get_type_hints(section)
+        assert [f.name for f in fields] == [p for p in params if p not in ("self", *exclude)]
+        assert all(f.default == params[f.name].default for f in fields)
+        assert all(section_hints[f.name] == hints[f.name] for f in fields)
     assert UViTConfig().img_size == 224  # the model's default, not the CIFAR-10 run's
     assert Config().model == UViTConfig.from_preset("uvic-s2-cifar10")  # the run's default is a preset
 

@@ -19,7 +19,6 @@ only what differs. Unknown keys and values of the wrong type are errors that nam
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import math
@@ -59,7 +58,8 @@ class PresetSection:
 
 class ModelSection(PresetSection):
     """A `model` section: a frozen dataclass whose fields are a model's keyword arguments, with the types and
-    defaults of the model's own signature (`model_section` writes it from the signature; nothing is restated).
+    defaults of the model's own signature, written out field for field (tests/test_config.py keeps the two equal,
+    so a new constructor argument fails there until its field is written here).
 
     Its presets are the model family's preset table (the one place a model size is written):
 
@@ -69,44 +69,31 @@ class ModelSection(PresetSection):
     """
 
 
-def keyword_parameters(module: str, function: str) -> list[tuple[str, Any, Any]]:
-    """(name, type, default) of each positional-or-keyword parameter but `self` of `function` ("Class.__init__") in
-    the uvic module `module` ("uvic.models.uvit"), read from the module's source without importing it.
-
-    The model modules import diffusers and transformers, which take seconds that a config load (`train.py
-    --dry-run`, a config error) does not need; their signatures stay the one statement of a model's hyperparameters.
-    Annotations are evaluated with the builtin types and `typing`'s names; defaults must be literals (a test pins the
-    result to `inspect.signature` of the imported function).
-    """
-    path = Path(__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    scope: Any = ast.parse(path.read_text(encoding="utf-8"))
-    for part in function.split("."):
-        scope = next(n for n in scope.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == part)
-    args = scope.args.posonlyargs + scope.args.args
-    defaults = [None] * (len(args) - len(scope.args.defaults)) + scope.args.defaults
-    names = {**{t.__name__: t for t in (int, float, str, bool, tuple, list, dict)}, "None": None,
-             **{n: getattr(typing, n) for n in typing.__all__}}
-    return [(a.arg, eval(ast.unparse(a.annotation), {"__builtins__": {}}, names),
-             dataclasses.MISSING if d is None else ast.literal_eval(d))
-            for a, d in zip(args, defaults) if a.arg != "self"]  # fmt: skip
-
-
-def model_section(name: str, signature_of: tuple[str, str], preset_kwargs: Callable[[str], dict[str, Any]],
-                  doc: str, exclude: tuple[str, ...] = ()) -> type:
-    """A frozen `ModelSection` dataclass named `name` whose fields are the keyword arguments of the function
-    `signature_of` = (module, function) (less `exclude`, see `keyword_parameters`), with their annotated types and
-    default values."""
-    params = [p for p in keyword_parameters(*signature_of) if p[0] not in exclude]
-    namespace = {"__doc__": doc, "__module__": __name__, "preset_kwargs": staticmethod(preset_kwargs)}
-    return dataclasses.make_dataclass(name, [(n, hint, field(default=d)) for n, hint, d in params],
-                                      bases=(ModelSection,), namespace=namespace, frozen=True)
-
-
-UViTConfig = model_section(
-    "UViTConfig", ("uvic.models.uvit", "UViTModel.__init__"), uvit_preset,
+@dataclass(frozen=True)
+class UViTConfig(ModelSection):
     """`UViTModel.__init__` keyword arguments, field for field, with the model's defaults; `preset:` names an entry
-    of `UVIT_PRESETS`.""",
-)
+    of `UVIT_PRESETS`."""
+
+    preset_kwargs = staticmethod(uvit_preset)
+
+    img_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = False
+    mlp_time_embed: bool = False
+    num_classes: int = -1
+    clip_dim: int | None = None
+    num_clip_token: int = 77
+    conv: bool = True
+    skip: bool = True
+    attention: str = "cog"
+    keep_softmax_first: int = 1
+    keep_softmax_last: int = 1
+    attention_backend: str = "auto"
 
 
 _VP, _DDPM = SCHEDULE_PRESETS["vpsde"], SCHEDULE_PRESETS["ddpm"]
@@ -344,13 +331,30 @@ class ClassCondRunConfig(Config):
 # ---------------------------------------------------------------------------------------------------------
 
 
-LMModelConfig = model_section(
-    "LMModelConfig", ("uvic.models.cogformer", "CogformerConfig.__init__"), cogformer_preset,
+@dataclass(frozen=True)
+class LMModelConfig(ModelSection):
     """`CogformerConfig.__init__`'s architecture kwargs with its defaults (the paper's 141M model, Sec. 4.1);
-    `preset:` names an entry of `COGFORMER_PRESETS`.""",
-    # Generation settings and special-token ids, which the LM task's export takes from the tokenizer.
-    exclude=("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings"),
-)
+    `preset:` names an entry of `COGFORMER_PRESETS`. Not here: the generation settings and special-token ids
+    (`use_cache`, `pad_token_id`, `bos_token_id`, `eos_token_id`, `tie_word_embeddings`), which the LM task's
+    export takes from the tokenizer."""
+
+    preset_kwargs = staticmethod(cogformer_preset)
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention: str = "cog"
+    num_softmax_layers: int = 1
+    keep_softmax_first: int | None = None
+    keep_softmax_last: int | None = None
+    attention_backend: str = "auto"
+    initializer_range: float = 0.02
 
 
 @dataclass(frozen=True)
