@@ -353,3 +353,23 @@ def test_fid_while_training_defaults_are_the_harness_defaults():
     from uvic.fid.inception import DEFAULT_DIMS, DEFAULT_MODE
 
     assert (TrainConfig().eval_fid_mode, TrainConfig().eval_fid_dims) == (DEFAULT_MODE, DEFAULT_DIMS)
+
+
+def test_the_old_lm_placement_key_loads_with_one_warning(tmp_path):
+    """`model.num_softmax_layers` (k for both ends) still loads, as does a run config saved before the rename (k and
+    the ends as null, which followed it); each with one FutureWarning, and an end given apart wins."""
+    from uvic.config import LMModelConfig
+
+    with pytest.warns(FutureWarning, match=r"config section model: num_softmax_layers is the old name") as record:
+        cfg = load_config(None, ["task=lm", "model.preset=600M", "model.num_softmax_layers=1",
+                                 "model.keep_softmax_last=0"])  # fmt: skip
+    assert len(record) == 1 and (cfg.model.keep_softmax_first, cfg.model.keep_softmax_last) == (1, 0)
+    old = yaml.safe_load(load_config(None, ["task=lm"]).to_yaml())  # a run config as the old version saved it
+    del old["model"]["keep_softmax_first"], old["model"]["keep_softmax_last"]
+    old["model"].update(num_softmax_layers=3, keep_softmax_first=None, keep_softmax_last=None)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.warns(FutureWarning) as record:
+        loaded = load_config(tmp_path / "config.yaml")
+    assert len(record) == 1 and loaded.model == LMModelConfig(keep_softmax_first=3, keep_softmax_last=3)
+    with pytest.raises(ConfigError, match=r"^config key model.num_softmax_layers must be an int >= 0, got -1$"):
+        load_config(None, ["task=lm", "model.num_softmax_layers=-1"])

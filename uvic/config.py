@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from uvic.attention import ATTENTIONS, BACKENDS
+from uvic.attention import ATTENTIONS, BACKENDS, renamed_placement
 from uvic.data.imagenet import LATENT_SCALE as IMAGENET_LATENT_SCALE
 from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
@@ -350,11 +350,28 @@ class LMModelConfig(ModelSection):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     attention: str = "cog"
-    num_softmax_layers: int = 1
-    keep_softmax_first: int | None = None
-    keep_softmax_last: int | None = None
+    keep_softmax_first: int = 1
+    keep_softmax_last: int = 1
     attention_backend: str = "auto"
     initializer_range: float = 0.02
+
+    @staticmethod
+    def renamed(data: dict[str, Any], where: str) -> dict[str, Any]:
+        """`data` with the old placement read: `num_softmax_layers` = k for both ends (an end given apart wins) and
+        ends written as null (as run configs saved before the rename hold them: they followed k); one FutureWarning."""
+        if "num_softmax_layers" not in data and not any(data.get(k, 0) is None for k in _ENDS):
+            return data
+        data = dict(data)
+        try:
+            ends = renamed_placement(data.pop("num_softmax_layers", None), *(data.pop(k, None) for k in _ENDS),
+                                     old="num_softmax_layers", where=f"config section {where}",
+                                     stacklevel=5)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"config key {where}.{e}") from None
+        return {**data, **{k: v for k, v in zip(_ENDS, ends) if v is not None}}
+
+
+_ENDS = ("keep_softmax_first", "keep_softmax_last")
 
 
 @dataclass(frozen=True)
@@ -532,6 +549,8 @@ def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
     where = prefix.rstrip(".") or "config"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
+    if hasattr(cls, "renamed"):  # a section that still reads keys of an old name
+        data = cls.renamed(data, where)
     names = {f.name for f in dataclasses.fields(cls)}
     if issubclass(cls, PresetSection):
         names.add("preset")
@@ -628,7 +647,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.vocab_size": _AT_LEAST_1, "model.hidden_size": _AT_LEAST_1, "model.intermediate_size": _AT_LEAST_1,
     "model.num_hidden_layers": _AT_LEAST_1, "model.num_attention_heads": _AT_LEAST_1, "model.head_dim": _AT_LEAST_1,
     "model.max_position_embeddings": _AT_LEAST_1, "model.rms_norm_eps": _POSITIVE, "model.rope_theta": _POSITIVE,
-    "model.num_softmax_layers": _AT_LEAST_0, "model.initializer_range": _POSITIVE,
+    "model.initializer_range": _POSITIVE,
     # diffusion
     "diffusion.beta_min": _AT_LEAST_0, "diffusion.beta_max": _POSITIVE, "diffusion.time_scale": _POSITIVE,
     "diffusion.num_train_timesteps": _AT_LEAST_1, "diffusion.beta_start": _OPEN_FRACTION,
