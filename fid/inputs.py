@@ -3,7 +3,7 @@ digits, COCO val2014-256.
 
 Every source yields uint8 RGB images (3, H, W). Grayscale images (1 channel, PNG mode "L") have their channel
 repeated, as pytorch-fid's `convert("RGB")` does. Float images are quantised exactly like
-`torchvision.utils.save_image` (``x * 255 + 0.5``, clamped, truncated; `uvic.io.to_uint8`), so an in-memory
+`torchvision.utils.save_image` (``x * 255 + 0.5``, clamped, truncated; `uvic.io.quantize_uint8`), so an in-memory
 generator gives the same features as the PNGs U-ViT writes and reads back.
 
 Map-style sources (`ImageFolder`, `ImageArray`, `cifar10`, `digits`, `CocoVal2014`) are `torch.utils.data.Dataset`s
@@ -29,8 +29,7 @@ from torch.utils.data import Dataset
 from uvic.data.images import read_cifar10_batches, read_rgb, readable_images
 from uvic.data.mscoco import center_crop_resize
 from uvic.errors import DataError
-from uvic.io import IMAGE_RANGE, read_npz
-from uvic.io import to_uint8 as _quantize
+from uvic.io import IMAGE_RANGE, quantize_uint8, read_npz
 
 
 logger = logging.getLogger(__name__)
@@ -39,14 +38,14 @@ LOSSY_EXTENSIONS = (".jpg", ".jpeg", ".webp")
 # PIL modes of the image files FID takes: RGB, and 8-bit grayscale (repeated to RGB).
 IMAGE_MODES = ("RGB", "L")
 ValueRange = tuple[float, float]
-# The (low, high) of float images unless a caller says otherwise: [0, 1], as `uvic.io.to_uint8` takes them.
+# The (low, high) of float images unless a caller says otherwise: [0, 1], as `uvic.io.quantize_uint8` takes them.
 DEFAULT_VALUE_RANGE: ValueRange = IMAGE_RANGE
 Batch = Union[torch.Tensor, np.ndarray]
 
 
 def to_uint8(images: Batch, value_range: ValueRange = DEFAULT_VALUE_RANGE) -> torch.Tensor:
     """Convert a batch to (B, 3, H, W) uint8 RGB, quantising floats like `torchvision.utils.save_image`
-    (`uvic.io.to_uint8`, the one quantisation) and repeating the channel of grayscale images.
+    (`uvic.io.quantize_uint8`, the one quantisation) and repeating the channel of grayscale images.
 
     Args:
         images: (B, C, H, W) or (B, H, W, C) with C = 3 (RGB) or 1 (grayscale), torch or numpy; uint8 is taken as
@@ -63,7 +62,7 @@ def to_uint8(images: Batch, value_range: ValueRange = DEFAULT_VALUE_RANGE) -> to
             raise ValueError(f"expected (B, 3, H, W) or (B, H, W, 3) RGB images, or (B, 1, H, W) or (B, H, W, 1) "
                              f"grayscale ones, got shape {tuple(x.shape)}")
         x = x.permute(0, 3, 1, 2)
-    return _quantize(x, value_range).expand(-1, 3, -1, -1).contiguous()  # grayscale: R = G = B
+    return quantize_uint8(x, value_range).expand(-1, 3, -1, -1).contiguous()  # grayscale: R = G = B
 
 
 class ImageFolder(Dataset):

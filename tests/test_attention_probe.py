@@ -132,7 +132,8 @@ def test_uvit_blocks_in_execution_order_with_the_placement_and_the_formula():
 
 def test_cogformer_layers_and_softmax_everywhere():
     cfg = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 4,
-           "num_attention_heads": 2, "max_position_embeddings": 16, "num_softmax_layers": 1}
+           "num_attention_heads": 2, "max_position_embeddings": 16, "keep_softmax_first": 1,
+           "keep_softmax_last": 1}
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     for attention in ("cog", "softmax"):
         torch.manual_seed(0)

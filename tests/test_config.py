@@ -216,11 +216,17 @@ def test_model_section_defaults_are_the_model_signatures():
     from uvic.config import LMModelConfig
     from uvic.models import CogformerConfig
 
-    for section, fn in ((UViTConfig, UViTModel.__init__), (LMModelConfig, CogformerConfig.__init__)):
-        # uvic.config reads the signatures from the model sources (it does not import diffusers / transformers).
+    # The LM section leaves out the generation settings and token ids (the export takes them from the tokenizer).
+    lm_only = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "kwargs")
+    for section, fn, exclude in ((UViTConfig, UViTModel.__init__, ()),
+                                 (LMModelConfig, CogformerConfig.__init__, lm_only)):  # fmt: skip
+        # uvic.config writes the fields out (it does not import diffusers / transformers): the same names in the
+        # same order, with the signature's defaults and types.
         params, hints = inspect.signature(fn).parameters, typing.get_type_hints(fn)
-        assert all(f.default == params[f.name].default for f in dataclasses.fields(section))
-        assert all(f.type == hints[f.name] for f in dataclasses.fields(section))
+        fields, section_hints = dataclasses.fields(section), typing.get_type_hints(section)
+        assert [f.name for f in fields] == [p for p in params if p not in ("self", *exclude)]
+        assert all(f.default == params[f.name].default for f in fields)
+        assert all(section_hints[f.name] == hints[f.name] for f in fields)
     assert UViTConfig().img_size == 224  # the model's default, not the CIFAR-10 run's
     assert Config().model == UViTConfig.from_preset("uvic-s2-cifar10")  # the run's default is a preset
 
@@ -347,3 +353,23 @@ def test_fid_while_training_defaults_are_the_harness_defaults():
     from uvic.fid.inception import DEFAULT_DIMS, DEFAULT_MODE
 
     assert (TrainConfig().eval_fid_mode, TrainConfig().eval_fid_dims) == (DEFAULT_MODE, DEFAULT_DIMS)
+
+
+def test_the_old_lm_placement_key_loads_with_one_warning(tmp_path):
+    """`model.num_softmax_layers` (k for both ends) still loads, as does a run config saved before the rename (k and
+    the ends as null, which followed it); each with one FutureWarning, and an end given apart wins."""
+    from uvic.config import LMModelConfig
+
+    with pytest.warns(FutureWarning, match=r"config section model: num_softmax_layers is the old name") as record:
+        cfg = load_config(None, ["task=lm", "model.preset=600M", "model.num_softmax_layers=1",
+                                 "model.keep_softmax_last=0"])  # fmt: skip
+    assert len(record) == 1 and (cfg.model.keep_softmax_first, cfg.model.keep_softmax_last) == (1, 0)
+    old = yaml.safe_load(load_config(None, ["task=lm"]).to_yaml())  # a run config as the old version saved it
+    del old["model"]["keep_softmax_first"], old["model"]["keep_softmax_last"]
+    old["model"].update(num_softmax_layers=3, keep_softmax_first=None, keep_softmax_last=None)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.warns(FutureWarning) as record:
+        loaded = load_config(tmp_path / "config.yaml")
+    assert len(record) == 1 and loaded.model == LMModelConfig(keep_softmax_first=3, keep_softmax_last=3)
+    with pytest.raises(ConfigError, match=r"^config key model.num_softmax_layers must be an int >= 0, got -1$"):
+        load_config(None, ["task=lm", "model.num_softmax_layers=-1"])

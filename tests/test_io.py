@@ -11,7 +11,15 @@ import torch
 from PIL import Image
 
 from uvic.errors import DataError
-from uvic.io import UnsafeFileError, atomic_write, load_data_pickle, load_torch_data, read_npz, sha256_file, to_uint8
+from uvic.io import (
+    UnsafeFileError,
+    atomic_write,
+    load_data_pickle,
+    load_torch_data,
+    quantize_uint8,
+    read_npz,
+    sha256_file,
+)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
@@ -114,7 +122,7 @@ def test_read_npz(tmp_path):
         read_npz(tmp_path / "missing.npz")
 
 
-def test_to_uint8_matches_torchvision_save_image():
+def test_quantize_uint8_matches_torchvision_save_image():
     from torchvision.utils import save_image
 
     x = torch.rand(2, 3, 5, 7, generator=torch.Generator().manual_seed(0)) * 1.2 - 0.1  # beyond [0, 1] too
@@ -122,13 +130,13 @@ def test_to_uint8_matches_torchvision_save_image():
     buffer = io.BytesIO()
     save_image(x[1], buffer, format="png")
     reference = torch.from_numpy(np.array(Image.open(buffer))).permute(2, 0, 1)
-    assert torch.equal(to_uint8(x)[1], reference)
-    as_numpy = to_uint8(x.permute(0, 2, 3, 1).numpy())  # numpy in, numpy out, same layout
-    assert isinstance(as_numpy, np.ndarray) and np.array_equal(as_numpy, to_uint8(x).permute(0, 2, 3, 1).numpy())
+    assert torch.equal(quantize_uint8(x)[1], reference)
+    as_numpy = quantize_uint8(x.permute(0, 2, 3, 1).numpy())  # numpy in, numpy out, same layout
+    assert isinstance(as_numpy, np.ndarray) and np.array_equal(as_numpy, quantize_uint8(x).permute(0, 2, 3, 1).numpy())
     y = x * 2 - 1
-    assert torch.equal(to_uint8(y, (-1.0, 1.0)), to_uint8((y + 1) / 2))  # U-ViT's unpreprocess, then quantised
+    assert torch.equal(quantize_uint8(y, (-1.0, 1.0)), quantize_uint8((y + 1) / 2))  # U-ViT's unpreprocess, then quantised
     with pytest.raises(ValueError, match="NaN or Inf"):
-        to_uint8(torch.full((1, 3, 2, 2), float("nan")))
+        quantize_uint8(torch.full((1, 3, 2, 2), float("nan")))
 
 
 class _Tied(torch.nn.Module):

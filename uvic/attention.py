@@ -38,7 +38,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -108,9 +108,9 @@ def attention_op(attention: AttentionKind) -> Callable[..., torch.Tensor]:
 def check_softmax_count(value: object, name: str) -> int:
     """`value` if it is a count of layers kept on softmax, an int >= 0; else a ValueError naming `name`.
 
-    The one validation of the placement's counts (`attention_placement`, the models' `keep_softmax_first` /
-    `keep_softmax_last` and `num_softmax_layers`, the integrations' `keep_softmax` and what they read back from a
-    saved config). bool, float (1.0, NaN, inf), str, None and containers are refused.
+    The one validation of the placement's counts (`attention_placement`, the models' and the integrations'
+    `keep_softmax_first` / `keep_softmax_last`, the old names `renamed_placement` reads, and what the integrations
+    read back from a saved config). bool, float (1.0, NaN, inf), str, None and containers are refused.
     """
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -166,6 +166,28 @@ def attention_placement(
         warnings.warn(f"attention='cog' with {names[0]}={first} and {names[1]}={last} keeps all {num_layers} layers "
                       "on softmax, so no layer runs Cog attention", stacklevel=2)  # fmt: skip
     return kinds
+
+
+def renamed_placement(count: object, first: object = None, last: object = None, *, old: str, where: str,
+                      stacklevel: int = 3, warn: bool = True) -> tuple[Any, Any]:  # fmt: skip
+    """(keep_softmax_first, keep_softmax_last) of a placement written with an old name: the one count `count` of
+    both ends (Cogformer's `num_softmax_layers`, the integrations' `keep_softmax` and `cog_keep_softmax`), where an
+    end given apart (not None) wins; with one FutureWarning naming `where`, the old name and what to write instead.
+
+    `count` None (no old count, only an end written as None, as configs saved with the old names hold) leaves the
+    ends as given; the caller drops a None end. `warn=False`: no warning (a caller reading several records of one
+    saved model warns once). Raises ValueError (`check_softmax_count`) for a bad count.
+    """
+    if count is not None:
+        count = check_softmax_count(count, old)
+        first, last = (count if first is None else first), (count if last is None else last)
+    read = ", ".join(f"{name}={value}" for name, value in (("keep_softmax_first", first), ("keep_softmax_last", last))
+                     if value is not None) or "the preset's or default counts"  # fmt: skip
+    if warn:
+        warnings.warn(f"{where}: {old} is the old name of the softmax placement, read as {read}; "
+                      "write keep_softmax_first / keep_softmax_last (counts of layers at each end that keep "
+                      "softmax)", FutureWarning, stacklevel=stacklevel)  # fmt: skip
+    return first, last
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
     cfg = load_config("configs/cifar10_uvic_s2.yaml", ["train.batch_size=64", "model.depth=13"])
     model = UViTModel(**dataclasses.asdict(cfg.model))
 
-Every config dataclass of the built-in tasks lives here. A run config's class depends on `task`, through the one
-task table `TASKS` (task name -> (run-config class, training-task class)):
+Every config dataclass of the built-in tasks lives here. A run config's class depends on `task`, through the table
+`TASKS` (task name -> run-config class; the training-task classes are `uvic.training.tasks.TASK_CLASSES`):
 
     task          class                  sections
     "diffusion"   `Config`               model (UViTConfig), diffusion, data (DataConfig), train, sample
@@ -19,7 +19,6 @@ only what differs. Unknown keys and values of the wrong type are errors that nam
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import math
@@ -32,7 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from uvic.attention import ATTENTIONS, BACKENDS
+from uvic.attention import ATTENTIONS, BACKENDS, renamed_placement
 from uvic.data.imagenet import LATENT_SCALE as IMAGENET_LATENT_SCALE
 from uvic.data.images import DATASETS
 from uvic.errors import ConfigError
@@ -59,7 +58,8 @@ class PresetSection:
 
 class ModelSection(PresetSection):
     """A `model` section: a frozen dataclass whose fields are a model's keyword arguments, with the types and
-    defaults of the model's own signature (`model_section` writes it from the signature; nothing is restated).
+    defaults of the model's own signature, written out field for field (tests/test_config.py keeps the two equal,
+    so a new constructor argument fails there until its field is written here).
 
     Its presets are the model family's preset table (the one place a model size is written):
 
@@ -69,44 +69,31 @@ class ModelSection(PresetSection):
     """
 
 
-def keyword_parameters(module: str, function: str) -> list[tuple[str, Any, Any]]:
-    """(name, type, default) of each positional-or-keyword parameter but `self` of `function` ("Class.__init__") in
-    the uvic module `module` ("uvic.models.uvit"), read from the module's source without importing it.
-
-    The model modules import diffusers and transformers, which take seconds that a config load (`train.py
-    --dry-run`, a config error) does not need; their signatures stay the one statement of a model's hyperparameters.
-    Annotations are evaluated with the builtin types and `typing`'s names; defaults must be literals (a test pins the
-    result to `inspect.signature` of the imported function).
-    """
-    path = Path(__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    scope: Any = ast.parse(path.read_text(encoding="utf-8"))
-    for part in function.split("."):
-        scope = next(n for n in scope.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == part)
-    args = scope.args.posonlyargs + scope.args.args
-    defaults = [None] * (len(args) - len(scope.args.defaults)) + scope.args.defaults
-    names = {**{t.__name__: t for t in (int, float, str, bool, tuple, list, dict)}, "None": None,
-             **{n: getattr(typing, n) for n in typing.__all__}}
-    return [(a.arg, eval(ast.unparse(a.annotation), {"__builtins__": {}}, names),
-             dataclasses.MISSING if d is None else ast.literal_eval(d))
-            for a, d in zip(args, defaults) if a.arg != "self"]  # fmt: skip
-
-
-def model_section(name: str, signature_of: tuple[str, str], preset_kwargs: Callable[[str], dict[str, Any]],
-                  doc: str, exclude: tuple[str, ...] = ()) -> type:
-    """A frozen `ModelSection` dataclass named `name` whose fields are the keyword arguments of the function
-    `signature_of` = (module, function) (less `exclude`, see `keyword_parameters`), with their annotated types and
-    default values."""
-    params = [p for p in keyword_parameters(*signature_of) if p[0] not in exclude]
-    namespace = {"__doc__": doc, "__module__": __name__, "preset_kwargs": staticmethod(preset_kwargs)}
-    return dataclasses.make_dataclass(name, [(n, hint, field(default=d)) for n, hint, d in params],
-                                      bases=(ModelSection,), namespace=namespace, frozen=True)
-
-
-UViTConfig = model_section(
-    "UViTConfig", ("uvic.models.uvit", "UViTModel.__init__"), uvit_preset,
+@dataclass(frozen=True)
+class UViTConfig(ModelSection):
     """`UViTModel.__init__` keyword arguments, field for field, with the model's defaults; `preset:` names an entry
-    of `UVIT_PRESETS`.""",
-)
+    of `UVIT_PRESETS`."""
+
+    preset_kwargs = staticmethod(uvit_preset)
+
+    img_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = False
+    mlp_time_embed: bool = False
+    num_classes: int = -1
+    clip_dim: int | None = None
+    num_clip_token: int = 77
+    conv: bool = True
+    skip: bool = True
+    attention: str = "cog"
+    keep_softmax_first: int = 1
+    keep_softmax_last: int = 1
+    attention_backend: str = "auto"
 
 
 _VP, _DDPM = SCHEDULE_PRESETS["vpsde"], SCHEDULE_PRESETS["ddpm"]
@@ -344,13 +331,47 @@ class ClassCondRunConfig(Config):
 # ---------------------------------------------------------------------------------------------------------
 
 
-LMModelConfig = model_section(
-    "LMModelConfig", ("uvic.models.cogformer", "CogformerConfig.__init__"), cogformer_preset,
+@dataclass(frozen=True)
+class LMModelConfig(ModelSection):
     """`CogformerConfig.__init__`'s architecture kwargs with its defaults (the paper's 141M model, Sec. 4.1);
-    `preset:` names an entry of `COGFORMER_PRESETS`.""",
-    # Generation settings and special-token ids, which the LM task's export takes from the tokenizer.
-    exclude=("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings"),
-)
+    `preset:` names an entry of `COGFORMER_PRESETS`. Not here: the generation settings and special-token ids
+    (`use_cache`, `pad_token_id`, `bos_token_id`, `eos_token_id`, `tie_word_embeddings`), which the LM task's
+    export takes from the tokenizer."""
+
+    preset_kwargs = staticmethod(cogformer_preset)
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention: str = "cog"
+    keep_softmax_first: int = 1
+    keep_softmax_last: int = 1
+    attention_backend: str = "auto"
+    initializer_range: float = 0.02
+
+    @staticmethod
+    def renamed(data: dict[str, Any], where: str) -> dict[str, Any]:
+        """`data` with the old placement read: `num_softmax_layers` = k for both ends (an end given apart wins) and
+        ends written as null (as run configs saved before the rename hold them: they followed k); one FutureWarning."""
+        if "num_softmax_layers" not in data and not any(data.get(k, 0) is None for k in _ENDS):
+            return data
+        data = dict(data)
+        try:
+            ends = renamed_placement(data.pop("num_softmax_layers", None), *(data.pop(k, None) for k in _ENDS),
+                                     old="num_softmax_layers", where=f"config section {where}",
+                                     stacklevel=5)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"config key {where}.{e}") from None
+        return {**data, **{k: v for k, v in zip(_ENDS, ends) if v is not None}}
+
+
+_ENDS = ("keep_softmax_first", "keep_softmax_last")
 
 
 @dataclass(frozen=True)
@@ -415,41 +436,29 @@ RunConfig = Config | Text2ImageRunConfig | LMRunConfig | ClassCondRunConfig
 # The task table
 # ---------------------------------------------------------------------------------------------------------
 
-# `task` in a config -> (its run-config class, its training task: a `uvic.training.tasks.Task` class). Either entry
-# may be written "module:Class" and is then imported on first use (`task_config_class`, `task_class`), as
-# `uvic.schedulers.SAMPLER_TABLE` names its schedulers: loading a config imports no task or model code. A new task
-# is one row here and one file (its task class, and its config class when its sections differ); the config's
-# `task` key, `train.py`, the loop, the validation and FID while training all read this table.
-TASKS: dict[str, tuple[type | str, type | str]] = {
-    "diffusion": (Config, "uvic.training.tasks.diffusion:DiffusionTask"),
-    "t2i": (Text2ImageRunConfig, "uvic.training.tasks.text2image:Text2ImageTask"),
-    "class_cond": (ClassCondRunConfig, "uvic.training.tasks.class_cond:ClassConditionalTask"),
-    "lm": (LMRunConfig, "uvic.training.tasks.lm:LMTask"),
+# `task` in a config -> its run-config class: the task names and the config classes, which is all a config needs.
+# The training task of each name (a `uvic.training.tasks.Task` class) is registered where the tasks live,
+# `uvic.training.tasks.TASK_CLASSES`, so that this module names nothing above it; a new task adds its run-config
+# class here (`uvic.training.tasks.register_task` does both). The config's `task` key, `train.py`, the loop, the
+# validation and FID while training all read these two tables.
+TASKS: dict[str, type] = {
+    "diffusion": Config,
+    "t2i": Text2ImageRunConfig,
+    "class_cond": ClassCondRunConfig,
+    "lm": LMRunConfig,
 }
 
 
-def _task_row(task: Any) -> tuple[type | str, type | str]:
+def check_task_name(task: Any) -> str:
+    """`task` if `TASKS` holds it; else ConfigError naming the valid tasks."""
     if not isinstance(task, str) or task not in TASKS:
         raise ConfigError(f"config key task: {task!r} is not one of {list(TASKS)}")
-    return TASKS[task]
-
-
-def _resolve(entry: type | str) -> type:
-    """A class, or the class a "module:Class" entry names (imported now)."""
-    if isinstance(entry, str):
-        module, _, name = entry.partition(":")
-        return getattr(importlib.import_module(module), name)
-    return entry
+    return task
 
 
 def task_config_class(task: str) -> type:
     """The run-config class of `task`. Raises ConfigError for a name `TASKS` does not hold."""
-    return _resolve(_task_row(task)[0])
-
-
-def task_class(task: str) -> type:
-    """The training-task class of `task` (imported now). Raises ConfigError for a name `TASKS` does not hold."""
-    return _resolve(_task_row(task)[1])
+    return TASKS[check_task_name(task)]
 
 
 def _plain(obj: Any) -> Any:
@@ -540,6 +549,8 @@ def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
     where = prefix.rstrip(".") or "config"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
+    if hasattr(cls, "renamed"):  # a section that still reads keys of an old name
+        data = cls.renamed(data, where)
     names = {f.name for f in dataclasses.fields(cls)}
     if issubclass(cls, PresetSection):
         names.add("preset")
@@ -636,7 +647,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.vocab_size": _AT_LEAST_1, "model.hidden_size": _AT_LEAST_1, "model.intermediate_size": _AT_LEAST_1,
     "model.num_hidden_layers": _AT_LEAST_1, "model.num_attention_heads": _AT_LEAST_1, "model.head_dim": _AT_LEAST_1,
     "model.max_position_embeddings": _AT_LEAST_1, "model.rms_norm_eps": _POSITIVE, "model.rope_theta": _POSITIVE,
-    "model.num_softmax_layers": _AT_LEAST_0, "model.initializer_range": _POSITIVE,
+    "model.initializer_range": _POSITIVE,
     # diffusion
     "diffusion.beta_min": _AT_LEAST_0, "diffusion.beta_max": _POSITIVE, "diffusion.time_scale": _POSITIVE,
     "diffusion.num_train_timesteps": _AT_LEAST_1, "diffusion.beta_start": _OPEN_FRACTION,

@@ -37,9 +37,9 @@ __all__ = [
     "fsync_tree",
     "load_data_pickle",
     "load_torch_data",
+    "quantize_uint8",
     "read_npz",
     "sha256_file",
-    "to_uint8",
     "weight_shapes",
     "weights_only_error",
 ]
@@ -455,7 +455,7 @@ def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> 
 IMAGE_RANGE: tuple[float, float] = (0.0, 1.0)
 
 
-def to_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = IMAGE_RANGE) -> Any:
+def quantize_uint8(images: torch.Tensor | np.ndarray, value_range: tuple[float, float] = IMAGE_RANGE) -> Any:
     """Quantise float images to uint8 as `torchvision.utils.save_image` does: uint8(clamp(255 x + 0.5, 0, 255)).
 
     Args:

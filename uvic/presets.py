@@ -105,19 +105,23 @@ def official_nnet(preset: str) -> dict[str, Any]:
 COGFORMER_PRESETS: dict[str, dict] = {
     "tiny": {
         "vocab_size": 257, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "max_position_embeddings": 256, "num_softmax_layers": 1,
+        "num_attention_heads": 4, "max_position_embeddings": 256,
+        "keep_softmax_first": 1, "keep_softmax_last": 1,
     },
     "141M": {
         "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-        "num_attention_heads": 12, "max_position_embeddings": 2048, "num_softmax_layers": 1,
+        "num_attention_heads": 12, "max_position_embeddings": 2048,
+        "keep_softmax_first": 1, "keep_softmax_last": 1,
     },
     "600M": {
         "vocab_size": 32000, "hidden_size": 1536, "intermediate_size": 4608, "num_hidden_layers": 16,
-        "num_attention_heads": 24, "max_position_embeddings": 4096, "num_softmax_layers": 2,
+        "num_attention_heads": 24, "max_position_embeddings": 4096,
+        "keep_softmax_first": 2, "keep_softmax_last": 2,
     },
     "1B": {
         "vocab_size": 32000, "hidden_size": 1792, "intermediate_size": 5376, "num_hidden_layers": 22,
-        "num_attention_heads": 28, "max_position_embeddings": 4096, "num_softmax_layers": 3,
+        "num_attention_heads": 28, "max_position_embeddings": 4096,
+        "keep_softmax_first": 3, "keep_softmax_last": 3,
     },
 }  # fmt: skip
 

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from uvic.config import DataConfig
-from uvic.data import ImageFolder, build_image_dataset
+from uvic.data import ResizedImageFolder, build_image_dataset
 from uvic.data.images import check_image
 from uvic.errors import DataError
 
@@ -34,7 +34,7 @@ def test_truncated_png_is_named_when_the_dataset_is_built(folder):
     with Image.open(folder / "2_truncated.png") as img:
         assert img.size == (8, 8)  # the header alone looks fine: only reading on finds the damage
     with pytest.raises(DataError) as e:
-        ImageFolder(folder, 8)
+        ResizedImageFolder(folder, 8)
     assert str(e.value).startswith(f"{folder / '2_truncated.png'} is not a readable image (")
     assert str(e.value).endswith("; remove them, or set data.skip_bad_images=true to skip them")
 
@@ -59,25 +59,25 @@ def test_skipping_unreadable_files_only_when_asked(folder, caplog):
     for p in folder.glob("*.png"):
         p.write_text("no images left")
     with pytest.raises(FileNotFoundError, match="no readable images under .*: all 5 were skipped"):
-        ImageFolder(folder, 8, skip_bad=True)
+        ResizedImageFolder(folder, 8, skip_bad=True)
 
 
 def test_a_file_damaged_after_the_check_is_named_when_read(folder):
-    ds = ImageFolder(folder, 8)
+    ds = ResizedImageFolder(folder, 8)
     (folder / "3.png").write_bytes(b"\x89PNG\r\n")
     with pytest.raises(DataError, match=rf"^{folder / '3.png'} is not a readable image"):
         ds[3]
 
 
 def test_training_and_fid_read_a_folder_alike(tmp_path):
-    from uvic.fid import ImageFolder as FIDImageFolder
+    from uvic.fid import ImageFolder
 
     folder = tmp_path / "samples"
     folder.mkdir()
     rng = np.random.default_rng(0)
     for i in range(12):  # 2.png before 10.png: U-ViT's sample order
         Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    train_ds, fid_ds = ImageFolder(folder, 8), FIDImageFolder(folder)
+    train_ds, fid_ds = ResizedImageFolder(folder, 8), ImageFolder(folder)
     assert [p.name for p in train_ds.paths] == [p.name for p in fid_ds.files] == [f"{i}.png" for i in range(12)]
     for i in range(12):  # the same pixels: uint8 for FID, ToTensor + Normalize(0.5, 0.5) for training
         torch.testing.assert_close(train_ds[i]["x"], fid_ds[i].float() / 127.5 - 1)

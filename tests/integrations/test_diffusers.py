@@ -174,7 +174,7 @@ def tiny_flux():
 
 MODELS = {"dit": tiny_dit, "unet": tiny_unet, "sd3": tiny_sd3, "flux": tiny_flux}
 
-# What apply_cog_attention(model, keep_softmax=1) switches: every attention block but the first and last in forward
+# What apply_cog_attention(model) switches: every attention block but the first and last in forward
 # order (UNet: down, mid, up; a BasicTransformerBlock's self- and cross-attention form one block).
 SWITCHED = {
     "dit": ["transformer_blocks.1.attn1", "transformer_blocks.2.attn1"],
@@ -236,14 +236,15 @@ def test_every_input_of_the_default_processors():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
         with pytest.warns(UserWarning, match="ModuleDict has 3 attention block"):
-            assert apply_cog_attention(zoo, keep_softmax=5) == []
+            assert apply_cog_attention(zoo, keep_softmax_first=5, keep_softmax_last=5) == []
         assert [p.layer_scale for p in (attn.processor for attn in zoo.values())] == [False, False, True]
         for name, runs in inputs.items():
             for (kw, _), want in zip(runs, stock[name]):
                 tol = 1e-5 if name == "unscaled" else 0  # AttnProcessor's explicit softmax; else the same SDPA call
                 torch.testing.assert_close(zoo[name](**kw), want, rtol=tol, atol=tol)
 
-        assert apply_cog_attention(zoo, keep_softmax=0) == ["spatial", "cross", "unscaled"]  # each layer a block
+        # each layer a block
+        assert apply_cog_attention(zoo, keep_softmax_first=0, keep_softmax_last=0) == ["spatial", "cross", "unscaled"]
         assert zoo["unscaled"].processor.layer_scale  # kept when a Cog processor is re-placed
         for name, runs in inputs.items():
             for (kw, kept), want in zip(runs, stock[name]):
@@ -260,7 +261,8 @@ def test_softmax_mode_reproduces_the_stock_model(kind):
     with torch.no_grad():
         stock = sample(model(**inputs))
         with pytest.warns(UserWarning, match="no layer runs Cog attention"):
-            assert apply_cog_attention(model, keep_softmax=100) == []  # every block kept: all in softmax mode
+            # every block kept: all in softmax mode
+            assert apply_cog_attention(model, keep_softmax_first=100, keep_softmax_last=100) == []
         assert all(type(m.processor).__name__.startswith("KeptSoftmax") and m.processor.runs_softmax
                    for m in attention_layers(model).values())  # fmt: skip
         torch.testing.assert_close(sample(model(**inputs)), stock, rtol=0, atol=0)
@@ -271,7 +273,7 @@ def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
     model, inputs, sample = MODELS[kind]()
     with torch.no_grad():
         stock = sample(model(**inputs))
-        switched = apply_cog_attention(model, keep_softmax=1)
+        switched = apply_cog_attention(model)
         assert switched == SWITCHED[kind]
         calls, cog = recorded_run(model, inputs, sample)
         assert not torch.allclose(cog, stock, atol=1e-3)
@@ -299,8 +301,9 @@ def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
 
 def test_keep_softmax_zero_switches_every_layer():
     model, inputs, _ = tiny_unet()
-    assert apply_cog_attention(model, keep_softmax=0) == list(attention_layers_in_forward_order(model))
-    assert apply_cog_attention(model, keep_softmax=1) == SWITCHED["unet"]  # a second call re-places the rule
+    everything = list(attention_layers_in_forward_order(model))
+    assert apply_cog_attention(model, keep_softmax_first=0, keep_softmax_last=0) == everything
+    assert apply_cog_attention(model) == SWITCHED["unet"]  # a second call re-places the rule
 
 
 def attention_layers_in_forward_order(model):
@@ -312,7 +315,7 @@ def attention_layers_in_forward_order(model):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_a_training_step_has_finite_gradients(kind):
     model, inputs, sample = MODELS[kind]()
-    switched = apply_cog_attention(model.train(), keep_softmax=1)
+    switched = apply_cog_attention(model.train())
     loss = sample(model(**inputs)).square().mean()
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -323,7 +326,7 @@ def test_a_training_step_has_finite_gradients(kind):
 
 def test_masks_that_are_not_key_masks_are_refused_with_the_module_name():
     model, inputs, _ = tiny_unet()
-    apply_cog_attention(model, keep_softmax=0)
+    apply_cog_attention(model, keep_softmax_first=0, keep_softmax_last=0)
     name = "mid_block.attentions.0.transformer_blocks.0.attn2"
     attn = attention_layers(model)[name]
     x, context = torch.randn(2, 4, 64), torch.randn(2, 7, 24)
@@ -348,7 +351,7 @@ def test_unsupported_processors_and_arguments_are_refused():
         apply_cog_attention(model)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="keep_softmax"):
-            apply_cog_attention(model, keep_softmax=bad)
+            apply_cog_attention(model, keep_softmax_first=bad, keep_softmax_last=bad)
     with pytest.raises(ValueError, match="no diffusers attention modules"):
         apply_cog_attention(torch.nn.Linear(2, 2))
 
@@ -364,20 +367,50 @@ def processor_types(model):
 
 def test_a_saved_placement_is_restored_by_load(tmp_path):
     model, inputs, sample = tiny_dit()
-    switched = apply_cog_attention(model, keep_softmax=1, backend="torch")
+    switched = apply_cog_attention(model, backend="torch")
     with torch.no_grad():
         want = sample(model(**inputs))
     model.save_pretrained(tmp_path)
 
     plain = DiTTransformer2DModel.from_pretrained(tmp_path).eval()  # diffusers does not save processors
     assert set(processor_types(plain).values()) == {AttnProcessor2_0}
-    assert plain.config[CONFIG_KEY] == {"keep_softmax": 1, "backend": "torch"}
+    assert plain.config[CONFIG_KEY] == {"keep_softmax_first": 1, "keep_softmax_last": 1, "backend": "torch"}
     assert restore_cog_attention(plain) == switched
     assert processor_types(plain) == processor_types(model)
 
     loaded = load(DiTTransformer2DModel, tmp_path).eval()
     assert processor_types(loaded) == processor_types(model)
     assert all(m.processor.backend == "torch" for m in attention_layers(loaded).values())
+    with torch.no_grad():
+        torch.testing.assert_close(sample(loaded(**inputs)), want, rtol=0, atol=0)
+
+
+def test_the_two_ends_are_placed_apart():
+    """keep_softmax_first / keep_softmax_last, as U-ViT's and Cogformer's: blocks in forward order."""
+    model, _, _ = tiny_dit()
+    blocks = list(attention_layers(model))  # DiT: transformer_blocks.0 .. 3, in forward order
+    assert len(blocks) == 4  # one attention layer per transformer block
+    assert apply_cog_attention(model, keep_softmax_first=1, keep_softmax_last=0) == blocks[1:]
+    assert apply_cog_attention(model, keep_softmax_first=0, keep_softmax_last=2) == blocks[:2]
+
+
+def test_the_old_keep_softmax_still_places_both_ends_with_one_warning(tmp_path):
+    """`apply_cog_attention(model, keep_softmax=k)` and a config.json whose record holds the one count `keep_softmax`
+    (as saved before the rename) place k and k, each with one FutureWarning, and the loaded model computes the
+    same as the saving one."""
+    model, inputs, sample = tiny_dit()
+    with pytest.warns(FutureWarning, match=r"^apply_cog_attention: keep_softmax is the old name") as record:
+        switched = apply_cog_attention(model, keep_softmax=1, backend="torch")
+    assert len(record) == 1 and switched == list(attention_layers(model))[1:-1]
+    with torch.no_grad():
+        want = sample(model(**inputs))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, CONFIG_KEY: {"keep_softmax": 1, "backend": "torch"}}))
+    with pytest.warns(FutureWarning, match=r"config entry '_cog_attention': keep_softmax is the old name") as record:
+        loaded = load(DiTTransformer2DModel, tmp_path).eval()
+    assert len([w for w in record if issubclass(w.category, FutureWarning)]) == 1
+    assert processor_types(loaded) == processor_types(model)
     with torch.no_grad():
         torch.testing.assert_close(sample(loaded(**inputs)), want, rtol=0, atol=0)
 
@@ -394,11 +427,16 @@ def test_a_damaged_saved_placement_is_one_error_naming_the_entry(tmp_path):
     """A config.json's `_cog_attention` that is not what apply_cog_attention records: one ValueError naming the entry
     (before: `TypeError: ... argument after ** must be a mapping`, or a bare keep_softmax error)."""
     model, _, _ = tiny_dit()
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    for bad, match in [([1], r"must be a mapping \{'keep_softmax': int, 'backend': str\} .*got \[1\]"),
-                       ("1", "must be a mapping"), ({"keep_softmax": 1, "layers": [2]}, "must be a mapping"),
+    for bad, match in [([1], r"must be a mapping \{'keep_softmax_first': int, 'keep_softmax_last': int, 'backend': "
+                             r"str\} .*got \[1\]"),
+                       ("1", "must be a mapping"), ({"keep_softmax_first": 1, "layers": [2]}, "must be a mapping"),
+                       ({"keep_softmax_first": -1}, "keep_softmax_first must be an int >= 0, got -1"),
+                       ({"keep_softmax_first": 1, "keep_softmax_last": "1"}, "keep_softmax_last must be an int >= 0"),
+                       # saved before the rename: the one count, checked under its name
+                       ({"keep_softmax": 1, "layers": [2]}, "must be a mapping"),
                        ({"keep_softmax": -1}, "keep_softmax must be an int >= 0, got -1"),
                        ({"keep_softmax": 0.5, "backend": "torch"}, "keep_softmax must be an int >= 0, got 0.5"),
                        ({"keep_softmax": 1, "backend": "flash"}, "backend must be one of")]:  # fmt: skip
@@ -417,7 +455,7 @@ def test_a_pipeline_is_restored_component_by_component(tmp_path):
     transformer, inputs, _ = tiny_dit()
     torch.manual_seed(0)
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
-    switched = apply_cog_attention(transformer, keep_softmax=1)
+    switched = apply_cog_attention(transformer)
     DiTPipeline(transformer=transformer, vae=vae, scheduler=DDIMScheduler()).save_pretrained(tmp_path)
     pipe = load(DiTPipeline, tmp_path)  # the VAE recorded nothing: only the transformer is switched
     assert processor_types(pipe.transformer) == processor_types(transformer)
@@ -430,8 +468,8 @@ def test_re_created_processors_keep_their_mode():
     class alone gives the same computation, `AttnProcessor`-style layers (scale_qk=False) included."""
     model, inputs, sample = tiny_unet()
     zoo, zoo_inputs = layer_zoo()
-    apply_cog_attention(model, keep_softmax=1)
-    apply_cog_attention(zoo, keep_softmax=0)
+    apply_cog_attention(model)
+    apply_cog_attention(zoo, keep_softmax_first=0, keep_softmax_last=0)
 
     def run():
         with torch.no_grad():
@@ -462,7 +500,7 @@ def ip_adapter_state_dict(unet):
 
 def test_ip_adapter_loading_keeps_self_attention_and_says_what_it_replaced():
     model, inputs, _ = tiny_unet()
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     before = processor_types(model)
     model._load_ip_adapter_weights([ip_adapter_state_dict(model)])
     after = processor_types(model)
@@ -477,14 +515,14 @@ def test_ip_adapter_loading_keeps_self_attention_and_says_what_it_replaced():
 
 def test_replaced_processors_are_reported_and_a_fresh_apply_is_quiet():
     model, inputs, _ = tiny_dit()
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(**inputs)  # nothing replaced: no warning
     attention_layers(model)["transformer_blocks.1.attn1"].set_processor(AttnProcessor2_0())
     with pytest.warns(UserWarning, match=r"1 attention module\(s\) .*transformer_blocks.1.attn1 \(AttnProcessor2_0\)"):
         model(**inputs)
-    apply_cog_attention(model, keep_softmax=1)  # re-placed: checked against the new processors only
+    apply_cog_attention(model)  # re-placed: checked against the new processors only
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(**inputs)
@@ -499,12 +537,12 @@ def test_replaced_processors_are_reported_and_a_fresh_apply_is_quiet():
 def test_a_model_with_too_few_blocks_says_that_nothing_was_switched():
     torch.manual_seed(0)
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
-    with pytest.warns(UserWarning, match=r"AutoencoderKL has 2 attention block\(s\), and keep_softmax=1 .*no layer "
-                                         r"runs Cog attention"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"AutoencoderKL has 2 attention block\(s\), and keep_softmax_first=1 and "
+                                         r"keep_softmax_last=1 keep all .*no layer runs Cog attention"):  # fmt: skip
         assert apply_cog_attention(vae) == []
     assert all(type(m.processor).__name__ == "KeptSoftmaxAttnProcessor" and m.processor.runs_softmax
                for m in attention_layers(vae).values())  # fmt: skip
-    assert apply_cog_attention(vae, keep_softmax=0) == ["encoder.mid_block.attentions.0",
+    assert apply_cog_attention(vae, keep_softmax_first=0, keep_softmax_last=0) == ["encoder.mid_block.attentions.0",
                                                         "decoder.mid_block.attentions.0"]  # fmt: skip
     assert all(type(m.processor).__name__ == "CogAttnProcessor" and not m.processor.runs_softmax
                for m in attention_layers(vae).values())  # fmt: skip
@@ -512,7 +550,7 @@ def test_a_model_with_too_few_blocks_says_that_nothing_was_switched():
 
 def test_a_switched_model_pickles_and_copies_with_its_check():
     model, inputs, sample = tiny_dit()
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     pickled, copied = pickle.loads(pickle.dumps(model)), copy.deepcopy(model)
     attention_layers(copied)["transformer_blocks.2.attn1"].set_processor(AttnProcessor2_0())
     with torch.no_grad():

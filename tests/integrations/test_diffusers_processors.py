@@ -160,7 +160,7 @@ def test_kept_layers_are_the_stock_processor_exactly(kind):
     with torch.no_grad():
         calls, stock = recorded_run(model, inputs)
         with pytest.warns(UserWarning, match="no layer runs Cog attention"):
-            assert apply_cog_attention(model, keep_softmax=100) == []
+            assert apply_cog_attention(model, keep_softmax_first=100, keep_softmax_last=100) == []
         layers = attention_layers(model)
         assert all(type(m.processor).__name__.startswith("KeptSoftmax") and m.processor.runs_softmax
                    for m in layers.values())  # fmt: skip
@@ -176,7 +176,7 @@ def test_cog_layers_follow_the_formula(kind):
     with torch.no_grad():
         calls, stock = recorded_run(model, inputs)
         stock_processors = {name: type(m.processor) for name, m in attention_layers(model).items()}
-        switched = apply_cog_attention(model, keep_softmax=0)
+        switched = apply_cog_attention(model, keep_softmax_first=0, keep_softmax_last=0)
         layers = attention_layers(model)
         assert sorted(switched) == sorted(layers) and all(type(m.processor).__name__.startswith("Cog") for m in layers.values())
         for name, (args, kw, stock_out) in calls.items():
@@ -194,17 +194,18 @@ def test_cog_layers_follow_the_formula(kind):
 
 
 def test_blocks_group_their_attention_layers():
-    """HunyuanDiT's blocks hold a self- and a cross-attention each; keep_softmax=1 keeps the first and last block."""
+    """HunyuanDiT's blocks hold a self- and a cross-attention each; keep_softmax_first=1 and keep_softmax_last=1 keep
+    the first and last block."""
     model, _ = tiny_hunyuan()
-    assert apply_cog_attention(model, keep_softmax=1) == ["blocks.1.attn1", "blocks.1.attn2", "blocks.2.attn1",
+    assert apply_cog_attention(model) == ["blocks.1.attn1", "blocks.1.attn2", "blocks.2.attn1",
                                                           "blocks.2.attn2"]  # fmt: skip
     model, _ = tiny_simple_cross_unet()  # attention layers outside blocks: each one is a block, in down, mid, up order
-    assert apply_cog_attention(model, keep_softmax=1) == ["mid_block.attentions.0", "up_blocks.0.attentions.0"]
+    assert apply_cog_attention(model) == ["mid_block.attentions.0", "up_blocks.0.attentions.0"]
 
 
 def test_a_cog_training_step_has_finite_gradients():
     model, inputs = tiny_wan(image=True)
-    switched = apply_cog_attention(model.train(), keep_softmax=1)
+    switched = apply_cog_attention(model.train())
     model(**inputs).sample.square().mean().backward()
     layers = attention_layers(model)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -232,13 +233,13 @@ def test_explicit_added_kv_processors_keep_their_scale():
     with torch.no_grad():
         stock = model(**inputs).sample
         with pytest.warns(UserWarning, match="no layer runs Cog attention"):
-            apply_cog_attention(model, keep_softmax=100)
+            apply_cog_attention(model, keep_softmax_first=100, keep_softmax_last=100)
         assert all(m.processor.layer_scale for m in attention_layers(model).values())
         # The stock processor's softmax runs in float32 (its `upcast_softmax` casts the scores with `.float()`).
         torch.testing.assert_close(model(**inputs).sample, stock, rtol=1e-6, atol=1e-6)
-        apply_cog_attention(model, keep_softmax=0)
+        apply_cog_attention(model, keep_softmax_first=0, keep_softmax_last=0)
         cog = model(**inputs).sample
         sdpa_variant, _ = in_float64(*tiny_simple_cross_unet())
-        apply_cog_attention(sdpa_variant, keep_softmax=0)
+        apply_cog_attention(sdpa_variant, keep_softmax_first=0, keep_softmax_last=0)
         torch.testing.assert_close(cog, sdpa_variant(**inputs).sample, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(cog, stock, atol=1e-4)

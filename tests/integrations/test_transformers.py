@@ -104,7 +104,7 @@ def test_layers_follow_the_placement_rule_and_the_formula(family):
         stock = model(ids, attention_mask=mask).logits
         for h in handles:
             h.remove()
-        switched = apply_cog_attention(model, keep_softmax=1)
+        switched = apply_cog_attention(model)
         assert switched == ["model.layers.1.self_attn", "model.layers.2.self_attn"]
         calls, handles = record_attention(model)
         logits = model(ids, attention_mask=mask).logits
@@ -128,17 +128,18 @@ def test_all_layers_kept_is_the_stock_model(family):
     ids, mask = batch()
     with torch.no_grad():
         stock = model(ids, attention_mask=mask).logits
-        with pytest.warns(UserWarning, match=r"keep_softmax=2 keeps every layer of its stacks \(4 layers\)"):
-            assert apply_cog_attention(model, keep_softmax=2) == []
+        with pytest.warns(UserWarning, match=r"keep_softmax_first=2 and keep_softmax_last=2 keep every layer of its "
+                                             r"stacks \(4 layers\)"):  # fmt: skip
+            assert apply_cog_attention(model, keep_softmax_first=2, keep_softmax_last=2) == []
         real = mask.bool()
         torch.testing.assert_close(model(ids, attention_mask=mask).logits[real], stock[real], rtol=1e-5, atol=1e-5)
-        assert len(apply_cog_attention(model, keep_softmax=0)) == 4
+        assert len(apply_cog_attention(model, keep_softmax_first=0, keep_softmax_last=0)) == 4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_padding_does_not_change_the_real_tokens(family):
     model = tiny(family)
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     ids, mask = batch()
     with torch.no_grad():
         padded = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[1, 3:]
@@ -149,7 +150,7 @@ def test_padding_does_not_change_the_real_tokens(family):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_generate_gives_the_same_tokens_with_and_without_the_cache(family):
     model = tiny(family)
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     ids, mask = batch()
     kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     with_cache = model.generate(ids, use_cache=True, **kw)
@@ -169,7 +170,7 @@ def test_generate_gives_the_same_tokens_with_and_without_the_cache(family):
 def test_a_static_cache_gives_the_dynamic_cache_tokens_and_logits(family):
     """A StaticCache holds max_cache_len slots, filled up to the current token: Cog attends to the filled ones."""
     model = tiny(family, sliding_window=4)  # Mistral: a window shorter than the sequence, in a static window layer
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     ids, mask = batch()
     kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
           "return_dict_in_generate": True, "output_scores": True}  # fmt: skip
@@ -196,55 +197,88 @@ def test_from_config_with_cog_uses_the_default_placement(family):
     config = copy.deepcopy(model.config)  # from_config keeps the config object and sets its implementation
     built = AutoModelForCausalLM.from_config(config, attn_implementation="cog").eval()
     built.load_state_dict(model.state_dict())
-    assert built.config._attn_implementation == "cog" and not hasattr(built.config, "cog_keep_softmax")
+    assert built.config._attn_implementation == "cog" and not hasattr(built.config, "cog_keep_softmax_first")
     ids, mask = batch()
     real = mask.bool()
     with torch.no_grad():
         stock = model(ids, attention_mask=mask).logits
         from_config = built(ids, attention_mask=mask).logits
-        apply_cog_attention(model, keep_softmax=1)  # the default: softmax in the first and last layer
+        apply_cog_attention(model)  # the default: softmax in the first and last layer
         torch.testing.assert_close(from_config[real], model(ids, attention_mask=mask).logits[real])
     assert not torch.allclose(from_config[real], stock[real], atol=1e-3)
 
 
 def test_save_and_load_keep_the_rule(tmp_path):
     model = tiny("llama", layers=6)
-    apply_cog_attention(model, keep_softmax=2)
+    apply_cog_attention(model, keep_softmax_first=2, keep_softmax_last=2)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # the saved config names "cog"
-    assert loaded.config._attn_implementation == "cog" and loaded.config.cog_keep_softmax == 2
+    assert loaded.config._attn_implementation == "cog" and loaded.config.cog_keep_softmax_first == 2
     ids, mask = batch()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
     fresh = AutoModelForCausalLM.from_config(loaded.config, attn_implementation="cog")
-    assert fresh.config._attn_implementation == "cog" and fresh.config.cog_keep_softmax == 2
+    assert fresh.config._attn_implementation == "cog" and fresh.config.cog_keep_softmax_last == 2
     loaded.save_pretrained(tmp_path / "again")  # a loaded model saves "cog" again
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "again").config._attn_implementation == "cog"
 
 
-def test_a_saved_placement_is_checked_on_load(tmp_path):
-    """config.json's cog_keep_softmax is checked when a model is built from it, as apply_cog_attention checks its
-    keep_softmax: before, -1 switched every layer, 0.5 half a placement, NaN / inf / 1e6 none, and "1" / null / [1]
-    failed at the forward."""
+def test_the_two_ends_are_placed_apart():
+    """keep_softmax_first / keep_softmax_last, as U-ViT's and Cogformer's: 1 and 0 keep only layer 0 on softmax."""
     model = tiny("llama")
-    apply_cog_attention(model, keep_softmax=1)
+    assert apply_cog_attention(model, keep_softmax_first=1, keep_softmax_last=0) == [
+        f"model.layers.{i}.self_attn" for i in (1, 2, 3)]
+    assert apply_cog_attention(model, keep_softmax_first=0, keep_softmax_last=2) == [
+        f"model.layers.{i}.self_attn" for i in (0, 1)]
+
+
+def test_the_old_keep_softmax_still_places_both_ends_with_one_warning(tmp_path):
+    """`apply_cog_attention(model, keep_softmax=k)` and a config.json saved with the one count `cog_keep_softmax`
+    (as before the rename) give the placement k and k, each with one FutureWarning; the loaded model's logits are
+    the saving model's."""
+    model = tiny("llama", layers=6)
+    with pytest.warns(FutureWarning, match=r"^apply_cog_attention: keep_softmax is the old name") as record:
+        switched = apply_cog_attention(model, keep_softmax=2)
+    assert len(record) == 1 and switched == ["model.layers.2.self_attn", "model.layers.3.self_attn"]
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    for bad in (-1, 0.5, float("nan"), float("inf"), 1e6, "1", None, [1], True):
-        (tmp_path / "config.json").write_text(json.dumps({**saved, "cog_keep_softmax": bad}))
-        for implementation in ("cog", "sdpa"):  # a damaged record is an error whichever implementation runs
-            with pytest.raises(ValueError, match=r"^LlamaConfig .*: cog_keep_softmax must be an int >= 0, got "):
-                AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
-    with pytest.raises(ValueError, match=r"^keep_softmax must be an int >= 0, got 0.5$"):  # the same check
-        apply_cog_attention(model, keep_softmax=0.5)
+    assert (saved["cog_keep_softmax_first"], saved["cog_keep_softmax_last"]) == (2, 2)
+    del saved["cog_keep_softmax_first"], saved["cog_keep_softmax_last"]
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "cog_keep_softmax": 2}))
+    with pytest.warns(FutureWarning, match=r"LlamaConfig .*: cog_keep_softmax is the old name") as record:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert len([w for w in record if issubclass(w.category, FutureWarning)]) == 1
+    assert (loaded.config.cog_keep_softmax_first, loaded.config.cog_keep_softmax_last) == (2, 2)
+    assert not hasattr(loaded.config, "cog_keep_softmax")
+    ids, mask = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+
+
+def test_a_saved_placement_is_checked_on_load(tmp_path):
+    """config.json's cog_keep_softmax_first / _last (and the old cog_keep_softmax) are checked when a model is built
+    from it, as apply_cog_attention checks its counts: before, -1 switched every layer, 0.5 half a placement,
+    NaN / inf / 1e6 none, and "1" / null / [1] failed at the forward."""
+    model = tiny("llama")
+    apply_cog_attention(model)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for field in ("cog_keep_softmax_first", "cog_keep_softmax_last", "cog_keep_softmax"):
+        for bad in (-1, 0.5, float("nan"), float("inf"), 1e6, "1", None, [1], True):
+            (tmp_path / "config.json").write_text(json.dumps({**saved, field: bad}))
+            for implementation in ("cog", "sdpa"):  # a damaged record is an error whichever implementation runs
+                with pytest.raises(ValueError, match=rf"^LlamaConfig .*: {field} must be an int >= 0, got "):
+                    AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
+    with pytest.raises(ValueError, match=r"^keep_softmax_last must be an int >= 0, got 0.5$"):  # the same check
+        apply_cog_attention(model, keep_softmax_first=1, keep_softmax_last=0.5)
 
 
 def test_a_cog_config_running_another_implementation_warns(tmp_path):
     model = tiny("llama")
     apply_cog_attention(model)
     model.save_pretrained(tmp_path)
-    with pytest.warns(UserWarning, match=r"Llama model .*records Cog attention \(cog_keep_softmax=1\), but it runs "
-                                         r"'sdpa' attention"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"Llama model .*records Cog attention \(cog_keep_softmax_first=1, "
+                                         r"cog_keep_softmax_last=1\), but it runs 'sdpa' attention"):  # fmt: skip
         AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -253,7 +287,7 @@ def test_a_cog_config_running_another_implementation_warns(tmp_path):
 
 def test_a_training_step_has_finite_gradients():
     model = tiny("qwen2").train()
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     ids, mask = batch()
     loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
     loss.backward()
@@ -264,7 +298,7 @@ def test_a_training_step_has_finite_gradients():
 
 def test_unsupported_inputs_are_refused_with_the_layer_named():
     model = tiny("llama")
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     ids, _ = batch()
     three_d = torch.ones(2, 9, 9, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\).*got a 3-D torch.bool mask"):
@@ -274,7 +308,7 @@ def test_unsupported_inputs_are_refused_with_the_layer_named():
         model(ids, position_ids=packed, use_cache=False)
     for bad in (-1, 2.0):
         with pytest.raises(ValueError, match="keep_softmax"):
-            apply_cog_attention(model, keep_softmax=bad)
+            apply_cog_attention(model, keep_softmax_first=bad, keep_softmax_last=bad)
     with pytest.raises(ValueError, match="Linear is not a transformers model"):
         apply_cog_attention(torch.nn.Linear(2, 2))
 
@@ -294,8 +328,8 @@ def test_a_4d_causal_padding_mask_is_the_2d_mask(keep_softmax, additive):
     on a model that keeps softmax everywhere."""
     model = tiny("llama")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # keep_softmax=1000: no layer runs Cog
-        apply_cog_attention(model, keep_softmax=keep_softmax)
+        warnings.simplefilter("ignore")  # 1000 and 1000: no layer runs Cog
+        apply_cog_attention(model, keep_softmax_first=keep_softmax, keep_softmax_last=keep_softmax)
     ids, mask = batch()
     with torch.no_grad():
         expect = model(ids, attention_mask=mask).logits
@@ -305,7 +339,7 @@ def test_a_4d_causal_padding_mask_is_the_2d_mask(keep_softmax, additive):
 
 def test_other_4d_masks_are_refused_with_the_layer_named():
     model = tiny("llama")
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     ids, mask = batch()
     bidirectional = mask.bool()[:, None, None, :].expand(2, 1, 9, 9)
     block = four_d(mask).clone()
@@ -331,7 +365,8 @@ def test_static_cache_generation_compiles_to_one_graph():
     model = tiny("llama", layers=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        apply_cog_attention(model, keep_softmax=1000)  # every layer keeps softmax, as in transformers' test
+        # every layer keeps softmax, as in transformers' test
+        apply_cog_attention(model, keep_softmax_first=1000, keep_softmax_last=1000)
     ids, mask = batch()
     config = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
     config._compile_all_devices = True  # transformers compiles on CPU only when asked
@@ -454,7 +489,7 @@ def tiny_bart():
 
 ENCODERS = {"bert": tiny_bert, "bart": tiny_bart, "vit": tiny_vit, "clip": tiny_clip, "whisper": tiny_whisper, "mistral_window": lambda: tiny_windowed(
     "mistral"), "gemma2": lambda: tiny_windowed("gemma2"), "gemma3": lambda: tiny_windowed("gemma3")}
-# The attention modules apply_cog_attention(keep_softmax=1) switches: the middle layer of each 3-layer stack
+# The attention modules apply_cog_attention(model) (1 and 1) switches: the middle layer of each 3-layer stack
 # (CLIP: the text and the vision tower; Whisper, BART: the encoder and the decoder, self- and cross-attention).
 SWITCHED = {
     "bart": ["model.encoder.layers.1.self_attn", "model.decoder.layers.1.self_attn",
@@ -473,7 +508,7 @@ def test_switched_models_match_the_formula_with_transformers_masks(kind):
     inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad():
         stock = output(model(**inputs))
-        switched = apply_cog_attention(model, keep_softmax=1)
+        switched = apply_cog_attention(model)
         if kind in SWITCHED:
             assert switched == SWITCHED[kind]
         got = output(model(**inputs))
@@ -493,7 +528,7 @@ def test_switched_models_match_the_formula_with_transformers_masks(kind):
 def test_windowed_generation_with_a_cache_longer_than_the_window(family):
     model, inputs, _ = tiny_windowed(family)
     model.eval()
-    apply_cog_attention(model, keep_softmax=1)
+    apply_cog_attention(model)
     kw = {"attention_mask": inputs["attention_mask"], "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     with_cache = model.generate(inputs["input_ids"], use_cache=True, **kw)
     assert torch.equal(with_cache, model.generate(inputs["input_ids"], use_cache=False, **kw))

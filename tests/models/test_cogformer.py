@@ -155,7 +155,7 @@ def test_layer_placement(preset, k):
     cfg = cogformer_config(preset)
     n = cfg.num_hidden_layers
     expected = ["softmax"] * k + ["cog"] * (n - 2 * k) + ["softmax"] * k
-    assert cfg.num_softmax_layers == k
+    assert (cfg.keep_softmax_first, cfg.keep_softmax_last) == (k, k)
     assert cfg.attention_types() == expected
     assert cogformer_config(preset, attention="softmax").attention_types() == ["softmax"] * n
     with torch.device("meta"):
@@ -163,33 +163,55 @@ def test_layer_placement(preset, k):
     assert [layer.self_attn.attention for layer in model.model.layers] == expected
 
 
-@pytest.mark.parametrize(
-    "kwargs, expected",
-    [
-        ({"num_softmax_layers": 2, "keep_softmax_last": 0}, ["softmax", "softmax", "cog", "cog", "cog", "cog"]),
-        ({"num_softmax_layers": 2, "keep_softmax_first": 0}, ["cog", "cog", "cog", "cog", "softmax", "softmax"]),
-        ({"keep_softmax_first": 1, "keep_softmax_last": 0}, ["softmax", "cog", "cog", "cog", "cog", "cog"]),
-        ({"num_softmax_layers": 0}, ["cog"] * 6),
-    ],
-)
-def test_placement_ends_override_num_softmax_layers(kwargs, expected):
-    """keep_softmax_first / keep_softmax_last set one end each (U-ViT's keys); an end left None is k."""
-    cfg = cogformer_config("tiny", num_hidden_layers=6, **kwargs)
+PLACEMENTS = [  # (keep_softmax_first, keep_softmax_last) -> the kinds of 6 layers
+    ((2, 0), ["softmax", "softmax", "cog", "cog", "cog", "cog"]),
+    ((0, 2), ["cog", "cog", "cog", "cog", "softmax", "softmax"]),
+    ((1, 0), ["softmax", "cog", "cog", "cog", "cog", "cog"]),
+    ((0, 0), ["cog"] * 6),
+    ((2, 2), ["softmax", "softmax", "cog", "cog", "softmax", "softmax"]),
+]
+
+
+@pytest.mark.parametrize("ends, expected", PLACEMENTS)
+def test_placement_ends(ends, expected):
+    """keep_softmax_first / keep_softmax_last set one end each (U-ViT's keys)."""
+    cfg = cogformer_config("tiny", num_hidden_layers=6, keep_softmax_first=ends[0], keep_softmax_last=ends[1])
     assert cfg.attention_types() == expected
     with torch.device("meta"):
         model = CogformerForCausalLM(cfg)
     assert [layer.self_attn.attention for layer in model.model.layers] == expected
 
 
-def test_config_saved_without_placement_ends_loads_identically(tmp_path):
-    """A config.json written before keep_softmax_first / keep_softmax_last existed places by num_softmax_layers."""
-    model = tiny(attention="cog", num_hidden_layers=6, num_softmax_layers=2)
+@pytest.mark.parametrize("kwargs, ends", [
+    ({"num_softmax_layers": 2, "keep_softmax_last": 0}, (2, 0)),
+    ({"num_softmax_layers": 2, "keep_softmax_first": 0}, (0, 2)),
+    ({"num_softmax_layers": 0}, (0, 0)),
+    ({"num_softmax_layers": 2, "keep_softmax_first": None, "keep_softmax_last": None}, (2, 2)),
+])  # fmt: skip
+def test_the_old_num_softmax_layers_sets_both_ends_with_one_warning(kwargs, ends):
+    """The old count k = num_softmax_layers is both ends, an end given apart wins (None: k), as before the rename."""
+    with pytest.warns(FutureWarning, match=r"^CogformerConfig: num_softmax_layers is the old name") as record:
+        cfg = cogformer_config("tiny", num_hidden_layers=6, **kwargs)
+    assert len(record) == 1 and (cfg.keep_softmax_first, cfg.keep_softmax_last) == ends
+    assert cfg.attention_types() == dict(PLACEMENTS)[ends]
+    assert "num_softmax_layers" not in cfg.to_dict()
+
+
+@pytest.mark.parametrize("old_ends", ["absent", "null"])
+def test_a_config_saved_with_num_softmax_layers_loads_identically(tmp_path, old_ends):
+    """A config.json written before the rename (num_softmax_layers = k, the ends absent, or null as configs saved
+    between the two versions hold them) loads with the same placement and one FutureWarning."""
+    model = tiny(attention="cog", num_hidden_layers=6, keep_softmax_first=2, keep_softmax_last=2)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["keep_softmax_first"] is None and saved["keep_softmax_last"] is None
+    assert (saved["keep_softmax_first"], saved["keep_softmax_last"]) == (2, 2) and "num_softmax_layers" not in saved
     del saved["keep_softmax_first"], saved["keep_softmax_last"]
+    saved = {**saved, "num_softmax_layers": 2, **({"keep_softmax_first": None, "keep_softmax_last": None}
+                                                  if old_ends == "null" else {})}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.warns(FutureWarning, match="num_softmax_layers is the old name") as record:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert len([w for w in record if issubclass(w.category, FutureWarning)]) == 1
     assert loaded.config.attention_types() == ["softmax", "softmax", "cog", "cog", "softmax", "softmax"]
     x = torch.randint(0, 257, (2, 9))
     with torch.no_grad():
@@ -224,7 +246,7 @@ def test_parameter_counts(preset):
 
 
 def test_save_load_round_trip_with_auto_classes(tmp_path):
-    model = tiny(attention="cog", num_hidden_layers=6, num_softmax_layers=2)
+    model = tiny(attention="cog", num_hidden_layers=6, keep_softmax_first=2, keep_softmax_last=2)
     model.save_pretrained(tmp_path)
     cfg = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(cfg, CogformerConfig) and cfg.model_type == "cogformer"
@@ -253,11 +275,13 @@ def test_save_load_softmax_baseline(tmp_path):
     "kwargs,match",
     [
         ({"attention": "linear"}, "attention must be one of"),
-        ({"num_softmax_layers": 3, "num_hidden_layers": 4}, "num_softmax_layers"),
+        ({"keep_softmax_first": 3, "keep_softmax_last": 3, "num_hidden_layers": 4}, "keep_softmax_first=3 and "
+                                                                                   "keep_softmax_last=3 .* overlap"),
         ({"num_softmax_layers": True}, "num_softmax_layers must be an int >= 0, got True"),
         ({"num_softmax_layers": -1}, "num_softmax_layers must be an int >= 0, got -1"),
         ({"keep_softmax_first": 1.5}, "keep_softmax_first must be an int >= 0, got 1.5"),
-        ({"keep_softmax_first": 12, "num_hidden_layers": 12}, r"keep_softmax_first=12 and num_softmax_layers=1 .* overlap"),
+        ({"keep_softmax_last": None}, "keep_softmax_last must be an int >= 0, got None"),
+        ({"keep_softmax_first": 12, "num_hidden_layers": 12}, r"keep_softmax_first=12 and keep_softmax_last=1 .* overlap"),
         ({"attention_backend": "cuda"}, "attention_backend"),
         ({"hidden_size": 60, "num_attention_heads": 4}, "head_dim must be even"),
     ],

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from uvic.config import DataConfig
-from uvic.data import Cifar10, DigitsDataset, ImageFolder, build_image_dataset
+from uvic.data import Cifar10, DigitsDataset, ResizedImageFolder, build_image_dataset
 from uvic.training.data import ShardedBatchSampler
 
 
@@ -57,9 +57,9 @@ def test_digits_and_image_folder(tmp_path):
     torch.testing.assert_close(ds[7]["x"][0], torch.from_numpy(load_digits().images[7]).float() / 8 - 1)
     assert DigitsDataset(16)[0]["x"].shape == (1, 16, 16)
     with pytest.raises(FileNotFoundError, match="no images"):
-        ImageFolder(tmp_path, 8)
+        ResizedImageFolder(tmp_path, 8)
     with pytest.raises(FileNotFoundError, match="image folder not found"):
-        ImageFolder(tmp_path / "missing", 8)
+        ResizedImageFolder(tmp_path / "missing", 8)
     with pytest.raises(ValueError, match="unknown dataset 'mnist'"):
         build_image_dataset(DataConfig(name="mnist"))
 

@@ -89,8 +89,8 @@ def check_fid_keys(protocol: Protocol) -> None:
 
 
 def _check_settings(cfg: Any, where: str) -> None:
-    from uvic.config import task_class
     from uvic.fid.stats import is_stats_file
+    from uvic.training.tasks import task_class
 
     if not task_class(cfg.task).makes_images:
         raise ConfigError(f"--gen-seeds: {where} trains a {cfg.task!r} model, which makes no images to compute a FID of")

@@ -149,7 +149,7 @@ def find_images(root: str | Path, *, recursive: bool = True) -> list[Path]:
 def readable_images(root: str | Path, *, recursive: bool = True, skip_bad: bool = False, remedy: str) -> list[Path]:
     """`find_images(root)` with every file checked (`check_image`: the header, and for PNG the chunk checksums
     through to the end of the file) before anything reads one: the one image-folder reader of training
-    (`ImageFolder`) and of the FID harness (`uvic.fid.ImageFolder`).
+    (`ResizedImageFolder`) and of the FID harness (`uvic.fid.ImageFolder`, which neither crops nor resizes).
 
     Args:
         root, recursive: as `find_images`.
@@ -190,7 +190,7 @@ def read_rgb(path: str | Path) -> Any:
         raise DataError(f"{path} is not a readable image ({type(e).__name__}: {' '.join(str(e).split())})") from e
 
 
-class ImageFolder(Dataset):
+class ResizedImageFolder(Dataset):
     """Every image under `root` (`readable_images`: recursive, natural order), center-cropped to a square and
     resized; grayscale and RGB files alike give 3 channels (`read_rgb`).
 
@@ -259,7 +259,7 @@ class DigitsDataset(_TensorImages):
 
 DATASETS: dict[str, Callable[[Any], Dataset]] = {
     "cifar10": lambda data: Cifar10(data.root, download=data.download),
-    "image_folder": lambda data: ImageFolder(data.root, data.image_size, skip_bad=data.skip_bad_images),
+    "image_folder": lambda data: ResizedImageFolder(data.root, data.image_size, skip_bad=data.skip_bad_images),
     "digits": lambda data: DigitsDataset(data.image_size),
 }
 

@@ -1,13 +1,14 @@
 """Cog attention in diffusers models through diffusers' own attention-processor API.
 
     from uvic.integrations.diffusers import apply_cog_attention, load
-    switched = apply_cog_attention(unet, keep_softmax=1)   # names of the attention modules now on Cog
+    switched = apply_cog_attention(unet, keep_softmax_first=1, keep_softmax_last=1)  # the modules now on Cog
     unet.save_pretrained("run")                           # the placement is saved in config.json
     unet = load(UNet2DConditionModel, "run")              # from_pretrained + the saved placement
 
 The processors (`uvic.integrations.diffusers_processors`) each compute what one stock processor computes, with
 `cog_attention` in place of softmax attention on switched layers and the stock call on kept ones. The placement
-(`keep_softmax`, `backend`) is recorded in the model's config under CONFIG_KEY, so `save_pretrained` keeps it;
+(`keep_softmax_first`, `keep_softmax_last`, `backend`) is recorded in the model's config under CONFIG_KEY, so
+`save_pretrained` keeps it (one saved with the old single count `keep_softmax` loads with a FutureWarning);
 plain `from_pretrained` gives stock processors back (diffusers does not save processors), `load` and
 `restore_cog_attention` re-apply it. After `apply_cog_attention` the model checks at each forward that its attention
 modules still run the processors it placed, and warns (naming them) where diffusers replaced one: an IP-adapter's
@@ -23,7 +24,7 @@ from os import PathLike
 
 import torch
 
-from uvic.attention import BACKENDS, Backend, attention_placement, check_softmax_count
+from uvic.attention import BACKENDS, Backend, attention_placement, check_softmax_count, renamed_placement
 from uvic.integrations.diffusers_processors import (
     FAMILIES,
     LAYER_SCALED,
@@ -59,9 +60,11 @@ __all__ = ["CONFIG_KEY", "CogAddedKVAttnProcessor", "CogAttnProcessor", "CogAura
            "KeptSoftmaxWanAttnProcessor", "apply_cog_attention", "key_padding_mask_from", "load",
            "restore_cog_attention"]  # fmt: skip
 
-# The model-config entry that records the placement: {"keep_softmax": int, "backend": str}. A private ("_") key,
-# so diffusers saves it and gives it back on from_pretrained without passing it to __init__.
+# The model-config entry that records the placement: {"keep_softmax_first": int, "keep_softmax_last": int,
+# "backend": str} (saved before the rename: {"keep_softmax": int, "backend": str}). A private ("_") key, so diffusers
+# saves it and gives it back on from_pretrained without passing it to __init__.
 CONFIG_KEY = "_cog_attention"
+_RECORD_KEYS = ("keep_softmax_first", "keep_softmax_last", "backend")
 
 # Each stock or uvic processor class -> (Cog class, kept-softmax class) of its family.
 _FAMILY = {member: (cog, kept) for stock, cog, kept in FAMILIES for member in (*stock, cog, kept)}
@@ -112,29 +115,37 @@ class _ProcessorCheck:
                           "if their processors have Cog counterparts", stacklevel=2)  # fmt: skip
 
 
-def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: Backend = "auto") -> list[str]:
+def apply_cog_attention(model: torch.nn.Module, *, keep_softmax_first: int = 1, keep_softmax_last: int = 1,
+                        backend: Backend = "auto", keep_softmax: int | None = None) -> list[str]:  # fmt: skip
     """Switch a diffusers model to Cog attention in the paper's placement: every attention block on Cog except the
-    first and last `keep_softmax` blocks in forward order, which keep softmax (the stock computation).
+    first `keep_softmax_first` and the last `keep_softmax_last` blocks in forward order, which keep softmax (the
+    stock computation).
 
     Blocks: a transformer block's attention layers (self-, cross- or joint attention) form one block; for a
     UNet2DConditionModel that is each BasicTransformerBlock, in down, mid, up order. Processors are installed
     with diffusers' `set_processor`: `Cog...Processor` on switched layers, `KeptSoftmax...Processor` on kept ones.
-    Call this again (another `keep_softmax`) to change the placement. The placement is recorded in the model's
+    Call this again (other counts) to change the placement. The placement is recorded in the model's
     config (CONFIG_KEY) when it has one, so `save_pretrained` saves it and `load` restores it.
 
     Args:
         model: a diffusers model (DiTTransformer2DModel, UNet2DConditionModel, SD3Transformer2DModel, ...).
-        keep_softmax: blocks kept on softmax at each end; 0 switches every block.
+        keep_softmax_first: blocks kept on softmax at the start; 0 and 0 switch every block.
+        keep_softmax_last: blocks kept on softmax at the end.
         backend: the `cog_attention` backend of the switched layers.
+        keep_softmax: the old name, one count for both ends (a FutureWarning); it replaces the two counts.
     Returns:
         The names of the attention modules switched to Cog, in forward order. Warns when that is none of them
-        (the model has at most 2 * keep_softmax attention blocks).
+        (the model has at most keep_softmax_first + keep_softmax_last attention blocks).
     Raises:
-        ValueError: a bad `keep_softmax` or `backend`, a model without attention modules, or an attention module whose
+        ValueError: a bad count or `backend`, a model without attention modules, or an attention module whose
             processor has no Cog counterpart (the message names the module, its processor and, where Cog does
             not apply, why). Nothing is changed then.
     """
-    check_softmax_count(keep_softmax, "keep_softmax")
+    if keep_softmax is not None:
+        keep_softmax_first, keep_softmax_last = renamed_placement(keep_softmax, old="keep_softmax",
+                                                                  where="apply_cog_attention")  # fmt: skip
+    check_softmax_count(keep_softmax_first, "keep_softmax_first")
+    check_softmax_count(keep_softmax_last, "keep_softmax_last")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     layers = _attention_modules(model)
@@ -150,8 +161,9 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
             raise ValueError(f"attention module {name!r} uses {processor.__name__}, which uvic cannot switch to "
                              f"Cog attention (supported processors: {known})")  # fmt: skip
     blocks = list(dict.fromkeys(block for _, _, block in layers))
-    # One count for both ends; a model with fewer than 2 * keep_softmax blocks keeps them all (warned below).
-    kinds = dict(zip(blocks, attention_placement(len(blocks), keep_softmax, keep_softmax, allow_overlap=True)))
+    # A model with no more blocks than the two ends keeps them all (warned below).
+    kinds = dict(zip(blocks, attention_placement(len(blocks), keep_softmax_first, keep_softmax_last,
+                                                 allow_overlap=True)))  # fmt: skip
     switched, placed = [], {}
     for name, module, block in layers:
         old = module.processor
@@ -165,11 +177,13 @@ def apply_cog_attention(model: torch.nn.Module, keep_softmax: int = 1, backend: 
         if cls is cog:
             switched.append(name)
     if not switched:
-        warnings.warn(f"{type(model).__name__} has {len(blocks)} attention block(s), and keep_softmax={keep_softmax} "
-                      "keeps the first and last keep_softmax of them on softmax, so no layer runs Cog attention "
-                      "(use a smaller keep_softmax, 0 switches every block)", stacklevel=2)  # fmt: skip
+        warnings.warn(f"{type(model).__name__} has {len(blocks)} attention block(s), and keep_softmax_first="
+                      f"{keep_softmax_first} and keep_softmax_last={keep_softmax_last} keep all of them on softmax, "
+                      "so no layer runs Cog attention (use smaller counts; 0 and 0 switch every block)",
+                      stacklevel=2)  # fmt: skip
     if hasattr(model, "register_to_config"):
-        model.register_to_config(**{CONFIG_KEY: {"keep_softmax": keep_softmax, "backend": backend}})
+        model.register_to_config(**{CONFIG_KEY: {"keep_softmax_first": keep_softmax_first,
+                                                 "keep_softmax_last": keep_softmax_last, "backend": backend}})
     # One check per model: re-applying replaces the previous one.
     previous = getattr(model, "_cog_attention_check", None)
     if previous is not None:
@@ -192,8 +206,8 @@ def restore_cog_attention(model: torch.nn.Module) -> list[str] | None:
     """
     components = getattr(model, "components", None)
     if isinstance(components, dict):  # a DiffusionPipeline
-        found = [(key, _recorded_placement(part, key)) for key, part in components.items()
-                 if isinstance(part, torch.nn.Module)]  # fmt: skip
+        modules = [(key, part) for key, part in components.items() if isinstance(part, torch.nn.Module)]
+        found = [(key, _recorded_placement(part, key, warn=i == 0)) for i, (key, part) in enumerate(modules)]
         recorded = [(key, placement) for key, placement in found if placement is not None]
         if not recorded:
             warnings.warn(f"{type(model).__name__}: no component records a Cog placement in its config (saved "
@@ -209,22 +223,31 @@ def restore_cog_attention(model: torch.nn.Module) -> list[str] | None:
     return apply_cog_attention(model, **placement)
 
 
-def _recorded_placement(model: torch.nn.Module, component: str | None = None) -> dict | None:
+def _recorded_placement(model: torch.nn.Module, component: str | None = None, warn: bool = True) -> dict | None:
     """The placement recorded in `model`'s config (CONFIG_KEY) as `apply_cog_attention` kwargs, None when there is
     none; a ValueError naming the config entry when it is not what `apply_cog_attention` records (a saved config.json
-    is anyone's to edit)."""
+    is anyone's to edit). A record of the old single count `keep_softmax` is read as both ends, with a FutureWarning
+    unless `warn` is False (the pipeline's components after the first)."""
     placement = getattr(model, "config", {}).get(CONFIG_KEY)
     if placement is None:
         return None
     where = f"{type(model).__name__}{'' if component is None else f' ({component!r})'} config entry {CONFIG_KEY!r}"
-    if not isinstance(placement, Mapping) or not set(placement) <= {"keep_softmax", "backend"}:
-        raise ValueError(f"{where} must be a mapping {{'keep_softmax': int, 'backend': str}} (what "
-                         f"apply_cog_attention saves), got {reprlib.repr(placement)}")  # fmt: skip
-    if "keep_softmax" in placement:
-        check_softmax_count(placement["keep_softmax"], f"{where}: keep_softmax")
+    if not isinstance(placement, Mapping) or not set(placement) <= {*_RECORD_KEYS, "keep_softmax"}:
+        raise ValueError(f"{where} must be a mapping {{'keep_softmax_first': int, 'keep_softmax_last': int, "
+                         f"'backend': str}} (what apply_cog_attention saves), got "
+                         f"{reprlib.repr(placement)}")  # fmt: skip
     if placement.get("backend", "auto") not in BACKENDS:
         raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {reprlib.repr(placement['backend'])}")
-    return dict(placement)
+    placement = dict(placement)
+    if "keep_softmax" in placement:  # saved before the rename: one count for both ends
+        count = check_softmax_count(placement.pop("keep_softmax"), f"{where}: keep_softmax")
+        ends = renamed_placement(count, placement.get("keep_softmax_first"), placement.get("keep_softmax_last"),
+                                 old="keep_softmax", where=where, stacklevel=4, warn=warn)  # fmt: skip
+        placement.update(zip(("keep_softmax_first", "keep_softmax_last"), ends))
+    for key in ("keep_softmax_first", "keep_softmax_last"):
+        if key in placement:
+            check_softmax_count(placement[key], f"{where}: {key}")
+    return placement
 
 
 def load(cls, path: str | PathLike, **kwargs):

@@ -5,18 +5,21 @@ its mask with `transformers.masking_utils.AttentionMaskInterface`, so models tha
 interface (Llama, Qwen2/3, Mistral, Gemma 2/3, ViT, CLIP, Whisper, ...) accept it:
 
     import uvic.integrations.transformers  # registers "cog"
-    switched = apply_cog_attention(model, keep_softmax=1)
+    switched = apply_cog_attention(model, keep_softmax_first=1, keep_softmax_last=1)
     model.save_pretrained("run")            # config.json names the implementation and the placement
     model = AutoModelForCausalLM.from_pretrained("run")   # Cog again, as long as this module is imported
 
-The placement rule lives in the model config as `cog_keep_softmax` (saved by `save_pretrained`): in each stack of
-layers (a decoder's, an encoder's, a vision tower's), layers 0 .. k-1 and the last k keep softmax attention
+The placement rule lives in the model config as `cog_keep_softmax_first` / `cog_keep_softmax_last` (saved by
+`save_pretrained`): in each stack of layers (a decoder's, an encoder's, a vision tower's), the first
+`keep_softmax_first` and the last `keep_softmax_last` layers keep softmax attention
 (`uvic.attention.softmax_attention`), every layer between runs `uvic.attention.cog_attention` (the rule is
-`uvic.attention.attention_placement`; a stack of at most 2k layers keeps softmax throughout). A config without the
-field uses DEFAULT_KEEP_SOFTMAX; a model built from a config whose field is not an int >= 0 raises a ValueError.
+`uvic.attention.attention_placement`; a stack no longer than the two ends keeps softmax throughout). A config
+without the fields uses DEFAULT_KEEP_SOFTMAX at each end; a model built from a config whose field is not an int >= 0
+raises a ValueError. A config saved with the old single count `cog_keep_softmax` (both ends) loads as that
+placement, with a FutureWarning.
 
 Importing this module also makes every transformers model check its attention implementation when it is built:
-one whose config records Cog attention (`cog_keep_softmax`) but runs another implementation warns, and one built
+one whose config records Cog attention (`cog_keep_softmax_first`) but runs another implementation warns, and one built
 with "cog" gets `attn_implementation: "cog"` in its config, which is what `from_pretrained` reads back.
 
 Masks: causal (bottom-right aligned, so a KV cache needs no extra mask), causal with a sliding window (Mistral,
@@ -37,24 +40,33 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
-from uvic.attention import Backend, attention_op, attention_placement, check_softmax_count, kept_by_mask
+from uvic.attention import (
+    Backend,
+    attention_op,
+    attention_placement,
+    check_softmax_count,
+    kept_by_mask,
+    renamed_placement,
+)
 
 
-__all__ = ["CONFIG_FIELD", "DEFAULT_KEEP_SOFTMAX", "apply_cog_attention", "cog_attention_forward", "cog_mask",
+__all__ = ["CONFIG_FIELDS", "DEFAULT_KEEP_SOFTMAX", "apply_cog_attention", "cog_attention_forward", "cog_mask",
            "layer_uses_cog"]  # fmt: skip
 
 IMPLEMENTATION = "cog"
-CONFIG_FIELD = "cog_keep_softmax"
+# The model-config fields of the placement: keep_softmax_first, keep_softmax_last.
+CONFIG_FIELDS = ("cog_keep_softmax_first", "cog_keep_softmax_last")
+OLD_CONFIG_FIELD = "cog_keep_softmax"  # the one count of both ends that configs saved before the rename hold
 DEFAULT_KEEP_SOFTMAX = 1  # the paper's placement: softmax in the first and last layer
 
 
 def layer_uses_cog(config, layer_idx: int, num_layers: int | None = None) -> bool:
     """Whether layer `layer_idx` of a stack of `num_layers` layers (default: `config.num_hidden_layers`) runs Cog
     attention (else softmax) under this config's placement."""
-    keep = getattr(config, CONFIG_FIELD, DEFAULT_KEEP_SOFTMAX)
+    first, last = (getattr(config, f, DEFAULT_KEEP_SOFTMAX) for f in CONFIG_FIELDS)
     n = config.num_hidden_layers if num_layers is None else num_layers
-    # One count for both ends of every stack; a stack of at most 2 * keep layers keeps softmax in all of them.
-    return attention_placement(n, keep, keep, allow_overlap=True, names=(CONFIG_FIELD, CONFIG_FIELD))[layer_idx] == "cog"
+    # The same counts for every stack; a stack no longer than the two ends keeps softmax in all of its layers.
+    return attention_placement(n, first, last, allow_overlap=True, names=CONFIG_FIELDS)[layer_idx] == "cog"
 
 
 def cog_mask(
@@ -277,21 +289,33 @@ def _after_build(model: PreTrainedModel) -> None:
     """On a model just built: with "cog", record the implementation for `save_pretrained` and place the layers;
     with another implementation but a config that records Cog, warn."""
     config = model.config
+    warned = False
     for sub in _configs(config):  # a config.json is anyone's to edit: its placement is checked as apply's argument
-        if hasattr(sub, CONFIG_FIELD):
-            try:
-                check_softmax_count(getattr(sub, CONFIG_FIELD), CONFIG_FIELD)
-            except ValueError as e:
-                raise ValueError(f"{type(sub).__name__} {str(config.name_or_path)!r}: {e} (the config records "
-                                 "apply_cog_attention's keep_softmax there)") from None  # fmt: skip
+        try:
+            if hasattr(sub, OLD_CONFIG_FIELD):  # saved before the rename: read as both ends, one warning per model
+                old = check_softmax_count(getattr(sub, OLD_CONFIG_FIELD), OLD_CONFIG_FIELD)
+                delattr(sub, OLD_CONFIG_FIELD)
+                ends = renamed_placement(old, *(getattr(sub, f, None) for f in CONFIG_FIELDS), old=OLD_CONFIG_FIELD,
+                                         where=f"{type(sub).__name__} {str(config.name_or_path)!r}", stacklevel=5,
+                                         warn=not warned)  # fmt: skip
+                warned = True
+                for f, value in zip(CONFIG_FIELDS, ends):
+                    setattr(sub, f, value)
+            for f in CONFIG_FIELDS:
+                if hasattr(sub, f):
+                    check_softmax_count(getattr(sub, f), f)
+        except ValueError as e:
+            raise ValueError(f"{type(sub).__name__} {str(config.name_or_path)!r}: {e} (the config records "
+                             "apply_cog_attention's placement there)") from None  # fmt: skip
     if config._attn_implementation == IMPLEMENTATION:
         config.attn_implementation = IMPLEMENTATION  # saved in config.json; from_pretrained reads it back
         for _, module, index, n in _attention_layers(model):
             module.cog_layer = (index, n)
-    elif getattr(config, CONFIG_FIELD, None) is not None:
+    elif getattr(config, CONFIG_FIELDS[0], None) is not None:
         name = type(config).__name__.removesuffix("Config")
+        recorded = ", ".join(f"{f}={getattr(config, f, None)}" for f in CONFIG_FIELDS)
         warnings.warn(f"{name} model {str(config.name_or_path)!r}: its config records Cog attention "
-                      f"({CONFIG_FIELD}={getattr(config, CONFIG_FIELD)}), but it runs "
+                      f"({recorded}), but it runs "
                       f"{config._attn_implementation!r} attention; load it with attn_implementation='cog' or call "
                       "uvic.integrations.transformers.apply_cog_attention", stacklevel=3)  # fmt: skip
 
@@ -312,26 +336,35 @@ if not getattr(PreTrainedModel.post_init, "uvic_cog_check", False):
     PreTrainedModel.post_init = _checked_post_init(PreTrainedModel.post_init)
 
 
-def apply_cog_attention(model: PreTrainedModel, keep_softmax: int = 1, backend: Backend = "auto") -> list[str]:
-    """Switch a transformers model to Cog attention in the paper's placement: in each stack of layers, layers
-    0 .. k-1 and the last k keep softmax, every layer between runs Cog (k = `keep_softmax`).
+def apply_cog_attention(model: PreTrainedModel, *, keep_softmax_first: int = DEFAULT_KEEP_SOFTMAX,
+                        keep_softmax_last: int = DEFAULT_KEEP_SOFTMAX, backend: Backend = "auto",
+                        keep_softmax: int | None = None) -> list[str]:  # fmt: skip
+    """Switch a transformers model to Cog attention in the paper's placement: in each stack of layers, the first
+    `keep_softmax_first` and the last `keep_softmax_last` layers keep softmax, every layer between runs Cog.
 
-    Sets `config.cog_keep_softmax`, `config.cog_backend` (on sub-configs too) and the attention implementation
-    "cog"; `save_pretrained` saves all three, and `from_pretrained` restores them while this module is imported.
+    Sets `config.cog_keep_softmax_first`, `config.cog_keep_softmax_last`, `config.cog_backend` (on sub-configs too)
+    and the attention implementation "cog"; `save_pretrained` saves them, and `from_pretrained` restores them
+    while this module is imported.
 
     Args:
         model: a transformers model whose attention goes through `AttentionInterface` (Llama, Qwen2, Gemma 2,
             ViT, CLIP, Whisper, ...).
-        keep_softmax: layers kept on softmax at each end of each stack; 0 switches every layer.
+        keep_softmax_first: layers kept on softmax at the start of each stack; 0 and 0 switch every layer.
+        keep_softmax_last: layers kept on softmax at the end of each stack.
         backend: the `uvic.attention` backend.
+        keep_softmax: the old name, one count for both ends (a FutureWarning); it replaces the two counts.
     Returns:
         The names of the attention modules that now run Cog attention. Warns when that is none of them.
     Raises:
-        ValueError: a bad `keep_softmax`, or a model that cannot take the "cog" implementation (named): not a
+        ValueError: a bad count, or a model that cannot take the "cog" implementation (named): not a
             transformers model, one whose attention adds a position bias to the scores (T5's relative position
             bias), or one that does not use `AttentionInterface`.
     """
-    check_softmax_count(keep_softmax, "keep_softmax")
+    if keep_softmax is not None:
+        keep_softmax_first, keep_softmax_last = renamed_placement(keep_softmax, old="keep_softmax",
+                                                                  where="apply_cog_attention")  # fmt: skip
+    check_softmax_count(keep_softmax_first, "keep_softmax_first")
+    check_softmax_count(keep_softmax_last, "keep_softmax_last")
     layers = _attention_layers(model)
     if not isinstance(model, PreTrainedModel) or not layers:
         raise ValueError(f"{type(model).__name__} is not a transformers model with per-layer attention modules")
@@ -345,7 +378,10 @@ def apply_cog_attention(model: PreTrainedModel, keep_softmax: int = 1, backend: 
         raise ValueError(f"{type(model).__name__} does not dispatch its attention through transformers' "
                          "AttentionInterface, so it cannot run Cog attention")  # fmt: skip
     for config in _configs(model.config):
-        setattr(config, CONFIG_FIELD, keep_softmax)
+        if hasattr(config, OLD_CONFIG_FIELD):
+            delattr(config, OLD_CONFIG_FIELD)
+        for field, count in zip(CONFIG_FIELDS, (keep_softmax_first, keep_softmax_last)):
+            setattr(config, field, count)
         config.cog_backend = backend
     model.config.attn_implementation = IMPLEMENTATION
     switched = []
@@ -354,7 +390,8 @@ def apply_cog_attention(model: PreTrainedModel, keep_softmax: int = 1, backend: 
         if layer_uses_cog(module.config, index, n):
             switched.append(name)
     if not switched:
-        warnings.warn(f"{type(model).__name__}: keep_softmax={keep_softmax} keeps every layer of its stacks "
+        warnings.warn(f"{type(model).__name__}: keep_softmax_first={keep_softmax_first} and keep_softmax_last="
+                      f"{keep_softmax_last} keep every layer of its stacks "
                       f"({', '.join(sorted({str(n) for *_, n in layers}))} layers) on softmax, so no layer runs "
-                      "Cog attention (use a smaller keep_softmax, 0 switches every layer)", stacklevel=2)  # fmt: skip
+                      "Cog attention (use smaller counts; 0 and 0 switch every layer)", stacklevel=2)  # fmt: skip
     return switched

@@ -96,7 +96,8 @@ def config_from_official(model_cfg: dict, state: dict[str, torch.Tensor]) -> Cog
         rms_norm_eps=model_cfg.get("norm_eps", 1e-6),
         rope_theta=10000.0,  # official precompute_freqs_cis default
         attention=attention,
-        num_softmax_layers=k,
+        keep_softmax_first=k,
+        keep_softmax_last=k,
     )
 
 

@@ -3,9 +3,10 @@
 Lv et al., "More Expressive Attention with Negative Weights", ICML 2025. The architecture follows Llama: token
 embedding, pre-norm decoder layers (RMSNorm before attention and before the FFN), rotary position embeddings,
 a SwiGLU feed-forward network, no biases, a final RMSNorm and an untied output head. Every layer uses Cog attention
-(`uvic.attention.cog_attention`, signed weights `sign(p) * softmax(|p|)`) except the first and last
-`num_softmax_layers` layers, which keep softmax (k = 1 at 141M, 2 at 600M, 3 at 1B; paper Sec. 4.1 / App. C);
-`keep_softmax_first` / `keep_softmax_last` set the two ends apart (`uvic.attention.attention_placement`).
+(`uvic.attention.cog_attention`, signed weights `sign(p) * softmax(|p|)`) except the first `keep_softmax_first` and
+the last `keep_softmax_last` layers, which keep softmax (k and k with k = 1 at 141M, 2 at 600M, 3 at 1B; paper
+Sec. 4.1 / App. C), as `UViTModel`'s (`uvic.attention.attention_placement`). The old single count
+`num_softmax_layers` (both ends) and configs saved with it still load, with a FutureWarning.
 `attention="softmax"` gives the Transformer baseline with the same parameters.
 
 The model is a transformers `PreTrainedModel`: `forward(input_ids, attention_mask, past_key_values, labels)`
@@ -19,6 +20,7 @@ hd head dim, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
@@ -28,8 +30,25 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from uvic.attention import BACKENDS, attention_op, attention_placement, check_attention_kind, check_softmax_count
+from uvic.attention import BACKENDS, attention_op, attention_placement, check_attention_kind, renamed_placement
 from uvic.presets import COGFORMER_PRESETS, cogformer_preset  # noqa: F401  (re-exported)
+
+
+def _renamed_placement(init):
+    """`CogformerConfig.__init__` that also takes the old placement: `num_softmax_layers` = k for both ends, an end
+    given apart (not None) winning, as Python callers and the config.json files saved before the rename write it
+    (those hold `keep_softmax_first` / `keep_softmax_last` as null, or not at all); one FutureWarning."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        if "num_softmax_layers" in kwargs:
+            first, last = renamed_placement(kwargs.pop("num_softmax_layers"), kwargs.pop("keep_softmax_first", None),
+                                            kwargs.pop("keep_softmax_last", None), old="num_softmax_layers",
+                                            where=type(self).__name__)  # fmt: skip
+            kwargs.update(keep_softmax_first=first, keep_softmax_last=last)
+        return init(self, *args, **kwargs)
+
+    return wrapper
 
 
 class CogformerConfig(PretrainedConfig):
@@ -46,9 +65,9 @@ class CogformerConfig(PretrainedConfig):
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: RoPE base.
         attention: "cog" (Cogformer) or "softmax" (the Transformer baseline).
-        num_softmax_layers: k; with attention="cog", the first k and the last k layers use softmax attention.
-        keep_softmax_first: softmax layers at the start, when they differ from k (None: k), as `UViTModel`'s.
-        keep_softmax_last: softmax layers at the end (None: k). The counts of the two ends may not overlap.
+        keep_softmax_first: with attention="cog", how many layers at the start keep softmax attention, as
+            `UViTModel`'s (the paper's k: 1 at 141M, 2 at 600M, 3 at 1B).
+        keep_softmax_last: the same at the end. The counts of the two ends may not overlap.
         attention_backend: backend passed to `uvic.attention` ("auto", "reference", "torch", "triton").
         initializer_range: std of the normal init of linear and embedding weights.
     """
@@ -56,6 +75,7 @@ class CogformerConfig(PretrainedConfig):
     model_type = "cogformer"
     keys_to_ignore_at_inference = ["past_key_values"]
 
+    @_renamed_placement
     def __init__(
         self,
         vocab_size: int = 32000,
@@ -68,9 +88,8 @@ class CogformerConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         attention: str = "cog",
-        num_softmax_layers: int = 1,
-        keep_softmax_first: int | None = None,
-        keep_softmax_last: int | None = None,
+        keep_softmax_first: int = 1,
+        keep_softmax_last: int = 1,
         attention_backend: str = "auto",
         initializer_range: float = 0.02,
         use_cache: bool = True,
@@ -96,8 +115,6 @@ class CogformerConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.attention = attention
-        self.num_softmax_layers = num_softmax_layers
-        # None stays None in config.json: the end follows num_softmax_layers, as in configs saved before these keys.
         self.keep_softmax_first = keep_softmax_first
         self.keep_softmax_last = keep_softmax_last
         self.attention_types()  # checks the counts now (ValueError), not at the first model built from the config
@@ -114,14 +131,10 @@ class CogformerConfig(PretrainedConfig):
 
     def attention_types(self) -> list[str]:
         """Per-layer attention ("cog" or "softmax"), `uvic.attention.attention_placement` of the layers: softmax
-        in the first `keep_softmax_first` and the last `keep_softmax_last` layers (each `num_softmax_layers` when
-        None), Cog between; all softmax with attention="softmax"."""
-        k = check_softmax_count(self.num_softmax_layers, "num_softmax_layers")
-        first, last = self.keep_softmax_first, self.keep_softmax_last
-        names = ("num_softmax_layers" if first is None else "keep_softmax_first",
-                 "num_softmax_layers" if last is None else "keep_softmax_last")  # fmt: skip
-        return attention_placement(self.num_hidden_layers, k if first is None else first, k if last is None else last,
-                                   self.attention, names=names)  # fmt: skip
+        in the first `keep_softmax_first` and the last `keep_softmax_last` layers, Cog between; all softmax with
+        attention="softmax"."""
+        return attention_placement(self.num_hidden_layers, self.keep_softmax_first, self.keep_softmax_last,
+                                   self.attention)
 
 
 class RMSNorm(nn.Module):
@@ -429,8 +442,12 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
 
 
 def cogformer_config(preset: str, **overrides) -> CogformerConfig:
-    """A CogformerConfig from a preset name ("tiny", "141M", "600M", "1B") plus keyword overrides."""
-    return CogformerConfig(**{**cogformer_preset(preset), **overrides})
+    """A CogformerConfig from a preset name ("tiny", "141M", "600M", "1B") plus keyword overrides (the old
+    `num_softmax_layers` replaces the preset's two ends)."""
+    kwargs = cogformer_preset(preset)
+    if "num_softmax_layers" in overrides:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("keep_softmax_first", "keep_softmax_last")}
+    return CogformerConfig(**{**kwargs, **overrides})
 
 
 def register_auto_classes() -> None:

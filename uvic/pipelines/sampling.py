@@ -30,7 +30,7 @@ from diffusers import DiffusionPipeline, SchedulerMixin
 from PIL import Image
 from tqdm.auto import tqdm
 
-from uvic.io import atomic_write, check_model_dir, to_uint8
+from uvic.io import atomic_write, check_model_dir, quantize_uint8
 from uvic.pipelines.export import pipeline_class_name
 from uvic.pipelines.pipeline_uvic import UViCPipeline
 from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
@@ -54,9 +54,9 @@ __all__ = [
     "is_pipeline_dir",
     "load_pretrained",
     "mscoco_prompt_embeds",
+    "quantize_uint8",
     "sample_to_folder",
     "save_grid",
-    "to_uint8",
 ]
 
 PIPELINE_CLASSES: dict[str, type[DiffusionPipeline]] = {
@@ -324,7 +324,7 @@ def generate(
                 kwargs.update(guidance_scale=guidance_scale)
             gens = [torch.Generator("cpu").manual_seed(int(s)) for s in chunk]
             images = pipe(**kwargs, num_inference_steps=num_inference_steps, generator=gens, output_type="np").images
-            out.append(to_uint8(images))
+            out.append(quantize_uint8(images))
             bar.update(len(chunk))
     return np.concatenate(out)
 

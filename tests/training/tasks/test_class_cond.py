@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from tiny_imagenet import make_imagenet
 from tiny_models import VAE_TINY, SpyDenoiser
 
-from uvic.config import load_config, task_class
+from uvic.config import load_config
 from uvic.data.imagenet import extract_features
 from uvic.models.autoencoder import build_vae
 from uvic.pipelines import UViCPipeline
@@ -18,6 +18,7 @@ from uvic.training import train
 from uvic.training.checkpoint import list_checkpoints
 from uvic.training.rng import ShardedRNG
 from uvic.training.runs import load_pipeline
+from uvic.training.tasks import task_class
 from uvic.training.tasks.class_cond import ClassConditionalTask, drop_labels
 from uvic.training.validation import VALIDATION_SEED
 

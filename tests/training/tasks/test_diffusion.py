@@ -5,10 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from uvic.config import load_config, task_class
+from uvic.config import load_config
 from uvic.errors import ConfigError
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import build_task
+from uvic.training.tasks import build_task, task_class
 from uvic.training.tasks.diffusion import DiffusionTask
 
 

@@ -1,5 +1,6 @@
-"""Every task of the table implements the `Task` protocol with the protocol's own signatures, and a new task is one
-row of `uvic.config.TASKS`: a dummy task added there alone loads its config, builds and trains."""
+"""Every task of the table implements the `Task` protocol with the protocol's own signatures, the config's task names
+are the task table's, and a new task is one `register_task` call: a dummy task registered so loads its config,
+builds and trains."""
 
 import inspect
 import json
@@ -11,11 +12,13 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
-from uvic.config import TASKS, BaseRunConfig, TrainConfig, load_config, task_class
+import uvic.config
+import uvic.training.tasks
+from uvic.config import TASKS, BaseRunConfig, TrainConfig, load_config
 from uvic.errors import ConfigError
 from uvic.schedulers import build_scheduler
 from uvic.training.checkpoint import list_checkpoints
-from uvic.training.tasks import Task, build_task
+from uvic.training.tasks import TASK_CLASSES, Task, build_task, register_task, task_class
 
 
 PROTOCOL_METHODS = ["build_model", "build_dataset", "validation_set", "param_groups", "loss", "validation_losses",
@@ -24,6 +27,10 @@ PROTOCOL_METHODS = ["build_model", "build_dataset", "validation_set", "param_gro
 
 def _params(fn):
     return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_the_config_and_the_task_table_name_the_same_tasks():
+    assert list(TASKS) == list(TASK_CLASSES) == ["diffusion", "t2i", "class_cond", "lm"]
 
 
 @pytest.mark.parametrize("name", list(TASKS))
@@ -58,7 +65,8 @@ def test_the_language_model_task_has_no_image_pipeline():
 
 
 def test_an_unknown_task_is_a_config_error_naming_the_tasks():
-    for load in (lambda: load_config(None, ["task=nope"]), lambda: load_config(None, ["task=[lm]"])):
+    for load in (lambda: load_config(None, ["task=nope"]), lambda: load_config(None, ["task=[lm]"]),
+                 lambda: task_class("nope")):
         with pytest.raises(ConfigError, match=r"config key task: .* is not one of \['diffusion', 't2i', 'class_cond', "
                                               r"'lm'\]"):
             load()
@@ -141,10 +149,14 @@ class _Items(torch.utils.data.Dataset):
         return {"x": x, "y": y}
 
 
-def test_a_new_task_is_one_row_of_the_table(tmp_path, monkeypatch):
-    """The row names both classes as "module:Class" (imported on first use): the config loads with the dummy's
-    sections, `build_task` builds it, and `train` runs it end to end (checkpoint, validation, export)."""
-    monkeypatch.setitem(TASKS, "dummy", (f"{__name__}:DummyRunConfig", f"{__name__}:DummyTask"))
+def test_a_new_task_is_one_register_call(tmp_path, monkeypatch):
+    """`register_task` puts the task class in the task table and its run config in the config's: the config loads
+    with the dummy's sections, `build_task` builds it, and `train` runs it end to end (checkpoint, validation,
+    export)."""
+    monkeypatch.setattr(uvic.config, "TASKS", dict(TASKS))  # both tables are restored after the test
+    monkeypatch.setattr(uvic.training.tasks, "TASK_CLASSES", dict(TASK_CLASSES))
+    register_task("dummy", DummyTask, DummyRunConfig)
+    assert uvic.config.TASKS["dummy"] is DummyRunConfig and task_class("dummy") is DummyTask
     cfg = load_config(None, ["task=dummy", "data.num_items=4", f"train.run_dir={tmp_path / 'run'}",
                              "train.max_steps=2", "train.batch_size=4", "train.warmup_steps=0", "train.lr=0.1",
                              "train.save_every=2", "train.log_every=1", "train.log_with=none", "train.ema_decay=0",
@@ -171,4 +183,4 @@ def test_a_new_task_is_one_row_of_the_table(tmp_path, monkeypatch):
     assert val[0]["val_abs"] == pytest.approx(float(err.abs().mean()), rel=1e-6)
     assert val[0]["val_rmse"] == pytest.approx(float(err.pow(2).mean().sqrt()), rel=1e-6)
     assert json.loads((run / "pipeline" / "w.json").read_text()) == trained.flatten().tolist()
-    assert load_config(run / "config.yaml") == cfg  # the resolved config reloads through the row
+    assert load_config(run / "config.yaml") == cfg  # the resolved config reloads through the table

@@ -88,9 +88,9 @@ def test_a_few_training_steps_reduce_the_loss():
 def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
     """`train(cfg)` with the t2i task from the task table: trains, writes a sample grid and checkpoints, and
     exports a t2i pipeline that carries the config's latent scale and sampler."""
-    from uvic.config import task_class
     from uvic.pipelines.pipeline_uvic_t2i import UViCText2ImagePipeline
     from uvic.training.loop import train
+    from uvic.training.tasks import task_class
 
     assert task_class("t2i") is Text2ImageTask
     root, vae, _ = make_tiny_coco(tmp_path, 8, splits=("train", "val"))

@@ -5,116 +5,68 @@ the task for everything that differs; none of them asks which task it is.
 A task builds the model and the training and held-out sets, computes the loss of a training batch and the
 deterministic per-example loss of held-out examples, names its optimizer parameter groups, turns a model into the
 pipeline that samples it (with its autoencoder and the conditions of each image), and writes task-specific
-artefacts (sample grids, the export). `cfg.task` picks it from the one task table, `uvic.config.TASKS`
-(name -> (run-config class, task class)); a new task is one file with a class that implements `Task` and one row
-in that table (docs/where_to_change.md).
+artefacts (sample grids, the export). `cfg.task` picks it from the task table here, `TASK_CLASSES` (name -> task
+class), whose names are those of the config's table `uvic.config.TASKS` (name -> run-config class); a new task is
+one file with a class that implements `Task` and one `register_task` call (docs/where_to_change.md).
 
     diffusion   `diffusion.DiffusionTask`            images with a `UViTModel` (unconditional / class-conditional)
     t2i         `text2image.Text2ImageTask`          MS-COCO text-to-image on extracted VAE / CLIP features
     lm          `lm.LMTask`                          Cogformer language modelling
     class_cond  `class_cond.ClassConditionalTask`    ImageNet class-conditional, pixels (64) or VAE features
 
-This package holds the protocol only; a task class is imported from its module when a run names it
-(`build_task`), so importing the protocol imports no model library.
+This package holds the protocol (`protocol.py`, which the task modules import) and the table only; a task class is
+imported from its module when a run names it (`task_class`, `build_task`), so importing the protocol imports no
+model library.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+import importlib
+from typing import Any
+
+from uvic.errors import ConfigError
+from uvic.training.tasks.protocol import Task, sample_path
 
 
-if TYPE_CHECKING:
-    import torch
-    from diffusers import AutoencoderKL, DiffusionPipeline
-    from torch import nn
-    from torch.utils.data import Dataset
-
-    from uvic.pipelines.sampling import ImageConditions
-    from uvic.training.rng import ShardedRNG
+__all__ = ["TASK_CLASSES", "Task", "build_task", "register_task", "sample_path", "task_class"]
 
 
-__all__ = ["Task", "build_task", "sample_path"]
+# The training task of each task name of `uvic.config.TASKS` (a test keeps the two tables' names equal), written
+# "module:Class" and imported on first use (`task_class`), as `uvic.schedulers.SAMPLER_TABLE` names its schedulers: a
+# class object is a valid entry too (`register_task`).
+TASK_CLASSES: dict[str, str | type] = {
+    "diffusion": "uvic.training.tasks.diffusion:DiffusionTask",
+    "t2i": "uvic.training.tasks.text2image:Text2ImageTask",
+    "class_cond": "uvic.training.tasks.class_cond:ClassConditionalTask",
+    "lm": "uvic.training.tasks.lm:LMTask",
+}
 
 
-class Task(Protocol):
-    """The task interface used by `uvic.training.loop.train`, the validation loss and the FID evaluator.
-
-    `makes_images` (a class attribute) says whether the task's model makes images: only then do `load_vae`,
-    `pipeline` and `image_conditions` apply (the others raise ValueError) and FID while training is possible.
-    """
-
-    makes_images: bool
-
-    def build_model(self) -> nn.Module:
-        """A freshly initialised model (float32, on CPU)."""
-
-    def build_dataset(self) -> Dataset:
-        """The training set; items are dicts of tensors. With validation on (`train.val_every` > 0) it holds no
-        example of `validation_set()`."""
-
-    def validation_set(self) -> Dataset:
-        """The held-out examples of the validation loss: the data's test split where it has one, else
-        `data.val_fraction` of the data held out by a fixed seed (`uvic.training.validation.hold_out`), the same
-        for every run, which `build_dataset` leaves out when validating. Items are `build_dataset`'s, in a fixed
-        order (validation scores the first `train.val_examples`)."""
-
-    def param_groups(self, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-        """AdamW parameter groups (`{"params": [...], "weight_decay": w}`); every trainable parameter once."""
-
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: ShardedRNG) -> torch.Tensor:
-        """Scalar loss of a (per-process) batch; all randomness comes from `rng`."""
-
-    def validation_losses(self, model: nn.Module, batch: dict[str, torch.Tensor],
-                          index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-example values `{"val_loss": (B,), ...}` of the held-out examples `index` ((B,) int64, positions in
-        `validation_set()`), whose items `batch` holds; called without gradients, on the model in eval mode.
-
-        Deterministic: example i's random draws (noise, times, latents) come from
-        `uvic.training.validation.example_generators` and nothing else, so a value depends on the weights and the
-        example only, not on the batch, the process count or the run's seed; no label or context dropout."""
-
-    def validation_metrics(self, means: dict[str, float]) -> dict[str, float]:
-        """The logged metrics of one validation from the means over the held-out set of `validation_losses`'
-        values: at least `val_loss`, plus task extras (the LM's `val_ppl`)."""
-
-    def load_vae(self) -> AutoencoderKL | None:
-        """The autoencoder of a latent model (its config's `scaling_factor` is the training latent scale, checked
-        against the model); None for a pixel-space model. Raises ValueError for a latent model whose autoencoder
-        is not configured, and for a task without images."""
-
-    def pipeline(self, model: nn.Module, *, sampler: str | None = None,
-                 vae: AutoencoderKL | None = None) -> DiffusionPipeline:
-        """The pipeline that samples `model` (not copied). `sampler`: a `uvic.schedulers.SAMPLER_TABLE` name, None
-        for the config's `sample.sampler`; `vae`: the autoencoder of a latent model, None for `load_vae()`.
-        Raises ValueError for a task whose model has no image pipeline (the LM)."""
-
-    def image_conditions(self, purpose: Literal["grid", "fid"], num_images: int) -> ImageConditions:
-        """The conditions of images 0..n-1 of a sample grid or of FID while training (image i comes from seed
-        `sample.seed + i`): balanced class labels; class labels with the model's guidance; caption features with
-        the empty caption's as the negative and `sample.guidance_scale`. n is `num_images` or, where the task
-        has fewer conditions to show (a grid of stored captions), less."""
-
-    def on_sample(self, model: nn.Module, step: int, run_dir: Path) -> Path | None:
-        """Periodic qualitative output from the sampling weights (main process only) at `sample_path`, e.g. a
-        sample grid. Returns the file written (the loop shows it in the trackers under `samples`), or None when
-        nothing was written."""
-
-    def export(self, model: nn.Module, out_dir: Path) -> None:
-        """Write the final artefact from the sampling weights (main process only), e.g. a pipeline directory."""
+def task_class(task: str) -> type:
+    """The training-task class of `task` (imported now). Raises ConfigError for a name the table does not hold."""
+    if not isinstance(task, str) or task not in TASK_CLASSES:
+        raise ConfigError(f"config key task: {task!r} is not one of {list(TASK_CLASSES)}")
+    entry = TASK_CLASSES[task]
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    return entry
 
 
-def sample_path(run_dir: str | Path, step: int, suffix: str) -> Path:
-    """Where `on_sample` writes the samples of `step`: `run_dir/samples/step_{step:07d}{suffix}`."""
-    return Path(run_dir) / "samples" / f"step_{step:07d}{suffix}"
+def register_task(name: str, task: type, run_config: type) -> None:
+    """Add (or replace) the task `name`: its training-task class `task` (implementing `Task`) here, and its run
+    config `run_config` (a frozen dataclass deriving from `uvic.config.BaseRunConfig`, e.g. one of the built-in
+    run configs) in `uvic.config.TASKS`, so that `task: <name>` in a config loads and trains it."""
+    from uvic import config
+
+    TASK_CLASSES[name] = task
+    config.TASKS[name] = run_config
 
 
 def build_task(cfg: Any) -> Task:
-    """The task named by `cfg.task` (a row of `uvic.config.TASKS`), built from `cfg`.
+    """The task named by `cfg.task` (a row of `TASK_CLASSES`), built from `cfg`.
 
     Raises:
         ConfigError: a task name the table does not hold.
     """
-    from uvic.config import task_class
-
     return task_class(cfg.task)(cfg)

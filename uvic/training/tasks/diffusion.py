@@ -25,7 +25,7 @@ from uvic.schedulers import build_scheduler
 from uvic.training.losses import build_noise_process, eps_prediction_loss, stratified_eps_losses
 from uvic.training.optim import decay_all
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import sample_path
+from uvic.training.tasks.protocol import sample_path
 from uvic.training.validation import example_generators, held_out_subsets
 
 

@@ -28,7 +28,7 @@ from uvic.lm.synthetic import IGNORE_INDEX, SyntheticDataset
 from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 from uvic.training.optim import decay_matrices
 from uvic.training.rng import ShardedRNG
-from uvic.training.tasks import sample_path
+from uvic.training.tasks.protocol import sample_path
 
 
 logger = logging.getLogger(__name__)
