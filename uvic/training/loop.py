@@ -32,6 +32,7 @@ from uvic.training.checkpoint import (
     abandon_newer_checkpoints,
     agree,
     checkpoint_dir,
+    choose_latest,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
@@ -521,5 +522,5 @@ def resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
             )
         return None
     if resume == "latest":
-        return latest_checkpoint(run_dir)
+        return choose_latest(run_dir)  # a newer checkpoint dir without meta.json is named, and skipped
     return resolve_checkpoint(resume, verify=False)  # load_checkpoint verifies it
