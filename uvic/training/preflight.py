@@ -1,7 +1,8 @@
 """What a training run checks before it touches its run dir: every check of the config that needs no data.
 
 `check_run_config(cfg)` runs, in order, the config's own checks (`uvic.config.validate_ranges`: keys, types,
-ranges, named choices), the trackers (`train.log_with`: known names, and an account or offline mode for wandb),
+ranges, named choices), the memory the run needs at least against this machine's (`uvic.training.memory`,
+counted from the config), the trackers (`train.log_with`: known names, and an account or offline mode for wandb),
 the task's checks of its sections (`Task.__init__`: a class-conditional model's classes against the data, the
 null class against label dropout and guidance), the model's (its constructor, run on the meta device, so that no
 memory is allocated: heads that do not divide the width, a patch size that does not divide the image), and FID
@@ -35,10 +36,12 @@ def check_run_config(cfg: Any) -> None:
             does not fit (`check_fid_config`).
     """
     from uvic.training.evaluation import check_fid_config
+    from uvic.training.memory import check_memory
     from uvic.training.tasks import build_task
     from uvic.training.trackers import check_tracker_accounts, tracker_names
 
     validate_ranges(cfg)
+    check_memory(cfg)  # sizes from the config alone, before anything is built (even on the meta device)
     check_tracker_accounts(tracker_names(cfg.train.log_with), cfg.train.run_dir)
     try:
         task = build_task(cfg)
