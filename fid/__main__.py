@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,44 @@ def _value_range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _device(text: str) -> str:
+    """--device: a torch device this machine has (a CUDA device without a GPU, or a name torch does not know,
+    failed with a RuntimeError traceback once the network was moved there)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e}); e.g. cpu, cuda, cuda:1") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA GPU that torch can use; use "
+                                             f"--device cpu, or leave --device out")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA GPU(s), cuda:0 to "
+                                             f"cuda:{count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available on this machine; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a {device.type} device is not supported here; use cpu or cuda")
+    return text
+
+
+def _joined_value_range(argv: Sequence[str]) -> list[str]:
+    """`argv` with `--value-range LOW,HIGH` joined into `--value-range=LOW,HIGH` when LOW is negative: argparse takes
+    "-1,1" for an option (it is not a plain negative number) and stops with "expected one argument"."""
+    out, args, i = [], list(argv), 0
+    while i < len(args):
+        if args[i] == "--value-range" and i + 1 < len(args) and re.match(r"-[\d.]", args[i + 1]):
+            out.append(f"--value-range={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def _check_n(n: int | None, expected: int) -> None:
     if n != expected:
         raise ValueError(f"expected {expected} sample images, got {n}")
@@ -78,10 +117,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="image decoding workers (default: one per usable CPU core but one, at most 8)")
     common.add_argument("--num-samples", type=int_at_least(1), help="use only the first N images")
     common.add_argument("--value-range", type=_value_range, default=DEFAULT_VALUE_RANGE,
-                        help="range of float .npz images, e.g. -1,1 (default 0,1)")
+                        help="range of float .npz images, e.g. -1,1 (default 0,1); values outside it are clamped, with a "
+                             "warning giving their share")
     common.add_argument("--recursive", action="store_true", help="read image sub-folders too")
     common.add_argument("--md5-check", action="store_true", help="check the md5 of the CIFAR-10 batch files")
-    common.add_argument("--device", help="torch device (default: accelerate's)")
+    common.add_argument("--device", type=_device, help="torch device (default: accelerate's)")
     common.add_argument("--no-progress", action="store_true")
     p = argparse.ArgumentParser(prog="python -m uvic.fid", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -176,7 +216,7 @@ def _run(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point (``uvic-fid``)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_joined_value_range(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with cli_errors(status=2), storage_errors("stopped"):  # bad input or a failed write: one line, no traceback
         line = _run(args)

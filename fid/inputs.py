@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import warnings
@@ -63,6 +64,32 @@ def to_uint8(images: Batch, value_range: ValueRange = DEFAULT_VALUE_RANGE) -> to
                              f"grayscale ones, got shape {tuple(x.shape)}")
         x = x.permute(0, 3, 1, 2)
     return quantize_uint8(x, value_range).expand(-1, 3, -1, -1).contiguous()  # grayscale: R = G = B
+
+
+def share_outside(images: Batch, value_range: ValueRange) -> float:
+    """The share of the values of float `images` (any shape, numpy or torch) outside [low, high] = `value_range`,
+    in [0, 1]; 0.0 for integer images. Read in chunks of images, so a large array costs no full-size copy."""
+    if not (np.issubdtype(images.dtype, np.floating) if isinstance(images, np.ndarray) else images.is_floating_point()):
+        return 0.0
+    lo, hi = value_range
+    outside, step = 0, max(1, 2**24 // max(1, math.prod(images.shape[1:])))
+    for k in range(0, len(images), step):
+        chunk = images[k : k + step]
+        outside += int(((chunk < lo) | (chunk > hi)).sum())
+    total = math.prod(images.shape)
+    return outside / total if total else 0.0
+
+
+def warn_outside(images: Batch, value_range: ValueRange, name: str) -> float:
+    """Warn, giving the share, when float `images` hold values outside `value_range` (they are clamped to it when
+    quantised, so a wrong --value-range would score other images than the ones meant); returns the share."""
+    share = share_outside(images, value_range)
+    if share > 0:
+        lo, hi = value_range
+        warnings.warn(f"{name}: {share:.2%} of the float values lie outside the value range [{lo:g}, {hi:g}] "
+                      f"(--value-range {lo:g},{hi:g}) and are clamped to it; check that the range is the images' "
+                      f"own (e.g. -1,1 for U-ViT's raw samples)", stacklevel=2)
+    return share
 
 
 class ImageFolder(Dataset):
@@ -124,6 +151,7 @@ class ImageArray(Dataset):
             raise ValueError(f"{name}: expected (N, H, W, C) or (N, C, H, W) images with C = 3 (RGB) or 1 "
                              f"(grayscale), got shape {tuple(images.shape)}")
         self.images, self.value_range, self.name = images, value_range, name
+        warn_outside(images, value_range, name)
 
     @classmethod
     def from_npz(cls, path: str | os.PathLike, *, key: str | None = None,

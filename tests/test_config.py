@@ -5,9 +5,10 @@ import typing
 import pytest
 import yaml
 
-from uvic.config import RANGES, Config, UViTConfig, config_from_dict, load_config, validate_ranges
+from uvic.config import Config, UViTConfig, config_from_dict, load_config, validate_ranges
 from uvic.errors import ConfigError
 from uvic.models import UViTModel
+from uvic.values import RANGES
 
 
 def test_model_config_fields_are_the_model_kwargs():

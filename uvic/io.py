@@ -17,7 +17,7 @@ import os
 import pickle
 import stat
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -424,10 +424,39 @@ def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> 
 
     folder = Path(folder)
     # Where diffusers' `ModelMixin.from_pretrained` finds a model's weights in its directory, in its order.
-    names = (SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    shapes = model_dir_shapes(folder, (SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
+                                       WEIGHTS_INDEX_NAME), what)
+    if shapes is None:
+        return
+    try:
+        config = model_class.load_config(folder)
+    except Exception as e:  # noqa: BLE001 - diffusers reports a missing or malformed config.json in several types
+        raise DataError(f"{what}: cannot read {folder / 'config.json'} ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]})") from e  # fmt: skip
+    if not isinstance(config, dict):  # diffusers would take a list for a model id and "could not connect"
+        raise DataError(f"{what}: {folder / 'config.json'} holds a JSON {_json_kind(config)}, not an object of the "
+                        f"model's settings")
+    check = getattr(model_class, "check_config", None)
+    if check is not None:  # the model's own check of the types and ranges of its settings
+        check(config, f"{what}: {folder / 'config.json'}")
+    check_weights_fit(lambda: model_class.from_config(config), shapes, what)
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+
+
+def model_dir_shapes(folder: str | os.PathLike, names: Sequence[str], what: str) -> dict[str, tuple[int, ...]] | None:
+    """The name -> shape of the weights of a model directory: the first of the weight files `names` (a
+    `.index.json` of shards: the shards it names inside `folder`) read from their headers; None without any.
+
+    Raises:
+        DataError: an unreadable index or weights file, or an index naming files outside `folder`.
+    """
+    folder = Path(folder)
     found = next((folder / name for name in names if (folder / name).is_file()), None)
     if found is None:
-        return
+        return None
     files = [found]
     if found.name.endswith(".index.json"):  # sharded: the files its weight map names, inside the folder
         try:
@@ -443,12 +472,7 @@ def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> 
             shapes.update(weight_shapes(file))
         except DataError as e:  # truncated, foreign, or pickled objects (UnsafeFileError): nothing was run
             raise type(e)(f"{what}: {e}") from e
-    try:
-        config = model_class.load_config(folder)
-    except Exception as e:  # noqa: BLE001 - diffusers reports a missing or malformed config.json in several types
-        raise DataError(f"{what}: cannot read {folder / 'config.json'} ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:300]})") from e  # fmt: skip
-    check_weights_fit(lambda: model_class.from_config(config), shapes, what)
+    return shapes
 
 
 # The (low, high) of float images unless a caller says otherwise (`torchvision.utils.save_image`'s [0, 1]).

@@ -163,3 +163,49 @@ def test_stats_of_grayscale_samples_and_of_the_digits(tmp_path, capsys, weights_
     assert np.array_equal(a["mu"], b["mu"]) and np.array_equal(a["sigma"], b["sigma"])
     main([str(a) for a in ("stats", "digits:8", "--num-samples", 3, "--out", tmp_path / "d.npz", *common)])
     assert np.load(tmp_path / "d.npz")["mu"].shape == (64,)
+
+
+def test_a_negative_value_range_may_follow_its_option_as_the_help_writes_it():
+    """`--value-range -1,1` (the help's own example) failed with "expected one argument": argparse took "-1,1" for
+    an option. Both spellings parse to the same range; a negative number elsewhere is left to argparse."""
+    from uvic.fid.__main__ import _joined_value_range, _parser
+
+    parser = _parser()
+    for spelling in (["--value-range", "-1,1"], ["--value-range=-1,1"], ["--value-range", "-.5,1"]):
+        args = parser.parse_args(_joined_value_range(["score", "s", "r.npz", *spelling]))
+        assert args.value_range == ((-0.5, 1.0) if "-.5,1" in spelling else (-1.0, 1.0))
+    assert _joined_value_range(["score", "--value-range", "0,1", "--num-samples", "-1"]) == [
+        "score", "--value-range", "0,1", "--num-samples", "-1"]
+
+
+def test_stats_of_float_images_with_a_spaced_negative_value_range(tmp_path, capsys, weights_file):
+    """End to end through main(): float images in [-1, 1] with `--value-range -1,1` give the statistics of the same
+    images quantised by hand (x -> (x + 1) / 2 -> uint8(255 x + 0.5), torchvision's save_image) and saved as PNGs."""
+    from uvic.fid import load_stats
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (3, 8, 8, 3)).astype(np.float32)
+    np.savez(tmp_path / "f.npz", x)
+    by_hand = np.clip(np.floor((x + 1) / 2 * 255 + 0.5), 0, 255).astype(np.uint8)
+    folder = write_pngs(tmp_path / "png", by_hand)
+    common = ["--dims", "64", "--weights", weights_file, "--weights-sha256", "none", "--no-progress",
+              "--num-workers", "0", "--device", "cpu"]
+    main(["stats", str(tmp_path / "f.npz"), "--out", str(tmp_path / "a.npz"), "--value-range", "-1,1",
+          *map(str, common)])
+    main(["stats", str(folder), "--out", str(tmp_path / "b.npz"), *map(str, common)])
+    a, b = load_stats(tmp_path / "a.npz"), load_stats(tmp_path / "b.npz")
+    assert np.array_equal(a.mu, b.mu) and np.array_equal(a.sigma, b.sigma)
+
+
+@pytest.mark.parametrize("device, problem", [
+    ("foo", "'foo' is not a torch device ("),
+    ("cuda", "'cuda': this machine has no CUDA GPU that torch can use; use --device cpu, or leave --device out"),
+    ("cuda:1", "'cuda:1': this machine has no CUDA GPU that torch can use"),
+])  # fmt: skip
+def test_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch, device, problem):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
+    code, err = _cli(capsys, "score", "samples", "ref.npz", "--device", device)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"python -m uvic.fid score: error: argument --device: {problem}")

@@ -222,3 +222,23 @@ def test_cli_names_an_unreadable_image_before_loading_the_network(tmp_path, caps
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: {folder / '3.png'} is not a readable image (UnidentifiedImageError")
     assert not (tmp_path / "o.npz").exists()
+
+
+def test_float_images_outside_their_value_range_are_reported_with_the_share():
+    """0..1 images read with value range (0, 0.5) scored silently (the upper half clamped to white): a warning now
+    gives the share of values outside; images inside the range give none."""
+    import warnings
+
+    from uvic.fid.inputs import ImageArray, share_outside
+
+    x = np.tile(np.array([0.25, 0.75, 0.1, 0.2], np.float32), 3 * 4 * 4 * 2).reshape(8, 4, 4, 3)  # 1 in 4 outside
+    assert share_outside(x, (0.0, 0.5)) == 0.25
+    assert share_outside(torch.from_numpy(x), (0.0, 0.5)) == 0.25
+    assert share_outside((x * 255).astype(np.uint8), (0.0, 0.5)) == 0.0  # uint8 images have no value range
+    with pytest.warns(UserWarning, match=r"array: 25\.00% of the float values lie outside the value range \[0, 0\.5\] "
+                                         r"\(--value-range 0,0\.5\) and are clamped to it"):
+        ImageArray(x, value_range=(0.0, 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ImageArray(x, value_range=(0.0, 1.0))
+        ImageArray(x * 2 - 1, value_range=(-1.0, 1.0))

@@ -6,6 +6,7 @@ from the layer's own projections and transformers' rotary embedding.
 
 import copy
 import json
+import re
 import warnings
 
 import pytest
@@ -271,6 +272,27 @@ def test_a_saved_placement_is_checked_on_load(tmp_path):
                     AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
     with pytest.raises(ValueError, match=r"^keep_softmax_last must be an int >= 0, got 0.5$"):  # the same check
         apply_cog_attention(model, keep_softmax_first=1, keep_softmax_last=0.5)
+
+
+def test_a_bad_backend_is_refused_at_apply_and_at_load(tmp_path):
+    """backend="bogus" was accepted, saved by save_pretrained and failed at the first forward: it is refused at
+    apply, and a saved config.json edited to a backend that is not one is refused when the model is built (as the
+    diffusers integration does)."""
+    from uvic.attention import BACKENDS
+
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"^backend must be one of .*, got 'bogus'$"):
+        apply_cog_attention(model, backend="bogus")
+    assert model.config._attn_implementation != "cog" and not hasattr(model.config, "cog_backend")  # untouched
+    apply_cog_attention(model, backend="torch")
+    model.save_pretrained(tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.cog_backend == "torch"
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for bad in ("bogus", 1, None, ["torch"]):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, "cog_backend": bad}))
+        with pytest.raises(ValueError, match=rf"^LlamaConfig .*: cog_backend must be one of "
+                                             rf"{re.escape(str(BACKENDS))}, got "):
+            AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_a_cog_config_running_another_implementation_warns(tmp_path):

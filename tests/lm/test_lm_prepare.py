@@ -65,3 +65,39 @@ def test_an_empty_text_writes_no_bin(tmp_path, cli_error):
     line = cli_error(main, ["--text", str(empty), "--out", str(out)])
     assert line == f"error: --text {empty} holds no tokens (it is empty); nothing was written"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "café au lait\n".encode("latin-1"),
+                                     None, "directory"])
+def test_refused_input_exits_2_whatever_is_wrong_with_it(tmp_path, capsys, content):
+    """One convention, the README's: refused input is exit status 2 (latin-1 text gave 1, as every refusal did)."""
+    text = tmp_path / "corpus.txt"
+    if content == "directory":
+        text.mkdir()
+    elif content is not None:  # None: no such file
+        text.write_bytes(content)
+    out = tmp_path / "out.bin"
+    with pytest.raises(SystemExit) as e:
+        main(["--text", str(text), "--out", str(out)])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: ")
+    assert not out.exists()
+
+
+def test_a_write_that_fails_exits_1_and_leaves_no_bin(tmp_path, text, capsys, monkeypatch):
+    import errno
+
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    out = tmp_path / "out.bin"
+    with pytest.raises(SystemExit) as e:
+        main(["--text", str(text), "--out", str(out)])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: could not write {out}: disk full"), err
+    assert not out.exists()

@@ -198,8 +198,9 @@ def test_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, image_
     # step 2 was renamed before its deletion began: no step_* dir is half-deleted, step 4 is complete.
     assert _steps(run) == [4] and verify_checkpoint(run / "checkpoints" / "step_000000004") == 4
     (leftover,) = (run / "checkpoints").glob(".deleting-step_000000002-*")
-    # Leftovers of interrupted runs: a step dir half-deleted in place (no meta.json), and a re-save of
-    # step 4 killed between its two renames (the complete old copy is aside as .old-step_*, a partial new one).
+    # Leftovers of interrupted runs: a re-save of step 4 killed between its two renames (the complete old copy is
+    # aside as .old-step_*, a partial new one). A step dir without meta.json is no leftover (uvic never leaves one):
+    # it is kept (test_a_checkpoint_without_meta_json_is_named_kept_and_passed_over).
     ckpts = run / "checkpoints"
     shutil.copytree(ckpts / "step_000000004", ckpts / "step_000000001")
     (ckpts / "step_000000001" / "meta.json").unlink()
@@ -207,7 +208,7 @@ def test_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, image_
     (ckpts / ".tmp-step_000000004-99999").mkdir()
     train(load_config(None, tiny_overrides(run, image_dir, **{"train.resume": "latest", "train.max_steps": 4})))
     assert not leftover.exists()
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000004"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000001", "step_000000004"]
     _assert_same_weights(ckpts / "step_000000004", reference_run / "checkpoints" / "step_000000004")
 
 
@@ -495,3 +496,49 @@ def test_every_piece_of_training_state_round_trips_through_data_only_files(tmp_p
     assert torch.equal(got[3], expected[3])
     for k, v in expected[4].items():
         assert torch.equal(got[4][k], v)
+
+
+def test_a_checkpoint_without_meta_json_is_named_kept_and_passed_over(tmp_path, image_dir, tiny_overrides,
+                                                                      run_script):
+    """A step dir whose meta.json is lost cannot be verified, so it is never resumed or exported; it is never
+    deleted either (it was swept as a "leftover"): the export names the step it took and the newer one it passed
+    over, a resume names it and moves it aside with the rest of the abandoned branch, and a save of its step sets
+    it aside instead of replacing it."""
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, image_dir, **{"train.max_steps": 4})
+    train(load_config(None, overrides))
+    ckpts = run / "checkpoints"
+    lost = ckpts / "step_000000004"
+    (lost / "meta.json").unlink()
+    kept = {p.name: p.read_bytes() for p in lost.iterdir()}
+    step2 = ckpts / "step_000000002"
+
+    assert sweep_leftovers(run) == [] and lost.is_dir()
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--export")
+    assert code == 0, err[-2000:]
+    assert f"{lost} has no meta.json (lost or removed?): it cannot be verified, so it is skipped, and kept; " \
+           f"using {step2}" in err
+    assert (f"exported step 2 ({step2}; the latest checkpoint; passed over the newer {lost}, which has no "
+            f"meta.json) to {run / 'pipeline'}") in err
+    assert {p.name: p.read_bytes() for p in lost.iterdir()} == kept
+
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "--resume")
+    assert code == 0, err[-2000:]
+    assert f"{lost} has no meta.json (lost or removed?)" in err
+    (aside,) = (ckpts / "abandoned").iterdir()
+    assert aside.name.startswith("after_step_000000002_")
+    assert {p.name: p.read_bytes() for p in (aside / "step_000000004").iterdir()} == kept
+    assert verify_checkpoint(lost) == 4  # trained again from step 2: a complete step 4
+
+    # A save of a step whose dir has no meta.json (there without a resume past it) sets that dir aside.
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    other = tmp_path / "other"
+    (other / "checkpoints" / "step_000000005").mkdir(parents=True)
+    (other / "checkpoints" / "step_000000005" / "precious.bin").write_bytes(b"keep me")
+    save_checkpoint(accelerator, other, 5, {"save": 1})
+    assert verify_checkpoint(other / "checkpoints" / "step_000000005") == 5
+    (aside,) = (other / "checkpoints" / "abandoned").iterdir()
+    assert (aside / "step_000000005" / "precious.bin").read_bytes() == b"keep me"

@@ -182,13 +182,23 @@ def test_tensorboard_holds_the_sample_grids_and_eval_fid(fid_run):
     assert fids == pytest.approx({r["step"]: r["fid"] for r in _evaluations(fid_run)}, rel=1e-6)
 
 
+_SLOW_EVALUATION = """
+import runpy, sys, time
+from uvic.training.evaluation import Evaluator
+evaluate = Evaluator.evaluate
+Evaluator.evaluate = lambda *args, **kwargs: (time.sleep(600), evaluate(*args, **kwargs))[1]
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
 def test_a_kill_during_an_evaluation_is_redone_on_resume(fid_run, data, defaults, tmp_path):
     run = tmp_path / "run"
-    # 4000 images: the evaluation of step 2 is still running when the kill comes.
+    # An evaluation that takes minutes: the evaluation of step 2 is still running when the kill comes. (Not more
+    # images: a resume may not change what FID is measured with, docs/training.md.)
     log = open(tmp_path / "first.log", "w")
-    first = subprocess.Popen([sys.executable, "train.py", defaults,
-                              *_overrides(run, data, **{"train.eval_num_images": 4000})], cwd=ROOT, env=ENV,
-                             stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_EVALUATION, defaults, *_overrides(run, data)], cwd=ROOT,
+                             env=ENV, stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
     try:
         deadline = time.time() + 400
         while not (run / "checkpoints" / "step_000000002").is_dir() and time.time() < deadline:
@@ -523,3 +533,42 @@ def test_export_best_from_the_run_dir_says_what_it_exported(fid_run, tmp_path, r
     (weights,) = (run / "pipeline" / "transformer").glob("*.safetensors")
     exported, ema = load_file(weights), load_file(run / best["checkpoint"] / "ema.safetensors")
     assert all(torch.equal(exported[k], ema[k]) for k in ema)
+
+
+@pytest.mark.parametrize("case", ["hand-written", "not the lowest", "no eval.jsonl", "checkpoint removed"])
+def test_export_best_refuses_a_best_json_that_eval_jsonl_does_not_back(fid_run, tmp_path, run_script, case):
+    """best.json names the lowest FID of eval.jsonl among the checkpoints that exist, or `--export best` refuses it
+    (it exported a hand-written "FID 1.0000, the lowest FID while training")."""
+    run = tmp_path / "run"
+    shutil.copytree(fid_run, run)
+    records = _evaluations(run)
+    low = json.loads((run / "best.json").read_text())  # as the run wrote it: the lowest FID, a checkpoint that exists
+    if case == "hand-written":
+        best = {**low, "fid": 1.0}
+    elif case == "not the lowest":  # another evaluated checkpoint that exists, with a lower FID
+        best = low
+        shutil.copytree(run / low["checkpoint"], run / "checkpoints" / "step_000000003")
+        low = {"step": 3, "fid": low["fid"] / 2, "checkpoint": "checkpoints/step_000000003"}
+        (run / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(
+            [*records, {**records[0], **low}], key=lambda r: r["step"])))
+    elif case == "no eval.jsonl":
+        best = {k: low[k] for k in ("step", "fid", "checkpoint")}
+        (run / "eval.jsonl").unlink()
+    else:
+        best = {k: low[k] for k in ("step", "fid", "checkpoint")}
+        shutil.rmtree(run / low["checkpoint"])
+    (run / "best.json").write_text(json.dumps(best))
+    before = _snapshot(run)
+    code, _, err = run_script("train.py", run, "--export", "best")
+    line = err.strip().splitlines()[-1]
+    said = f"error: {run / 'best.json'} names {best['checkpoint']} (step {best['step']}, FID {best['fid']:.4f}), but "
+    why = {"hand-written": "eval.jsonl holds no such evaluation", "not the lowest": "that is not the lowest FID of "
+           "eval.jsonl", "no eval.jsonl": "eval.jsonl holds no such evaluation (it holds none)",
+           "checkpoint removed": "that checkpoint no longer exists"}[case]  # fmt: skip
+    assert code == 1 and line.startswith(said + why), line
+    assert line.endswith("export a checkpoint by its path, or resume the run, which writes best.json again from "
+                         "eval.jsonl")
+    if case in ("hand-written", "not the lowest"):
+        assert (f"the lowest FID of eval.jsonl among the checkpoints that exist is {low['checkpoint']} (step "
+                f"{low['step']}, FID {low['fid']:.4f})") in line
+    assert _snapshot(run) == before  # nothing exported

@@ -111,3 +111,120 @@ def test_train_in_python_checks_before_the_run_dir_is_touched(tmp_path, image_di
     with pytest.raises(ConfigError, match=_HEADS):
         train(cfg)
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A resume continues the same run (issue 38, section 2)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _tree(root):
+    """{relative path: bytes} of every file under `root`: what a refused start must leave exactly as it was."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def cog_run(tmp_path, image_dir, tiny_overrides, run_script):
+    """A finished 2-step tiny U-ViC run (Cog attention) and its overrides."""
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, image_dir, **{"train.max_steps": 2})
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides)
+    assert code == 0, err[-2000:]
+    return run, overrides
+
+
+@pytest.mark.parametrize("change, key, new, old", [
+    ("model.attention=softmax", "model.attention", "'softmax'", "'cog'"),
+    ("model.mlp_ratio=2", "model.mlp_ratio", "2.0", "4.0"),
+    ("diffusion.beta_max=15", "diffusion.beta_max", "15.0", "20.0"),
+    ("data.random_flip=false", "data.random_flip", "False", "True"),
+    ("train.seed=7", "train.seed", "7", "1234"),
+    ("train.lr=0.01", "train.lr", "0.01", "0.001"),
+    ("sample.sampler=ddim", "sample.sampler", "'ddim'", "'uvit_dpm_solver'"),
+])  # fmt: skip
+def test_a_resume_that_changes_what_the_run_is_exits_2_and_writes_nothing(cog_run, run_script, change, key, new,
+                                                                          old):
+    run, overrides = cog_run
+    before = _tree(run)
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "train.max_steps=4", change,
+                              "--resume")
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"train.py: error: config key {key} is {new} here but {old} in {run / 'config.yaml'}: a resumed run "
+        "continues the same model")
+    assert _tree(run) == before  # config.yaml not rewritten, no checkpoint, no lock, no metrics line
+    # The run dir standing for its own config: the same refusal.
+    code, _, err = run_script("train.py", run, change, "--resume")
+    assert code == 2 and f"config key {key} is {new} here" in err.strip().splitlines()[-1]
+    assert _tree(run) == before
+
+
+def test_a_resume_may_extend_and_watch_the_run(cog_run, run_script):
+    run, overrides = cog_run
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "train.max_steps=3",
+                              "train.log_every=2", "train.save_every=3", "train.keep_checkpoints=2",
+                              "train.cpu_threads=2", "train.val_every=0", "data.num_workers=0", "--resume")
+    assert code == 0, err[-2000:]
+    from uvic.training.checkpoint import list_checkpoints
+
+    assert [s for s, _ in list_checkpoints(run)] == [2, 3]
+
+
+def test_a_resume_checks_the_checkpoint_config_when_the_run_has_none(cog_run, run_script):
+    """The weights were trained under the checkpoint's config: it is compared too (here the run's config.yaml is
+    gone), and a checkpoint of another run resumed into a new run dir is compared with its own."""
+    run, overrides = cog_run
+    (run / "config.yaml").unlink()
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "model.attention=softmax",
+                              "--resume")
+    ckpt = run / "checkpoints" / "step_000000002"
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        f"train.py: error: config key model.attention is 'softmax' here but 'cog' in {ckpt / 'config.yaml'}")
+    other = run.parent / "other"
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, f"train.run_dir={other}",
+                              "model.attention=softmax", "--resume", ckpt)
+    assert code == 2 and f"in {ckpt / 'config.yaml'}" in err.strip().splitlines()[-1]
+    assert not other.exists()
+
+
+def test_an_older_saved_config_is_accepted_when_equal(cog_run, run_script):
+    """A config.yaml written by an older uvic lacks keys added since (they take their defaults, as the resuming
+    config's do): equal is equal."""
+    import yaml
+
+    run, overrides = cog_run
+    for path in (run / "config.yaml", run / "checkpoints" / "step_000000002" / "config.yaml"):
+        saved = yaml.safe_load(path.read_text())
+        del saved["train"]["val_probe_examples"], saved["sample"]["seed"], saved["diffusion"]
+        path.write_text(yaml.safe_dump(saved, sort_keys=False))
+    # (the checkpoint's meta.json hashes its config.yaml: refresh it so that the checkpoint verifies)
+    import json
+
+    from uvic.io import sha256_file
+
+    ckpt = run / "checkpoints" / "step_000000002"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["sha256"]["config.yaml"] = sha256_file(ckpt / "config.yaml")
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *overrides, "train.max_steps=3",
+                              "--resume")
+    assert code == 0, err[-2000:]
+
+
+def test_every_key_a_resume_may_change_is_a_config_key():
+    from uvic.config import Config, LMRunConfig
+    from uvic.training.preflight import RESUME_MAY_CHANGE, may_change_on_resume
+
+    def keys(cfg, prefix=""):
+        import dataclasses
+
+        out = set()
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            out |= keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else {prefix + f.name}
+        return out
+
+    known = keys(Config()) | keys(LMRunConfig())
+    assert set(RESUME_MAY_CHANGE) <= known
+    assert not may_change_on_resume("model.attention") and not may_change_on_resume("train.max_steps_x")
+    assert may_change_on_resume("train.max_steps")

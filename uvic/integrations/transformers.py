@@ -33,6 +33,7 @@ hd head dim.
 from __future__ import annotations
 
 import functools
+import reprlib
 import warnings
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
 from uvic.attention import (
+    BACKENDS,
     Backend,
     attention_op,
     attention_placement,
@@ -307,6 +309,8 @@ def _after_build(model: PreTrainedModel) -> None:
         except ValueError as e:
             raise ValueError(f"{type(sub).__name__} {str(config.name_or_path)!r}: {e} (the config records "
                              "apply_cog_attention's placement there)") from None  # fmt: skip
+        if hasattr(sub, "cog_backend"):
+            check_backend(getattr(sub, "cog_backend"), f"{type(sub).__name__} {str(config.name_or_path)!r}: cog_backend")
     if config._attn_implementation == IMPLEMENTATION:
         config.attn_implementation = IMPLEMENTATION  # saved in config.json; from_pretrained reads it back
         for _, module, index, n in _attention_layers(model):
@@ -318,6 +322,13 @@ def _after_build(model: PreTrainedModel) -> None:
                       f"({recorded}), but it runs "
                       f"{config._attn_implementation!r} attention; load it with attn_implementation='cog' or call "
                       "uvic.integrations.transformers.apply_cog_attention", stacklevel=3)  # fmt: skip
+
+
+def check_backend(backend: object, where: str) -> None:
+    """Refuse a `uvic.attention` backend name that is not one (it was accepted, saved and failed at the first
+    forward); `where` names the argument or the config field."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{where} must be one of {BACKENDS}, got {reprlib.repr(backend)}")
 
 
 def _checked_post_init(post_init: Callable) -> Callable:
@@ -356,7 +367,7 @@ def apply_cog_attention(model: PreTrainedModel, *, keep_softmax_first: int = DEF
     Returns:
         The names of the attention modules that now run Cog attention. Warns when that is none of them.
     Raises:
-        ValueError: a bad count, or a model that cannot take the "cog" implementation (named): not a
+        ValueError: a bad count or `backend`, or a model that cannot take the "cog" implementation (named): not a
             transformers model, one whose attention adds a position bias to the scores (T5's relative position
             bias), or one that does not use `AttentionInterface`.
     """
@@ -365,6 +376,7 @@ def apply_cog_attention(model: PreTrainedModel, *, keep_softmax_first: int = DEF
                                                                   where="apply_cog_attention")  # fmt: skip
     check_softmax_count(keep_softmax_first, "keep_softmax_first")
     check_softmax_count(keep_softmax_last, "keep_softmax_last")
+    check_backend(backend, "backend")
     layers = _attention_layers(model)
     if not isinstance(model, PreTrainedModel) or not layers:
         raise ValueError(f"{type(model).__name__} is not a transformers model with per-layer attention modules")

@@ -5,7 +5,8 @@
 `--tokenizer` is "byte", a tokenizer.json, a sentencepiece .model or a transformers tokenizer directory; ids are
 written as uint16 (uint32 with `--dtype uint32` for vocabularies over 65536), the format `uvic.lm.data` reads.
 Bad input (a missing, empty or non-UTF-8 text, an unknown tokenizer or one whose package is not installed, an
-output that cannot be written) stops with one `error: ...` line, and a failed write leaves no partial `.bin`.
+output that cannot be written) stops with one `error: ...` line and exit status 2; a write that fails while the
+`.bin` is written (disk full) stops with exit status 1 and leaves no partial `.bin`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="uint16", choices=TOKEN_DTYPES)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with cli_errors():
+    with cli_errors(status=2):  # refused input (and an output found unwritable before any work): exit status 2
         out = Path(args.out)
         # The output first, so that a long tokenization never ends in an unwritable path.
         if out.is_dir():
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens = read_text_tokens(args.text, tokenizer)
         if len(tokens) == 0:  # a .bin of no tokens trains nothing: refused here rather than at training time
             raise DataError(f"--text {args.text} holds no tokens (it is empty); nothing was written")
-        with storage_errors(f"could not write {out}"):
-            write_token_bin(tokens, out, args.dtype)
+    with cli_errors(), storage_errors(f"could not write {out}"):  # a write that fails: exit status 1
+        write_token_bin(tokens, out, args.dtype)
     logger.info("wrote %d tokens (%s) to %s", len(tokens), args.dtype, out)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -375,6 +376,19 @@ class CogformerForCausalLM(CogformerPreTrainedModel, GenerationMixin):
         self.model = CogformerModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`; a local directory is checked first
+        (`uvic.models.config_check.check_cogformer_dir`): its config.json must be an object of settings of the
+        right types and ranges that describes a model of the shapes its weights hold, else one ValueError, before
+        anything is allocated."""
+        folder = Path(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        if folder.is_dir():
+            from uvic.models.config_check import check_cogformer_dir
+
+            check_cogformer_dir(folder, f"CogformerForCausalLM {folder}", CogformerConfig, cls)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     # get/set_input_embeddings: transformers' defaults find `model.embed_tokens` (base_model_prefix = "model").
 

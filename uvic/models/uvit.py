@@ -34,6 +34,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -321,6 +322,29 @@ class UViTModel(ModelMixin, ConfigMixin):
     def cog_block_names(self) -> list[str]:
         """Names of the blocks that use Cog attention, in execution order (empty for U-ViT)."""
         return [name for name, m in self.named_modules() if isinstance(m, UViTBlock) and m.attn.attention == "cog"]
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any], where: str) -> None:
+        """Check the types and ranges of the settings of a saved config (`uvic.models.config_check`).
+
+        Raises:
+            ValueError: one line naming `where` and the key, e.g. "config key depth: expected int, got str 'x'".
+        """
+        from uvic.models.config_check import check_settings
+
+        check_settings(config, UViTModel.__init__, where)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any) -> UViTModel:
+        """diffusers' `from_pretrained`; a local directory is checked first (`uvic.io.check_model_dir`): its
+        config.json must be an object of settings of the right types and ranges that describes a model of the
+        shapes its weights hold, else one ValueError, before anything is allocated."""
+        folder = Path(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        if folder.is_dir():
+            from uvic.io import check_model_dir
+
+            check_model_dir(cls, folder, f"UViTModel {folder}")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
 
 def _init_weights(m: nn.Module) -> None:

@@ -105,6 +105,39 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
+def unverifiable_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """The `step_*` dirs of a run without `meta.json`, as (step, path), oldest first.
+
+    uvic never leaves one (a checkpoint is renamed into place with its meta.json), so such a dir is a checkpoint
+    whose meta.json was lost or removed by hand: it cannot be verified, so it is never resumed or exported, and
+    never deleted either (`sweep_leftovers` leaves it; `abandon_newer_checkpoints` and a save of its step move it
+    aside). Whoever passes over it names it (`passed_over`).
+    """
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if (m := _NAME.match(p.name)) and not (p / META).is_file())  # fmt: skip
+
+
+def passed_over(run_dir: str | Path, chosen: Path | None) -> list[Path]:
+    """The checkpoint dirs without meta.json newer than `chosen` (all of them when None) that a choice of the
+    run's latest checkpoint skips, each named in a warning."""
+    step = -1 if chosen is None else int(_NAME.match(Path(chosen).name).group(1))
+    skipped = [p for s, p in unverifiable_checkpoints(run_dir) if s > step]
+    for p in skipped:
+        logger.warning("%s has no %s (lost or removed?): it cannot be verified, so it is skipped, and kept; using %s",
+                       p, META, chosen or "no checkpoint")
+    return skipped
+
+
+def choose_latest(run_dir: str | Path) -> Path | None:
+    """`latest_checkpoint`, warning about each newer checkpoint dir without meta.json it passes over."""
+    chosen = latest_checkpoint(run_dir)
+    passed_over(run_dir, chosen)
+    return chosen
+
+
 def resolve_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     """A checkpoint dir from a checkpoint path or a run dir (its latest checkpoint), verified unless `verify=False`.
 
@@ -114,7 +147,7 @@ def resolve_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     """
     path = Path(path)
     if not (path / META).is_file():
-        latest = latest_checkpoint(path)
+        latest = choose_latest(path) if not _NAME.match(path.name) else None
         if latest is None:
             raise FileNotFoundError(f"no checkpoint at {path} (expected a step_* dir with meta.json, or a run dir "
                                     f"with checkpoints/step_*/)")
@@ -281,6 +314,8 @@ def save_checkpoint(
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         (tmp / META).write_text(json.dumps({"step": step, "sha256": _file_hashes(tmp)}))
         fsync_tree(tmp)  # every file on disk before the rename makes the checkpoint visible
+        if final.is_dir() and not (final / META).is_file():  # not a checkpoint uvic wrote: set aside, not replaced
+            _set_aside(run_dir, step - 1, [final], f"saving step {step}, {final} has no {META} (uvic did not write it)")
         _move_into_place(tmp, final)
         fsync_dir(root)
 
@@ -499,30 +534,31 @@ def sweep_leftovers(run_dir: str | Path) -> list[str]:
     """Remove what interrupted saves and deletions left in `run_dir/checkpoints`; returns the names handled.
 
     Call on the main process while holding the run-dir lock (nothing else may be writing). Removed: `.tmp-*`
-    (partial saves), `.deleting-*` (interrupted deletions) and `step_*` dirs without `meta.json` (never a complete
-    checkpoint). A `.old-step_N` whose `step_N` is missing (a kill between the two renames of a re-save) is the
-    complete copy of that step: it is renamed back, otherwise removed. Symlinks among them are unlinked, never
-    followed.
+    (partial saves) and `.deleting-*` (interrupted deletions), the names uvic writes only while it saves or deletes.
+    A `.old-step_N` whose `step_N` is missing (a kill between the two renames of a re-save) is the complete copy of
+    that step: it is renamed back, otherwise removed. Symlinks among them are unlinked, never followed. A `step_*`
+    dir without `meta.json` is never removed (`unverifiable_checkpoints`): it is named in a warning.
     """
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     handled = []
     for p in sorted(root.iterdir()):
-        if p.is_symlink() and (p.name.startswith((".deleting-", ".tmp-", ".old-")) or
-                               (_NAME.match(p.name) and not (p / META).is_file())):  # fmt: skip
+        if p.is_symlink() and p.name.startswith((".deleting-", ".tmp-", ".old-")):
             p.unlink()  # a link, never followed
         elif not p.is_dir():
             continue
         elif p.name.startswith(".deleting-"):
             shutil.rmtree(p)
-        elif p.name.startswith(".tmp-") or (_NAME.match(p.name) and not (p / META).is_file()):
+        elif p.name.startswith(".tmp-"):
             remove_dir(p)
         elif p.name.startswith(".old-"):
             final = root / p.name[len(".old-"):]
             if (p / META).is_file() and not (final / META).is_file() and not p.is_symlink():
-                if final.exists():
-                    remove_dir(final)
+                if final.exists():  # a step dir without meta.json: not ours to delete
+                    logger.warning("%s has no %s and %s holds a complete copy of that step: both are kept, "
+                                   "move one away", final, META, p.name)
+                    continue
                 os.replace(p, final)
                 logger.warning("restored %s from %s (a re-save of that step was interrupted)", final, p.name)
             else:
@@ -532,6 +568,9 @@ def sweep_leftovers(run_dir: str | Path) -> list[str]:
         handled.append(p.name)
     if handled:
         logger.info("removed leftovers of interrupted saves/deletions in %s: %s", root, ", ".join(handled))
+    for _, p in unverifiable_checkpoints(run_dir):
+        logger.warning("%s has no %s (lost or removed?): it cannot be verified, so it is not resumed or exported; "
+                       "it is kept", p, META)
     return handled
 
 
@@ -540,11 +579,18 @@ def abandon_newer_checkpoints(run_dir: str | Path, step: int) -> Path | None:
 
     Call on the main process when a run resumes from `step` while newer checkpoints exist: training continues
     from `step` as a new branch, so the newer ones must not be rotated in step order with it or picked up by a
-    later `--resume latest`. Nothing is deleted. Returns the folder they went to, or None when there were none.
+    later `--resume latest`. Newer step dirs without meta.json (`unverifiable_checkpoints`) go with them, so that
+    no save of the new branch replaces one. Nothing is deleted. Returns the folder they went to, or None when there
+    were none.
     """
-    newer = [p for s, p in list_checkpoints(run_dir) if s > step]
+    newer = [p for s, p in sorted(list_checkpoints(run_dir) + unverifiable_checkpoints(run_dir)) if s > step]
     if not newer:
         return None
+    return _set_aside(run_dir, step, newer, f"resuming from step {step} of {run_dir}")
+
+
+def _set_aside(run_dir: str | Path, step: int, newer: list[Path], why: str) -> Path:
+    """Move the checkpoint dirs `newer` to a new `checkpoints/abandoned/after_step_{step}_{time}/`; returns it."""
     base = checkpoints_dir(run_dir) / "abandoned" / f"after_step_{step:09d}_{time.strftime('%Y%m%d-%H%M%S')}"
     dest, i = base, 1
     while dest.exists():
@@ -552,8 +598,8 @@ def abandon_newer_checkpoints(run_dir: str | Path, step: int) -> Path | None:
     dest.mkdir(parents=True)
     for p in newer:
         os.replace(p, dest / p.name)
-    logger.warning("resuming from step %d of %s: moved the %d newer checkpoint(s) %s to %s", step, run_dir,
-                   len(newer), ", ".join(p.name for p in newer), dest)
+    logger.warning("%s: moved the %d newer checkpoint(s) %s to %s", why, len(newer), ", ".join(p.name for p in newer),
+                   dest)
     return dest
 
 

@@ -43,7 +43,7 @@ from uvic.training.checkpoint import META
 logger = logging.getLogger(__name__)
 
 __all__ = ["EVAL_LOG", "BEST", "REFERENCE_CACHE", "Evaluator", "best_checkpoint", "check_fid_config",
-           "read_best", "read_evaluations", "record_evaluation", "refresh_best"]
+           "read_agreed_best", "read_best", "read_evaluations", "record_evaluation", "refresh_best"]
 
 EVAL_LOG = "eval.jsonl"
 BEST = "best.json"
@@ -145,6 +145,35 @@ def read_best(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         raise RunRecordError(f"{path} is not a best-checkpoint record: {problem}; delete it and the run writes it "
                              f"again from {EVAL_LOG} when it starts")
     return record
+
+
+def read_agreed_best(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """`read_best`, checked against eval.jsonl: best.json must name the lowest FID of eval.jsonl among the
+    checkpoints that exist, as the run writes it (`train.py --export best` exports only that).
+
+    Raises:
+        RunRecordError: see `read_best` and `read_evaluations`; or a best.json that eval.jsonl does not back (one
+            written or edited by hand, or naming a checkpoint removed since), saying what eval.jsonl holds.
+    """
+    best = read_best(run_dir)
+    if best is None:
+        return None
+    run_dir = Path(run_dir)
+    records = read_evaluations(run_dir)
+    expected = _best(run_dir, records)
+    if best == expected:
+        return best
+    said = f"{run_dir / BEST} names {best['checkpoint']} (step {best['step']}, FID {best['fid']:.4f})"
+    if not any({k: r[k] for k in _BEST_FIELDS} == best for r in records):
+        why = f"{EVAL_LOG} holds no such evaluation" + ("" if records else " (it holds none)")
+    elif not _exists(run_dir, best):
+        why = "that checkpoint no longer exists"
+    else:
+        why = "that is not the lowest FID of " + EVAL_LOG
+    now = (f"; the lowest FID of {EVAL_LOG} among the checkpoints that exist is {expected['checkpoint']} (step "
+           f"{expected['step']}, FID {expected['fid']:.4f})" if expected is not None else "")
+    raise RunRecordError(f"{said}, but {why}{now}: export a checkpoint by its path, or resume the run, which writes "
+                         f"{BEST} again from {EVAL_LOG}")
 
 
 def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:

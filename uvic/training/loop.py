@@ -32,6 +32,7 @@ from uvic.training.checkpoint import (
     abandon_newer_checkpoints,
     agree,
     checkpoint_dir,
+    choose_latest,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
@@ -51,7 +52,7 @@ from uvic.training.evaluation import (
 )
 from uvic.training.lock import hold_run_dir
 from uvic.training.logs import append_metrics, check_metrics, move_metrics_after, plot_loss_curve
-from uvic.training.preflight import check_run_config
+from uvic.training.preflight import check_resume_config, check_run_config
 from uvic.training.rng import ShardedRNG
 from uvic.training.tasks import Task, build_task
 from uvic.training.trackers import log_samples, start_trackers, tracker_names
@@ -86,7 +87,8 @@ def train(cfg: RunConfig) -> Path:
     anything is written into it.
 
     Raises:
-        ConfigError: a config value no run can use (`check_run_config`; the batch size against the process count).
+        ConfigError: a config value no run can use (`check_run_config`; the batch size against the process count),
+            or a resume that changes a key the run's config fixes (`check_resume_config`).
         RunRecordError: a record of the run dir that is damaged or edited into something the run never writes.
         RunLockedError: another run holds the run dir.
         StorageError: a write failed (disk full, read-only, not a directory); names the last complete checkpoint.
@@ -94,6 +96,7 @@ def train(cfg: RunConfig) -> Path:
         FloatingPointError: the loss became NaN/Inf.
     """
     check_run_config(cfg)  # before the run dir is touched; configs built in Python skip load_config's checks
+    check_resume_config(cfg)  # a resume continues the run's own model, data, task and noise schedule
     run_dir = Path(cfg.train.run_dir)
     try:
         with ExitStack() as stack:  # holds the run-dir lock, taken by _setup once the accelerator exists
@@ -519,5 +522,5 @@ def resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
             )
         return None
     if resume == "latest":
-        return latest_checkpoint(run_dir)
+        return choose_latest(run_dir)  # a newer checkpoint dir without meta.json is named, and skipped
     return resolve_checkpoint(resume, verify=False)  # load_checkpoint verifies it

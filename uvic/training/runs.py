@@ -28,9 +28,10 @@ from uvic.training.checkpoint import (
     load_model_weights,
     read_checkpoint,
     read_checkpoint_config,
+    unverifiable_checkpoints,
     write_dir_atomically,
 )
-from uvic.training.evaluation import read_best
+from uvic.training.evaluation import read_agreed_best
 from uvic.training.tasks import build_task
 
 
@@ -89,13 +90,13 @@ def export_source(run_dir: str | os.PathLike, which: str) -> tuple[Path, str]:
 
     Raises:
         FileNotFoundError: "best" without a best.json. RunRecordError: a best.json that is not a record as the run
-            writes it, or names a checkpoint outside the run dir.
+            writes it, names a checkpoint outside the run dir, or is not backed by eval.jsonl (`read_agreed_best`).
     """
     if which == "latest":
         return Path(run_dir), "the latest checkpoint"
     if which != "best":
         return Path(which), "the checkpoint given"
-    best = read_best(run_dir)
+    best = read_agreed_best(run_dir)  # a best.json that eval.jsonl does not back is refused
     if best is None:
         raise FileNotFoundError(f"{run_dir} has no best.json: no FID was computed while training (train.eval_every)")
     return Path(run_dir) / best["checkpoint"], f"FID {best['fid']:.4f}, the lowest FID while training (best.json)"
@@ -110,5 +111,15 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, why: str = "")
     """
     task, model, _, ckpt, step = _read_checkpoint(source, "ema")
     out = write_dir_atomically(out_dir, lambda tmp: task.export(model, tmp))
-    logger.info("exported step %d (%s%s) to %s", step, ckpt, f"; {why}" if why else "", out)
+    logger.info("exported step %d (%s%s%s) to %s", step, ckpt, f"; {why}" if why else "", _passed_over(source, step),
+                out)
     return out
+
+
+def _passed_over(source: str | os.PathLike, step: int) -> str:
+    """A run dir's newer checkpoint dirs without meta.json that its latest checkpoint (`step`) passed over, in
+    words for the export's log line ("" for a checkpoint dir, or none)."""
+    if (Path(source) / META).is_file():
+        return ""
+    newer = [str(p) for s, p in unverifiable_checkpoints(source) if s > step]
+    return f"; passed over the newer {', '.join(newer)}, which has no {META}" if newer else ""
