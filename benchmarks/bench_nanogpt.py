@@ -4,6 +4,7 @@
     python benchmarks/bench_nanogpt.py ../nanoGPT                                  # configs/lm_shakespeare_char.yaml
     python benchmarks/bench_nanogpt.py ../nanoGPT --set model.attention=cog        # the Cogformer instead
     python benchmarks/bench_nanogpt.py ../nanoGPT --threads 1 --rounds 20 --repeat 10
+    python benchmarks/bench_nanogpt.py ../nanoGPT --score out-seed1337/ckpt.pt --data data/shakespeare_char --draws 30
 
 Both models are built from one uvic LM config (`--config`, with `--set KEY=VALUE` overrides; the Transformer arm,
 `model.attention=softmax`, unless set): uvic's `CogformerForCausalLM` as `train.py` builds it, and nanoGPT's
@@ -14,6 +15,12 @@ parameter groups; nanoGPT: its `configure_optimizers`, both with the config's lr
 zeroing the gradients. Neither loop's data loading, logging or validation is timed. The two run in interleaved
 rounds whose order alternates (`bench_uvit_step.interleaved`), so that load from other processes hits both alike;
 the report prints each one's median ms per step and the median of the per-round ratios uvic / nanoGPT.
+
+`--score CKPT` instead scores a nanoGPT checkpoint (its `ckpt.pt`, read with `torch.load(weights_only=True)`) on
+the `val.bin` of a prepared folder (`--data`) two ways: uvic's validation loss (the LM task's windows of the
+checkpoint's block size, starting block_size - 1 apart: every token after the first predicted once) and `--draws`
+draws of nanoGPT's own estimate (`estimate_loss` with `eval_iters=20`: 20 batches of 12 windows at random
+offsets), whose mean and standard deviation show how far one logged nanoGPT "val loss" strays.
 """
 
 from __future__ import annotations
@@ -94,6 +101,42 @@ def step_functions(cfg: Any, module: Any, seed: int = 0) -> tuple[dict[str, Call
     return {"nanoGPT": nanogpt_step, "uvic": uvic_step}, counts
 
 
+def score_checkpoint(module: Any, ckpt: str | Path, data: str | Path, draws: int = 0, batch: int = 12,
+                     eval_iters: int = 20, seed: int = 0) -> tuple[float, int, list[float]]:
+    """A nanoGPT checkpoint's mean next-token cross-entropy over the prepared folder `data`'s val.bin (every token
+    after the first once, as uvic's LM validation: windows of block_size starting block_size - 1 apart), the
+    number of tokens scored, and `draws` values of nanoGPT's estimate (`eval_iters` batches of `batch` windows)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from uvic.lm.data import TokenDataset, load_split_tokens
+
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    model = module.GPT(module.GPTConfig(**saved["model_args"]))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in saved["model"].items()})
+    model.eval()
+    size = saved["model_args"]["block_size"]
+    val = torch.from_numpy(np.asarray(load_split_tokens(data)[1], dtype=np.int64))
+    windows = TokenDataset(val.numpy(), size, stride=size - 1)  # the LM task's validation windows (validation_set)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(windows), 128):
+            w = torch.stack([windows[i]["input_ids"] for i in range(start, min(len(windows), start + 128))])
+            logits, _ = model(w[:, :-1].contiguous(), w[:, 1:].contiguous())
+            total += float(F.cross_entropy(logits.transpose(1, 2), w[:, 1:], reduction="sum"))
+            count += w[:, 1:].numel()
+        g, estimates = torch.Generator().manual_seed(seed), []
+        for _ in range(draws):
+            losses = []
+            for _ in range(eval_iters):
+                ix = torch.randint(len(val) - size, (batch,), generator=g)
+                x = torch.stack([val[i : i + size] for i in ix])
+                y = torch.stack([val[i + 1 : i + 1 + size] for i in ix])
+                losses.append(float(model(x, y)[1]))
+            estimates.append(sum(losses) / len(losses))
+    return total / count, count, estimates
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("nanogpt", help="a nanoGPT checkout (the folder holding its model.py)")
@@ -103,7 +146,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--repeat", type=int, default=10, help="training steps per model per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each model first")
+    p.add_argument("--score", metavar="CKPT", help="score this nanoGPT ckpt.pt on --data's val.bin instead of timing")
+    p.add_argument("--data", help="with --score: a prepared folder (python -m uvic.lm.prepare --split)")
+    p.add_argument("--draws", type=int, default=30, help="with --score: draws of nanoGPT's 20-batch estimate")
     args = p.parse_args(argv)
+    if args.score:
+        torch.set_num_threads(args.threads)
+        with cli_errors(2):
+            if not args.data:
+                raise ConfigError("--score needs --data, the prepared folder whose val.bin to score")
+            module = load_nanogpt(args.nanogpt)
+            loss, count, estimates = score_checkpoint(module, args.score, args.data, args.draws)
+        print(f"{args.score}: val.bin loss {loss:.4f} nats/token over {count:,} tokens (uvic's validation)")
+        if estimates:
+            import statistics
+
+            sd = statistics.stdev(estimates) if len(estimates) > 1 else 0.0
+            print(f"nanoGPT's 20-batch estimate, {len(estimates)} draws: mean {statistics.mean(estimates):.4f} "
+                  f"sd {sd:.4f}")
+        return
     with cli_errors(2):
         from uvic.config import load_config
 

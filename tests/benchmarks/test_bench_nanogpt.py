@@ -66,3 +66,35 @@ def test_a_folder_without_model_py_is_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (f"error: {tmp_path} is not a nanoGPT checkout: it has no model.py "
                                                "(git clone https://github.com/karpathy/nanoGPT)")
+
+
+def test_score_is_the_lm_validation_loss_of_a_checkpoint(tmp_path, capsys):
+    """--score on a fake checkpoint of a bigram model (the fake GPT's logits at t depend on token t only): the loss
+    is the mean bigram cross-entropy of val.bin's tokens 1..T, T the last token of a whole window of 8 starting 7
+    apart, computed here directly; the draws of the 20-batch estimate are printed with their spread."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    (tmp_path / "model.py").write_text(FAKE_MODEL)
+    module = bn.load_nanogpt(tmp_path)
+    args = {"block_size": 8, "vocab_size": 5, "n_layer": 1, "n_head": 1, "n_embd": 4, "dropout": 0.0, "bias": False}
+    torch.manual_seed(0)
+    model = module.GPT(module.GPTConfig(**args))
+    torch.save({"model": {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}, "model_args": args,
+                "iter_num": 3}, tmp_path / "ckpt.pt")  # fmt: skip
+    data = tmp_path / "data"
+    data.mkdir()
+    val = np.random.default_rng(0).integers(0, 5, size=40).astype(np.uint16)
+    val.tofile(data / "val.bin")
+    val[:20].tofile(data / "train.bin")
+    last = 1 + ((40 - 8) // 7 + 1) * 7  # tokens 1..last - 1 are predicted: 5 windows of 7 targets
+    ids = torch.from_numpy(val.astype(np.int64))
+    with torch.no_grad():
+        expected = float(F.cross_entropy(model.head(model.wte(ids[: last - 1])), ids[1:last]))
+    loss, count, estimates = bn.score_checkpoint(module, tmp_path / "ckpt.pt", data, draws=3)
+    assert count == last - 1 == 35 and loss == pytest.approx(expected, rel=1e-5) and len(estimates) == 3
+    bn.main([str(tmp_path), "--score", str(tmp_path / "ckpt.pt"), "--data", str(data), "--draws", "3"])
+    out = capsys.readouterr().out
+    assert f"val.bin loss {expected:.4f} nats/token over 35 tokens" in out
+    assert re.search(r"20-batch estimate, 3 draws: mean \d\.\d{4} sd \d\.\d{4}", out), out
