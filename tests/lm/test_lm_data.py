@@ -179,3 +179,29 @@ def test_config_refuses_a_token_dtype_that_is_not_one():
         with pytest.raises(ConfigError, match=f"data.token_dtype: '{dtype}' is not one of"):
             load_config(config, [f"data.token_dtype={dtype}"])
     assert load_config(config, ["data.token_dtype=uint32"]).data.token_dtype == "uint32"
+
+
+def test_char_vocabulary_files(tmp_path):
+    """A character vocab.json loads as a CharTokenizer; a broken one is named; other JSON is left to tokenizers."""
+    import json
+
+    from uvic.errors import DataError
+    from uvic.lm.data import CharTokenizer
+
+    good = tmp_path / "vocab.json"
+    CharTokenizer.from_text("banana\n").save(good)
+    assert json.loads(good.read_text()) == {"tokenizer": "char", "chars": ["\n", "a", "b", "n"]}
+    tok = load_tokenizer(str(good))
+    assert tok.encode("nab\n") == [3, 1, 2, 0] and tok.decode([2, 1, 3]) == "ban" and len(tok) == 4
+    with pytest.raises(DataError, match="character 'z' is not in the character vocabulary"):
+        tok.encode("zebra")
+    bad = tmp_path / "dup.json"
+    bad.write_text(json.dumps({"tokenizer": "char", "chars": ["a", "a"]}))
+    with pytest.raises(DataError, match="dup.json is not a character vocabulary written by uvic.lm.prepare"):
+        load_tokenizer(str(bad))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"chars": ["a"]}))
+    with pytest.raises(DataError, match="other.json' could not be read"):  # the tokenizers library's turn
+        load_tokenizer(str(other))
+    with pytest.raises(ValueError, match="the 'char' tokenizer is made from a text"):
+        load_tokenizer("char")

@@ -1,5 +1,6 @@
 """`python -m uvic.lm.prepare`: bad input ends in one `error: ...` line and a non-zero exit, with nothing written."""
 
+import numpy as np
 import pytest
 
 from uvic.lm.prepare import main
@@ -101,3 +102,69 @@ def test_a_write_that_fails_exits_1_and_leaves_no_bin(tmp_path, text, capsys, mo
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.startswith(f"error: could not write {out}: disk full"), err
     assert not out.exists()
+
+
+# A made-up text with characters outside ASCII (sorted by code point: "\n" < " " < ... < "é" < "🙂").
+CHAR_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak! Café 🙂 x3;\n" * 7
+
+
+def nanogpt_rule(text: str, split: float) -> tuple[bytes, bytes, list[str]]:
+    """nanoGPT's data/shakespeare_char/prepare.py rule, written out independently: the sorted set of the text's
+    characters, each character's index in it as uint16 (little-endian, numpy's tofile on x86/ARM), the first
+    int(n x split) characters for training and the rest for validation."""
+    chars = sorted(set(text))
+    ids = [chars.index(c) for c in text]
+    cut = int(len(text) * split)
+    pack = lambda xs: b"".join(int(i).to_bytes(2, "little") for i in xs)  # noqa: E731
+    return pack(ids[:cut]), pack(ids[cut:]), chars
+
+
+def test_char_split_writes_nanogpts_bytes(tmp_path):
+    import json
+
+    from uvic.lm.data import load_split_tokens, load_tokenizer
+
+    text = tmp_path / "input.txt"
+    text.write_text(CHAR_TEXT, encoding="utf-8")
+    out = tmp_path / "data" / "chars"
+    main(["--text", str(text), "--tokenizer", "char", "--split", "0.9", "--out", str(out)])
+    train, val, chars = nanogpt_rule(CHAR_TEXT, 0.9)
+    assert (out / "train.bin").read_bytes() == train
+    assert (out / "val.bin").read_bytes() == val
+    assert len(train) // 2 == int(len(CHAR_TEXT) * 0.9)  # characters, not UTF-8 bytes: "🙂" is one id
+    assert json.loads((out / "vocab.json").read_text(encoding="utf-8")) == {"tokenizer": "char", "chars": chars}
+    tok = load_tokenizer(str(out / "vocab.json"))
+    train_ids, val_ids = load_split_tokens(out)
+    assert len(tok) == len(chars) and tok.decode(list(train_ids) + list(val_ids)) == CHAR_TEXT
+    assert tok.encode("Café") == [chars.index(c) for c in "Café"]
+
+
+def test_split_with_another_tokenizer_and_the_single_bin_form(tmp_path):
+    text = tmp_path / "input.txt"
+    text.write_text(CHAR_TEXT, encoding="utf-8")
+    raw = list(CHAR_TEXT.encode("utf-8"))  # the byte tokenizer's ids
+    main(["--text", str(text), "--split", "0.5", "--out", str(tmp_path / "bytes")])
+    cut = len(raw) // 2
+    assert np.fromfile(tmp_path / "bytes" / "train.bin", np.uint16).tolist() == raw[:cut]
+    assert np.fromfile(tmp_path / "bytes" / "val.bin", np.uint16).tolist() == raw[cut:]
+    assert not (tmp_path / "bytes" / "vocab.json").exists()
+    main(["--text", str(text), "--out", str(tmp_path / "all.bin")])
+    assert np.fromfile(tmp_path / "all.bin", np.uint16).tolist() == raw
+
+
+def test_split_refusals(tmp_path, text, cli_error):
+    out = tmp_path / "out"
+    line = cli_error(main, ["--text", str(text), "--tokenizer", "char", "--out", str(out)])
+    assert line == "error: --tokenizer char writes a folder (train.bin, val.bin and its vocab.json): pass --split"
+    for split in ("0", "1", "1.5"):
+        line = cli_error(main, ["--text", str(text), "--tokenizer", "char", "--split", split, "--out", str(out)])
+        assert line.startswith(f"error: --split {float(split)}: the train share must lie strictly between 0 and 1")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    line = cli_error(main, ["--text", str(text), "--tokenizer", "char", "--split", "0.9", "--out", str(blocker)])
+    assert line == f"error: --out {blocker} is a file; with --split, pass the folder to write train.bin and val.bin to"
+    one = tmp_path / "one.txt"
+    one.write_text("a")
+    line = cli_error(main, ["--text", str(one), "--tokenizer", "char", "--split", "0.9", "--out", str(out)])
+    assert line == "error: a split at 0.9 of 1 tokens leaves one side empty"
+    assert not out.exists() or not any(out.iterdir())

@@ -1,12 +1,16 @@
 """Token data for language-model training: pre-tokenized `.bin` files, text files, and the tokenizers for them.
 
-Two on-disk sources:
+Three on-disk sources:
   * a pre-tokenized binary file: a flat array of token ids, uint16 by default (the nanoGPT / Megatron
     "common" format), read through `np.memmap` so corpora larger than RAM work;
+  * a prepared folder (`python -m uvic.lm.prepare --split`): `train.bin` and `val.bin`, as nanoGPT's
+    `data/*/prepare.py` write them, and for the character tokenizer its vocabulary `vocab.json`
+    (`load_split_tokens`);
   * a UTF-8 text file, tokenized on load with a tokenizer the user points to: a `tokenizer.json`
     (Hugging Face `tokenizers`), a sentencepiece `.model` (needs the `sentencepiece` package), a saved
     transformers tokenizer directory, or `"byte"`, the built-in byte-level tokenizer (ids 0-255 are the UTF-8
-    bytes, 256 is end-of-text) that needs no files and is used by the tests and the CPU demo.
+    bytes, 256 is end-of-text) that needs no files and is used by the tests and the CPU demo, or a character
+    vocabulary `vocab.json` (`CharTokenizer`, nanoGPT's shakespeare_char tokenizer).
 
 `TokenDataset` cuts the flat token array into fixed-length windows; a batch is `{"input_ids": (B, L)}` and the
 model shifts the labels (position t predicts token t + 1).
@@ -14,6 +18,7 @@ model shifts the labels (position t predicts token t + 1).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -34,6 +39,8 @@ TOKEN_DTYPES = ("uint16", "uint32")
 BYTE_VOCAB_SIZE = 257  # 256 byte values + the end-of-text id
 BYTE_EOS_ID = 256
 _TEXT_CHUNK_CHARS = 1 << 20  # tokenize large text files in ~1M-character pieces, split at line ends
+# The files of a prepared folder (`uvic.lm.prepare --split`), named as nanoGPT's data/*/prepare.py names its .bin.
+TRAIN_BIN, VAL_BIN, CHAR_VOCAB = "train.bin", "val.bin", "vocab.json"
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -95,13 +102,80 @@ class _SentencePieceTokenizer:
         return self.vocab_size
 
 
+class CharTokenizer:
+    """A character-level tokenizer, nanoGPT's (data/shakespeare_char/prepare.py): id i is the i-th character of
+    `chars`, the sorted set of the characters of the whole text (`from_text`); no special tokens.
+
+    Saved as JSON (`save`: `{"tokenizer": "char", "chars": [...]}`), never a pickle (nanoGPT's meta.pkl).
+    """
+
+    eos_token_id = None
+
+    def __init__(self, chars: list[str] | str) -> None:
+        chars = list(chars)
+        if not chars or any(not isinstance(c, str) or len(c) != 1 for c in chars) or len(set(chars)) != len(chars):
+            raise ValueError("a character vocabulary is a non-empty list of distinct single characters")
+        self.chars = chars
+        self.ids = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        """The vocabulary of `text`: its distinct characters in code-point order (Python's `sorted(set(text))`)."""
+        return cls(sorted(set(text)))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CharTokenizer":
+        """The tokenizer `save` wrote to `path` (JSON); a DataError naming `path` if it is not one."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("tokenizer") != "char":
+                raise ValueError('no "tokenizer": "char" entry')
+            return cls(data["chars"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+            raise DataError(f"{path} is not a character vocabulary written by uvic.lm.prepare: {err}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the vocabulary as JSON, atomically."""
+        with atomic_write(path) as f:
+            f.write(json.dumps({"tokenizer": "char", "chars": self.chars}, ensure_ascii=False).encode("utf-8"))
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        """Save as `out_dir/vocab.json` (the LM task's export calls this, as it does a transformers tokenizer's)."""
+        self.save(Path(out_dir) / CHAR_VOCAB)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        try:
+            return [self.ids[c] for c in text]
+        except KeyError as err:
+            raise DataError(f"character {err.args[0]!r} is not in the character vocabulary") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+
+def _is_char_vocab(path: Path) -> bool:
+    """Whether the JSON file `path` is a `CharTokenizer` vocabulary (anything else is left to `tokenizers`)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not JSON or not UTF-8; `tokenizers` names the problem
+        return False
+    return isinstance(data, dict) and data.get("tokenizer") == "char"
+
+
 def load_tokenizer(spec: str) -> Any:
-    """A tokenizer from `spec`: "byte", a `tokenizer.json`, a sentencepiece `.model`, or a tokenizer directory.
+    """A tokenizer from `spec`: "byte", a `tokenizer.json`, a character `vocab.json` (`CharTokenizer`), a
+    sentencepiece `.model`, or a tokenizer directory.
 
     The result has `encode(text, add_special_tokens=False) -> list[int]`, `decode(ids)` and `len()`.
     """
     if spec == "byte":
         return byte_tokenizer()
+    if spec == "char":
+        raise ValueError("the 'char' tokenizer is made from a text by `python -m uvic.lm.prepare --tokenizer char`; "
+                         "pass the vocab.json it writes")
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(
@@ -115,6 +189,8 @@ def load_tokenizer(spec: str) -> Any:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if path.suffix == ".json" and _is_char_vocab(path):
+            return CharTokenizer.load(path)
         if path.suffix == ".json":
             from transformers import PreTrainedTokenizerFast
 
@@ -152,16 +228,20 @@ def encode_text(text: str, tokenizer: Any) -> np.ndarray:
     return np.asarray(ids, dtype=_vocab_dtype(len(tokenizer)))
 
 
-def read_text_tokens(path: str | os.PathLike, tokenizer: Any) -> np.ndarray:
-    """Read a UTF-8 text file and tokenize it (see `encode_text`)."""
+def read_text(path: str | os.PathLike) -> str:
+    """The contents of a UTF-8 text file; a DataError naming `path` if it is not one."""
     path = Path(path)
     _check_is_file(path, "text file", "a UTF-8 text file")
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); pass a UTF-8 text file, "
                         "or a .bin of token ids") from None
-    return encode_text(text, tokenizer)
+
+
+def read_text_tokens(path: str | os.PathLike, tokenizer: Any) -> np.ndarray:
+    """Read a UTF-8 text file and tokenize it (see `encode_text`)."""
+    return encode_text(read_text(path), tokenizer)
 
 
 def _check_is_file(path: Path, what: str, expected: str) -> None:
@@ -214,6 +294,37 @@ def load_tokens(path: str | os.PathLike, fmt: str = "auto", tokenizer: str = "by
             raise DataError(f"{e}; {path} is named like a .bin of token ids, which the format 'text' (data.format) "
                             "does not read: use format 'bin', or 'auto', which goes by the suffix") from None
     raise ValueError(f"unknown token data format {fmt!r}; expected 'auto', 'bin' or 'text'")
+
+
+def split_tokens(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The first int(fraction x n) tokens and the rest (nanoGPT's `data[:int(n*0.9)]`, `data[int(n*0.9):]`)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"the train share must lie strictly between 0 and 1, got {fraction}")
+    cut = int(len(tokens) * fraction)
+    if cut == 0 or cut == len(tokens):
+        raise DataError(f"a split at {fraction} of {len(tokens)} tokens leaves one side empty")
+    return tokens[:cut], tokens[cut:]
+
+
+def is_prepared_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder (the data of a prepared folder, `load_split_tokens`, rather than a file)."""
+    return Path(path).is_dir()
+
+
+def load_split_tokens(folder: str | os.PathLike, dtype: str = "uint16") -> tuple[np.ndarray, np.ndarray]:
+    """The training and validation token ids of a prepared folder: its `train.bin` and `val.bin` (memory-mapped)."""
+    folder = Path(folder)
+    missing = [name for name in (TRAIN_BIN, VAL_BIN) if not (folder / name).is_file()]
+    if missing:
+        raise DataError(f"data folder {folder} has no {' or '.join(missing)}: a data folder is what "
+                        "`python -m uvic.lm.prepare --split F --out DIR` writes (train.bin, val.bin)")
+    return read_token_bin(folder / TRAIN_BIN, dtype), read_token_bin(folder / VAL_BIN, dtype)
+
+
+def folder_tokenizer(folder: str | os.PathLike) -> str | None:
+    """The vocabulary file of a prepared folder (`vocab.json`), if it has one."""
+    vocab = Path(folder) / CHAR_VOCAB
+    return str(vocab) if vocab.is_file() else None
 
 
 class TokenDataset(Dataset):

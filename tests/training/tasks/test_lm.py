@@ -311,3 +311,76 @@ def test_a_synthetic_run_logs_held_out_accuracy_and_attention_shares(tmp_path):
     sample = (run / "samples" / "step_0000004.txt").read_text().splitlines()
     labels = task.validation_set()[0]["labels"]
     assert sample[1] == f"answers:   {labels[labels != -100].tolist()}" and sample[2].endswith(f"of {cfg.data.num_kv_pairs} right)")
+
+
+SHAKESPEARE = ROOT / "configs" / "lm_shakespeare_char.yaml"
+
+
+def _char_folder(tmp_path):
+    """A prepared character folder (`uvic.lm.prepare --tokenizer char --split 0.9`) of `small_text`."""
+    from uvic.lm.prepare import main
+
+    text = small_text(tmp_path / "input.txt")
+    main(["--text", str(text), "--tokenizer", "char", "--split", "0.9", "--out", str(tmp_path / "chars")])
+    return tmp_path / "chars", sorted(set(text.read_text(encoding="utf-8")))
+
+
+def test_a_prepared_folder_trains_on_train_bin_and_validates_on_every_val_token(tmp_path):
+    """configs/lm_shakespeare_char.yaml (shrunk) on a prepared folder: training windows come from train.bin only,
+    the validation windows predict every token of val.bin after the first exactly once (but a last partial
+    window's), the tokenizer is the folder's vocab.json, and a run logs val_loss and exports the vocabulary."""
+    from uvic.lm.data import CharTokenizer
+
+    folder, chars = _char_folder(tmp_path)
+    train_ids = np.fromfile(folder / "train.bin", np.uint16)
+    val_ids = np.fromfile(folder / "val.bin", np.uint16)
+    size = 16
+    cfg = load_config(SHAKESPEARE, _overrides(tmp_path / "run", folder, **{
+        "data.block_size": size, "model.max_position_embeddings": size, "model.vocab_size": len(chars),
+        "model.hidden_size": 16, "model.intermediate_size": 32, "model.num_attention_heads": 2,
+        "train.batch_size": 4, "train.max_steps": 4, "train.val_every": 2, "train.save_every": 4}))
+    task = LMTask(cfg)
+    assert np.array_equal(task.build_dataset().tokens, train_ids)
+    held = task.validation_set()
+    targets = np.concatenate([held[i]["input_ids"].numpy()[1:] for i in range(len(held))])
+    assert np.array_equal(targets, val_ids[1 : 1 + len(targets)])  # each once, in order
+    assert len(val_ids) - 1 - len(targets) < size - 1  # no further whole window fits
+    assert isinstance(task.tokenizer, CharTokenizer) and task.tokenizer.chars == chars
+    run = train(cfg)
+    val = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4]
+    assert json.loads((run / "pipeline" / "vocab.json").read_text(encoding="utf-8"))["chars"] == chars
+
+
+def test_a_data_folder_without_val_bin_is_named(tmp_path):
+    from uvic.errors import DataError
+
+    folder, chars = _char_folder(tmp_path)
+    (folder / "val.bin").unlink()
+    cfg = load_config(SHAKESPEARE, [f"data.path={folder}", "train.val_every=0"])
+    with pytest.raises(DataError, match=f"data folder {folder} has no val.bin: a data folder is what"):
+        LMTask(cfg).build_dataset()
+
+
+def test_the_shakespeare_config_is_nanogpts_cpu_run():
+    """Layers softmax, cog, cog, softmax; 808,320 parameters by closed form (embedding and untied head V x D, per
+    layer 4 D^2 attention + 3 D I SwiGLU + 2 D norm gains, a final norm); nanoGPT's schedule (get_lr in its
+    train.py: warm-up to 1e-3 at 100, cosine to 1e-4 at 2000) from step 100 on."""
+    cfg = load_config(SHAKESPEARE)
+    m, tc = cfg.model, cfg.train
+    assert CogformerConfig(**dataclasses.asdict(m)).attention_types() == ["softmax", "cog", "cog", "softmax"]
+    v, d, i, n = m.vocab_size, m.hidden_size, m.intermediate_size, m.num_hidden_layers
+    expected = 2 * v * d + n * (4 * d * d + 3 * d * i + 2 * d) + d
+    assert expected == 808_320 and sum(p.numel() for p in build_model(m).parameters()) == expected
+    assert (cfg.data.block_size, tc.batch_size, tc.max_steps, tuple(tc.betas)) == (64, 12, 2000, (0.9, 0.99))
+
+    def nanogpt_lr(it, lr=1e-3, min_lr=1e-4, warmup=100, decay=2000):
+        if it < warmup:
+            return lr * (it + 1) / (warmup + 1)
+        ratio = (it - warmup) / (decay - warmup)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+    f = lr_lambda(tc.warmup_steps, tc.lr_schedule, tc.max_steps, tc.min_lr_ratio)
+    for step in (100, 101, 500, 1000, 1500, 1999, 2000):
+        assert tc.lr * f(step) == pytest.approx(nanogpt_lr(step), rel=1e-12)
+    assert abs(tc.lr * f(50) - nanogpt_lr(50)) < 1e-5  # warm-up: s / 100 against (s + 1) / 101

@@ -5,7 +5,9 @@ weight decay 0.1 on weight matrices and embeddings only (norm gains and biases a
 gradient clipping at 1.0, linear warm-up then cosine decay to 4% of the peak, no EMA (the export is the trained
 model). The loss is the mean next-token cross-entropy.
 
-The data is a token file (`data.path`) or a synthetic task made on the fly (`data.synthetic: mqar | induction`,
+The data is a token file (`data.path`), a prepared folder (`data.path` a folder holding train.bin and val.bin, as
+`python -m uvic.lm.prepare --split` and nanoGPT's prepare.py write them: trained on train.bin, validated on all of
+val.bin; the tokenizer is the folder's vocab.json when it has one) or a synthetic task made on the fly (`data.synthetic: mqar | induction`,
 `uvic.lm.synthetic`), whose batches also hold `labels`: the answer tokens, -100 elsewhere. Then the loss, the
 validation loss and the held-out accuracy `val_accuracy` count the answer tokens only.
 """
@@ -23,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from uvic.config import LMDataConfig, LMModelConfig
-from uvic.lm.data import TokenDataset, load_tokenizer, load_tokens
+from uvic.lm.data import (
+    TokenDataset,
+    folder_tokenizer,
+    is_prepared_folder,
+    load_split_tokens,
+    load_tokenizer,
+    load_tokens,
+)
 from uvic.lm.synthetic import IGNORE_INDEX, SyntheticDataset
 from uvic.models.cogformer import CogformerConfig, CogformerForCausalLM
 from uvic.training.optim import decay_matrices
@@ -45,9 +54,11 @@ def build_model(cfg: LMModelConfig) -> CogformerForCausalLM:
 
 
 def build_dataset(cfg: LMDataConfig) -> TokenDataset:
-    """Windows of `cfg.block_size` tokens from `cfg.path`."""
+    """Windows of `cfg.block_size` tokens from `cfg.path` (of a prepared folder: from its train.bin)."""
     if not cfg.path:
         raise ValueError("no training data configured: set data.path")
+    if is_prepared_folder(cfg.path):
+        return TokenDataset(load_split_tokens(cfg.path, cfg.token_dtype)[0], cfg.block_size)
     tokens = load_tokens(cfg.path, cfg.format, cfg.tokenizer, cfg.token_dtype)
     return TokenDataset(tokens, cfg.block_size)
 
@@ -89,13 +100,17 @@ class LMTask:
         self.validating = cfg.train.val_every > 0
         self._tokenizer = None
         self._dataset: TokenDataset | None = None
+        self._val: TokenDataset | None = None
+        self._folder = not self.data_cfg.synthetic and bool(self.data_cfg.path) and is_prepared_folder(
+            self.data_cfg.path)
 
     @property
     def tokenizer(self):
         """The tokenizer named by `data.tokenizer` (for `.bin` data: the one the ids were made with); None for a
         synthetic task, whose ids are no text."""
         if self._tokenizer is None and not self.data_cfg.synthetic:
-            self._tokenizer = load_tokenizer(self.data_cfg.tokenizer)
+            spec = folder_tokenizer(self.data_cfg.path) if self._folder else None
+            self._tokenizer = load_tokenizer(spec or self.data_cfg.tokenizer)
         return self._tokenizer
 
     def build_model(self) -> CogformerForCausalLM:
@@ -107,14 +122,22 @@ class LMTask:
         if self.data_cfg.synthetic:
             return self._synthetic("train", self.data_cfg.num_sequences)
         data = self._data()
-        return TokenDataset(data.tokens[: self._held_out_start()], data.block_size) if self.validating else data
+        if self._folder or not self.validating:
+            return data
+        return TokenDataset(data.tokens[: self._held_out_start()], data.block_size)
 
     def validation_set(self) -> TokenDataset | SyntheticDataset:
         """The last round(`data.val_fraction` x blocks) whole blocks of the data, in order (a held-out tail, as
         nanoGPT's val split: training text never continues into it). A synthetic task: round(`data.val_fraction`
-        x `data.num_sequences`) sequences (at least 1) from the held-out generators."""
+        x `data.num_sequences`) sequences (at least 1) from the held-out generators. A prepared folder: its val.bin,
+        in windows of `data.block_size` that start `block_size - 1` tokens apart, so that each token after the
+        first is predicted exactly once (but the last partial window's): with `train.val_examples` 0 the validation
+        loss is the mean cross-entropy per token of the whole split."""
         if self.data_cfg.synthetic:
             return self._synthetic("val", max(1, round(self.data_cfg.val_fraction * self.data_cfg.num_sequences)))
+        if self._folder:
+            self._data()  # reads and checks both files
+            return self._val
         data = self._data()
         return TokenDataset(data.tokens[self._held_out_start() :], data.block_size)
 
@@ -126,8 +149,15 @@ class LMTask:
     def _data(self) -> TokenDataset:
         """All the data's windows (read once), checked against the vocabulary."""
         if self._dataset is None:
-            dataset = build_dataset(self.data_cfg)
-            top = int(dataset.tokens.max())
+            d = self.data_cfg
+            if self._folder:
+                train, val = load_split_tokens(d.path, d.token_dtype)
+                dataset = TokenDataset(train, d.block_size)
+                self._val = TokenDataset(val, d.block_size, stride=d.block_size - 1)
+                top = max(int(train.max()), int(val.max()))
+            else:
+                dataset = build_dataset(d)
+                top = int(dataset.tokens.max())
             if top >= self.model_cfg.vocab_size:
                 raise ValueError(f"the data holds token id {top} but model.vocab_size is {self.model_cfg.vocab_size}")
             self._dataset = dataset
