@@ -31,15 +31,19 @@ AOT_WORKERS ?= 2
 aot-full: install
 	$(BIN)/python -m uvic.kernels.aot --workers $(AOT_WORKERS)
 
+# Overrides for the training of `demo` and `compare-demo` (dotted key=value, applied to every arm of the comparison),
+# e.g. on a shared machine: make demo ARGS="train.cpu_threads=1".
+ARGS ?=
+
 # The CPU demo: a tiny U-ViC on the built-in digits (resumable: re-running continues or just re-samples).
 demo: install
-	$(BIN)/python train.py configs/demo_digits.yaml --resume
+	$(BIN)/python train.py configs/demo_digits.yaml $(ARGS) --resume
 	$(BIN)/python sample.py runs/demo_digits/pipeline --grid runs/demo_digits/grid.png --num-images 64 --grid-scale 4
 
 # The CPU comparison: U-ViT vs U-ViC on the digits in 2x2 patches, 3 seeds each, two runs at a time (resumable:
 # re-running continues, then writes the report again). runs/cmp_digits/report.html is the result.
 compare-demo: install
-	$(BIN)/python compare.py run configs/compare_digits.yaml --arm uvit model.attention=softmax --arm uvic \
+	$(BIN)/python compare.py run configs/compare_digits.yaml $(ARGS) --arm uvit model.attention=softmax --arm uvic \
 		--seeds 0 1 2 --out runs/cmp_digits --jobs 2
 
 bench: install

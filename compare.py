@@ -3,7 +3,7 @@
     python compare.py run configs/compare_digits.yaml --arm uvit model.attention=softmax --arm uvic \\
         --seeds 0 1 2 --out runs/cmp_digits --jobs 2                 # make compare-demo: minutes on a CPU
     python compare.py plan configs/cifar10_uvic_s2.yaml --arm uvit model.attention=softmax --arm uvic \\
-        --seeds 0 1 2 --out runs/cmp_cifar10 --launcher "accelerate launch --num_processes 8" > jobs.txt
+        --seeds 0 1 2 --out runs/cmp_cifar10 --launcher "accelerate launch --multi_gpu --num_processes 4" > jobs.txt
     python compare.py report runs/cmp_cifar10        # whatever has finished; `run` ends with it too
     accelerate launch --num_processes 8 compare.py report runs/cmp_cifar10 --gen-seeds 3 \\
         --fid train.eval_reference=assets/fid_stats/fid_stats_cifar10_train_pytorch.npz  # each FID 3 times

@@ -388,3 +388,20 @@ def test_the_repository_map_points_to_module_docstrings():
     assert len(modules) > 50
     bare = [f.relative_to(ROOT).as_posix() for f in modules if not ast.get_docstring(ast.parse(f.read_text()))]
     assert not bare, f"modules without a docstring: {bare}"
+
+
+
+def test_compare_help_examples_are_the_guides():
+    """compare.py --help shows commands that docs/comparisons.md gives too, word for word (the cluster launcher
+    included)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((ROOT / "compare.py").read_text(encoding="utf-8")))
+    guide = (ROOT / "docs" / "comparisons.md").read_text(encoding="utf-8")
+    given = [c for code in re.findall(r"```sh\n(.*?)```", guide, re.S) for c in _commands(code)]
+    indented = "\n".join(line for line in doc.splitlines() if line.startswith("    "))  # the examples' block
+    examples = [c for c in _commands(indented) if "compare.py" in c]
+    assert len(examples) >= 4 and any("--launcher" in c for c in examples)
+    # The report command of --gen-seeds ends with the first of its --fid values in the guide's, more after it.
+    missing = [" ".join(c) for c in examples if not any(g[:len(c)] == c for g in given)]
+    assert not missing, f"compare.py --help examples that docs/comparisons.md does not give: {missing}"

@@ -16,6 +16,8 @@ import shutil
 import subprocess
 import time
 
+import pytest
+
 
 # Debian's chromium; flags: no sandbox (root in CI), no GPU, no background traffic (updates, sync, first-run pages),
 # and every host name resolved to nothing, so that the page cannot reach the network even if it tried.
@@ -31,6 +33,27 @@ def _above_9(fd: int) -> int:
 
 def chromium_path() -> str | None:
     return shutil.which("chromium")
+
+
+NOT_INSTALLED = "chromium is not installed (optional: apt-get install -y chromium; .ci/run installs it)"
+
+
+def under_ci() -> bool:
+    """Whether the tests run under CI: the environment variable CI is "true" or "1" (GitHub Actions, GitLab CI and
+    most others set CI=true; .ci/run sets it too)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def require_chromium() -> str:
+    """Chromium's path. Without a browser the calling test skips with NOT_INSTALLED (the browser is optional for a
+    user's `make test`), except under CI (`under_ci`), where it fails: CI must never pass without having looked at
+    the page."""
+    exe = chromium_path()
+    if exe is None:
+        if under_ci():
+            pytest.fail(f"{NOT_INSTALLED}; CI=true, so the browser test must run")
+        pytest.skip(NOT_INSTALLED)
+    return exe
 
 
 class Chromium:

@@ -325,3 +325,46 @@ def test_a_grown_comparison_trains_only_its_new_runs_and_keeps_the_others_bit_fo
         argv = json.loads((run.run_dir / "fake.json").read_text())["argv"]
         assert argv[1:] == [CONFIG, *run.overrides, "--resume"]
         assert (run.label in new) == (run.log_path.stat().st_mtime_ns not in [m for _, m in old.values()])
+
+
+def _spin(seconds: float) -> None:
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+
+
+@pytest.mark.slow
+def test_a_comparison_run_twice_gives_identical_reports_even_beside_a_cpu_load(tmp_path, image_dir, run_script):
+    """The same command, torch and thread counts give report.json values bit for bit, whatever else the CPU does:
+    U-ViT vs U-ViC (the Cog arm's torch backend) trained twice, two runs at once with two threads each, the second
+    time beside busy processes that keep every core loaded."""
+    import multiprocessing
+
+    shared = [o for o in _tiny_shared(image_dir) if not o.startswith(("train.max_steps", "train.save_every",
+                                                                       "train.sample_every", "train.cpu_threads"))]
+    shared += ["train.max_steps=8", "train.save_every=8", "train.sample_every=0", "train.cpu_threads=2"]
+    args = [str(ROOT / "configs" / "cifar10_uvic_s2.yaml"), *shared, "--arm", "uvit", "model.attention=softmax",
+            "--arm", "uvic", "--seeds", "0", "--jobs", "2"]
+    reports = []
+    for loaded in (False, True):
+        busy = []
+        if loaded:  # one spinning process per core, for longer than the comparison takes
+            busy = [multiprocessing.get_context("spawn").Process(target=_spin, args=(600.0,), daemon=True)
+                    for _ in range(min(4, len(os.sched_getaffinity(0))))]
+            for p in busy:
+                p.start()
+        try:
+            out = tmp_path / f"cmp_{int(loaded)}"
+            code, stdout, err = run_script("compare.py", "run", *args, "--out", out)
+        finally:
+            for p in busy:
+                p.terminate()
+                p.join()
+        assert code == 0 and "2 of 2 runs finished" in stdout, err[-3000:]
+        reports.append(json.loads((out / "report.json").read_text()))
+    quiet, loaded = reports
+    assert {"train_loss", "val_loss"} <= set(quiet["metrics"])
+    values = quiet["metrics"]["val_loss"]["values"]
+    assert values["uvit"]["0"] != values["uvic"]["0"]  # two models: the equality below is not of constants
+    assert loaded["metrics"] == quiet["metrics"]
+    assert loaded.get("per_block") == quiet.get("per_block")
