@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True, help="output .safetensors")
     f.add_argument("--root", help="the dataset's folder (default: the Debian package's)")
     f.add_argument("--seed", type=int_at_least(0), default=0)
-    f.add_argument("--epochs", type=int_at_least(1), default=3)
+    f.add_argument("--epochs", type=int_at_least(1), default=4)
     f.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads (the weights depend on it)")
     t = sub.add_parser("make-test-weights", help="write random-init FID-Inception weights for offline smoke tests "
                                                  "(NOT the FID network: the scores are not FIDs to report)")

