@@ -451,7 +451,8 @@ class Evaluator:
         pipe = self.task.pipeline(model, vae=self.vae, sampler=self.sampler)
         pipe.to(self.state.device)
         pipe.set_progress_bar_config(disable=True)
-        desc = f"fid{n}" if step is None else f"fid{n} at step {step}"
+        stem = "fid" if getattr(self, "title", "FID") == "FID" else "fd"
+        desc = f"{stem}{n}" if step is None else f"{stem}{n} at step {step}"
         with tqdm(total=per, unit="img", desc=desc, leave=False,
                   disable=not self.state.is_local_main_process) as bar:  # fmt: skip
             for k in range(first, first + per, s.batch_size):
