@@ -8,6 +8,13 @@ SOURCE / SAMPLES: an image folder (RGB or grayscale), an .npz of images (or of s
 cifar10-train:ROOT, cifar10-test:ROOT, digits:SIZE (scikit-learn's digits as data.name=digits trains on them, e.g.
 digits:8 for configs/demo_digits.yaml), coco-val2014-256:VAL2014_DIR.
 
+Fashion-MNIST: a Fréchet distance in the features of a classifier the project trains, "FD (Fashion-MNIST
+classifier)", not a FID (uvic.fid.classifier):
+
+    python -m uvic.fid train-features fashion_mnist --out fmnist_cnn.safetensors
+    python -m uvic.fid stats fashion_mnist:train --features fmnist_cnn.safetensors --out fmnist_train.npz
+    python -m uvic.fid score samples/ fmnist_train.npz --features fmnist_cnn.safetensors
+
     python -m uvic.fid make-test-weights test_inception.pth    # offline smoke tests only: random weights
     python -m uvic.fid score samples/ ref.npz --weights test_inception.pth --weights-sha256 none
 """
@@ -27,6 +34,8 @@ from pathlib import Path
 from uvic.errors import StorageError, check_writable, cli_errors, int_at_least, storage_errors
 from uvic.io import atomic_write
 
+from .classifier import CLASSIFIER_MODE, features_of, title_of, train_features
+from .classifier import DATASETS as CLASSIFIER_DATASETS
 from .inception import (
     DEFAULT_DIMS,
     DEFAULT_MODE,
@@ -122,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--recursive", action="store_true", help="read image sub-folders too")
     common.add_argument("--md5-check", action="store_true", help="check the md5 of the CIFAR-10 batch files")
     common.add_argument("--device", type=_device, help="torch device (default: accelerate's)")
+    common.add_argument("--features", help="a feature classifier's .safetensors (train-features) instead of Inception: "
+                                           "the distance is then e.g. 'FD (Fashion-MNIST classifier)', not a FID")
     common.add_argument("--no-progress", action="store_true")
     p = argparse.ArgumentParser(prog="python -m uvic.fid", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -140,6 +151,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--kid-subset-size", type=int_at_least(1), default=1000)
     c.add_argument("--prc", action="store_true", help="also precision/recall on Inception features")
     c.add_argument("--json", help="write the result as JSON to this file")
+    f = sub.add_parser("train-features", help="train a dataset's feature classifier (a small CNN, a few CPU minutes)")
+    f.add_argument("dataset", choices=sorted(CLASSIFIER_DATASETS))
+    f.add_argument("--out", required=True, help="output .safetensors")
+    f.add_argument("--root", help="the dataset's folder (default: the Debian package's)")
+    f.add_argument("--seed", type=int_at_least(0), default=0)
+    f.add_argument("--epochs", type=int_at_least(1), default=4)
+    f.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads (the weights depend on it)")
     t = sub.add_parser("make-test-weights", help="write random-init FID-Inception weights for offline smoke tests "
                                                  "(NOT the FID network: the scores are not FIDs to report)")
     t.add_argument("out", help="output .pth")
@@ -158,6 +176,14 @@ def _run(args: argparse.Namespace) -> str:
                 "NOT the FID Inception network: scores computed with them are not FIDs to report. Use them with "
                 f"--weights {out} --weights-sha256 none (train.py: train.eval_fid_weights={out} "
                 "train.eval_fid_weights_sha256=none)")
+    if args.command == "train-features":
+        return _train_features(args)
+    if args.features is not None:
+        if args.weights is not None:
+            raise ValueError("--features and --weights name two feature networks; pass one")
+        if not args.features.endswith(".safetensors"):
+            raise ValueError(f"--features {args.features}: expected the .safetensors file of train-features")
+        args.weights, args.mode = args.features, CLASSIFIER_MODE
     sha = None if args.weights_sha256.lower() == "none" else args.weights_sha256
     if args.num_workers is None:
         args.num_workers = default_num_workers()
@@ -192,6 +218,13 @@ def _run(args: argparse.Namespace) -> str:
         result = fid_from_stats(load_stats(args.samples), load_stats(args.reference))
     else:
         ref = load_stats(args.reference) if is_stats_file(args.reference) else source(args.reference)
+        if args.features is not None and getattr(ref, "mode", CLASSIFIER_MODE) != CLASSIFIER_MODE:
+            raise ValueError(f"reference {ref.name!r} holds statistics in the {features_of(ref.meta)} feature space, "
+                             f"not a classifier's: a Fréchet distance across feature spaces means nothing; compute "
+                             f"the reference with --features {args.features}")
+        if getattr(ref, "mode", None) == CLASSIFIER_MODE and args.features is None:
+            raise ValueError(f"reference {ref.name!r} holds {title_of(ref.meta)} statistics: pass --features with the "
+                             f"weights they were computed with (SHA-256 {ref.meta.get('weights_sha256')})")
         if getattr(ref, "mode", None) not in (None, args.mode):  # before loading the network
             raise ValueError(f"reference {ref.name!r} was computed with mode={ref.mode!r}; pass --mode {ref.mode}")
         samples = source(args.samples)
@@ -211,6 +244,20 @@ def _run(args: argparse.Namespace) -> str:
         with atomic_write(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=2)
     return str(result)
+
+
+def _train_features(args: argparse.Namespace) -> str:
+    import torch
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise StorageError(f"cannot write {out}: it is a directory")
+    if out.suffix != ".safetensors":
+        raise ValueError(f"--out {out}: the weights are written as .safetensors")
+    check_writable(out.parent, str(out))
+    torch.set_num_threads(args.threads)
+    acc, sha = train_features(args.dataset, out, root=args.root, seed=args.seed, epochs=args.epochs)
+    return f"wrote {out}: {args.dataset} classifier, test accuracy {acc:.4f}, sha256 {sha}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -64,7 +64,7 @@ _LAYER_AFTER = {64: "MaxPool_1", 192: "MaxPool_2", 768: "Mixed_6e", 2048: "Mixed
 
 def check_mode(mode: str) -> str:
     """Return `mode` if it is a known pipeline, else raise ValueError naming the choices."""
-    if mode not in MODES:
+    if mode not in MODES and mode != "classifier":  # uvic.fid.classifier.CLASSIFIER_MODE: its fixed preprocessing
         raise ValueError(f"unknown FID mode {mode!r}; choose one of {', '.join(MODES)}")
     return mode
 

@@ -234,6 +234,20 @@ def digits(image_size: int = 8) -> ImageArray:
     return ImageArray(DigitsDataset(image_size).images, value_range=(-1.0, 1.0), name=f"digits:{image_size}")
 
 
+def fashion_mnist(split: str = "train", root: str | None = None) -> ImageArray:
+    """A Fashion-MNIST split as training reads it (`uvic.data.fashion_mnist`, data.name "fashion_mnist"): (N, 28, 28,
+    1) uint8, grayscale repeated to RGB, named ``fashion_mnist:<split>``; 60,000 train or 10,000 test images.
+
+    Args:
+        split: "train" or "test".
+        root: the folder of the idx files (None: the Debian package's, `uvic.data.fashion_mnist.DEBIAN_DIR`).
+    """
+    from uvic.data.fashion_mnist import load_fashion_mnist
+
+    images, _ = load_fashion_mnist(root, split)
+    return ImageArray(images[..., None], name=f"fashion_mnist:{split}")
+
+
 def center_crop_lanczos(image: np.ndarray, resolution: int) -> np.ndarray:
     """U-ViT's MS-COCO preprocessing of an (H, W, 3) uint8 image (`uvic.data.mscoco.center_crop_resize`, which
     extracting the training features uses): centre square crop, then PIL Lanczos resize. Returns (R, R, 3) uint8."""
@@ -323,6 +337,7 @@ def open_source(spec: Source, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, 
 
     String specs: a folder of images; an ``.npz`` of images; ``cifar10-train:ROOT`` / ``cifar10-test:ROOT``;
     ``digits:SIZE`` (scikit-learn's digits at side SIZE, as `data.name: digits` trains on them);
+    ``fashion_mnist:train`` / ``fashion_mnist:test`` (optionally ``:ROOT``, the folder of the idx files);
     ``coco-val2014-256:VAL2014_DIR`` (any resolution in place of 256). Datasets and `GeneratorSource`s pass
     through; other callables and iterables become a `GeneratorSource`.
     """
@@ -334,6 +349,8 @@ def open_source(spec: Source, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, 
             return cifar10(m[2], m[1], md5_check=md5_check)
         if m := re.fullmatch(r"digits:(\d+)", text):
             return digits(int(m[1]))
+        if m := re.fullmatch(r"fashion_mnist:(train|test)(?::(.+))?", text):
+            return fashion_mnist(m[1], m[2])
         if m := re.fullmatch(r"coco-val2014-(\d+):(.+)", text):
             return CocoVal2014(m[2], int(m[1]))
         path = Path(text)
@@ -342,7 +359,7 @@ def open_source(spec: Source, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, 
         if path.suffix == ".npz":
             return ImageArray.from_npz(path, value_range=value_range)
         raise FileNotFoundError(f"image source {text!r} is not a folder, an .npz file, cifar10-<split>:ROOT, "
-                                "digits:SIZE or coco-val2014-<res>:DIR")  # fmt: skip
+                                "digits:SIZE, fashion_mnist:<split>[:ROOT] or coco-val2014-<res>:DIR")  # fmt: skip
     if callable(spec) or isinstance(spec, Iterable):
         return GeneratorSource(spec, num_samples=num_samples, value_range=value_range)
     raise ValueError(f"unsupported image source {type(spec)}")

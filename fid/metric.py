@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import scipy.linalg
 
+from .classifier import check_same_features, title_of
 from .inception import DEFAULT_DIMS, DEFAULT_MODE, WEIGHTS_SHA256_PREFIX, InceptionExtractor, Mode, check_mode
 from .inputs import DEFAULT_VALUE_RANGE, Source, ValueRange
 from .stats import (
@@ -97,19 +98,31 @@ class FIDResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def title(self) -> str:
+        """"FID", or the name of a classifier feature space's distance ("FD (Fashion-MNIST classifier)")."""
+        return title_of(self.meta)
+
+    @property
     def label(self) -> str:
-        return f"fid{self.n}" if self.n is not None else "fid"
+        """``fid{n}``; ``fd{n}`` in a classifier's features (`title` names which)."""
+        stem = "fid" if self.title == "FID" else "fd"
+        return f"{stem}{self.n}" if self.n is not None else stem
 
     def to_dict(self) -> dict[str, Any]:
-        return {self.label: self.fid, **asdict(self)}
+        return {self.label: self.fid, "title": self.title, **asdict(self)}
 
     def __str__(self) -> str:
         extras = "".join(f" {k}={v:.6g}" for k, v in self.extras.items())
+        if self.title != "FID":
+            return (f"{self.title}: {self.label}={self.fid:.4f} (reference={self.reference}, features sha256="
+                    f"{self.meta.get('weights_sha256')}){extras}")
         return f"{self.label}={self.fid:.4f} (mode={self.mode}, reference={self.reference}){extras}"
 
 
 def check_compatible(a: FIDStats, b: FIDStats) -> str:
-    """Refuse to compare stats of different pipelines or layers; return the common mode (None if neither knows)."""
+    """Refuse to compare stats of different pipelines, layers or feature spaces (`check_same_features`: Inception
+    vs a classifier, or two classifiers' weights); return the common mode (None if neither knows)."""
+    check_same_features(a.meta, b.meta, a.name or "first", b.name or "second")
     if a.mode is not None and b.mode is not None and a.mode != b.mode:
         raise ValueError(f"FID stats from different pipelines: {a.name or 'first'} is mode={a.mode!r}, "
                          f"{b.name or 'second'} is mode={b.mode!r}; recompute one of them in the other mode")  # fmt: skip
@@ -218,10 +231,14 @@ def compute_fid(
             raise FileNotFoundError(f"reference {str(reference)!r} does not exist")
         ref_stats = load_stats(reference) if is_stats_file(reference) else None
     if ref_stats is not None:
+        if ref_stats.mode == "classifier" and (extractor is None or extractor.mode != "classifier") and not (
+                weights is not None and str(weights).endswith(".safetensors")):
+            raise ValueError(f"reference {ref_stats.name!r} holds {title_of(ref_stats.meta)} statistics: score with "
+                             f"the same classifier's weights (its SHA-256 is {ref_stats.meta.get('weights_sha256')})")
         if kid or prc:
             raise ValueError("KID and precision/recall need reference images, not statistics; pass the reference "
                              "image source instead of a stats file")  # fmt: skip
-        if ref_stats.mode is not None and ref_stats.mode != mode:
+        if ref_stats.mode is not None and ref_stats.mode != mode and ref_stats.mode != "classifier":
             raise ValueError(f"reference {ref_stats.name!r} was computed with mode={ref_stats.mode!r}, samples would "
                              f"use mode={mode!r}; pass mode={ref_stats.mode!r}")  # fmt: skip
         dims = ref_stats.dims if extractor is None else dims
@@ -229,6 +246,10 @@ def compute_fid(
         extractor = load_extractor(mode=mode, dims=dims, with_logits=isc, weights=weights, sha256=weights_sha256,
                                    allow_download=allow_download, device=device,
                                    sha256_option="weights_sha256=None")  # fmt: skip
+    if ref_stats is not None:  # before the expensive pass: statistics of other features are refused
+        check_same_features(_space(extractor), ref_stats.meta, "the samples' features", repr(ref_stats.name))
+    if extractor.mode != mode and extractor.mode == "classifier":
+        mode = extractor.mode  # a feature classifier's preprocessing is its own
     elif extractor.mode != mode:
         raise ValueError(f"extractor runs mode={extractor.mode!r} but mode={mode!r} was requested")
     if ref_stats is not None and extractor.dims != ref_stats.dims:
@@ -246,6 +267,12 @@ def compute_fid(
     result.extras.update(_extras(feats, ref_feats, isc, kid, prc, isc_splits, kid_subsets, kid_subset_size, seed))
     logger.debug("%s", result)  # the caller reports it (the CLI prints it once)
     return result
+
+
+def _space(extractor: Any) -> dict[str, Any]:
+    """The provenance keys of an extractor's feature space (`features`, `weights_sha256`) as stats record them."""
+    space = getattr(extractor, "feature_space", None)
+    return {**({"features": space} if space else {}), "weights_sha256": extractor.weights_sha256}
 
 
 def _extras(feats: Features, ref: Features | None, isc: bool, kid: bool, prc: bool, isc_splits: int,

@@ -166,7 +166,9 @@ def _provenance(extractor: InceptionExtractor, world_size: int) -> dict[str, Any
     import scipy
     import torch_fidelity
 
+    space = getattr(extractor, "feature_space", None)  # a classifier's (uvic.fid.classifier); Inception: none
     return {
+        **({"features": space} if space else {}),
         "dims": extractor.dims,
         "weights_sha256": extractor.weights_sha256,
         "world_size": world_size,
@@ -251,7 +253,8 @@ def extract_features(
                              pin_memory=torch.cuda.is_available())  # fmt: skip
 
     feats, logits = [], []
-    with tqdm(total=local_n, unit="img", desc=f"Inception features ({extractor.mode})",
+    space = getattr(extractor, "feature_space", "Inception")
+    with tqdm(total=local_n, unit="img", desc=f"{space} features ({extractor.mode})",
               disable=not (progress and state.is_local_main_process)) as bar, _worker_errors():  # fmt: skip
         for batch in batches:
             out = extractor(batch)
@@ -329,9 +332,18 @@ def load_extractor(
     sha256_option: str = SHA256_OPTION,
 ) -> InceptionExtractor:
     """Build an `InceptionExtractor` on `device` (default: the accelerate process's device); `sha256_option` names
-    the caller's way to skip the checksum in its error (`resolve_weights`)."""
+    the caller's way to skip the checksum in its error (`resolve_weights`). `weights` of a feature classifier
+    (`.safetensors`, `uvic.fid.classifier`) give its `ClassifierExtractor` instead: its mode and width are its own
+    (`mode`, `dims` and `with_logits` do not apply), its SHA-256 is checked against `sha256` unless that is None or
+    the Inception weights' default."""
+    from .classifier import ClassifierExtractor, is_classifier_file
+
     if device is None:
         device = process_state().device
+    if is_classifier_file(weights):
+        if with_logits:
+            raise ValueError("the Inception Score needs the Inception network's logits, not a feature classifier")
+        return ClassifierExtractor(weights, sha256=None if sha256 == WEIGHTS_SHA256_PREFIX else sha256).to(device)
     ext = InceptionExtractor(weights, mode=mode, dims=dims, with_logits=with_logits, sha256=sha256,
                              allow_download=allow_download, sha256_option=sha256_option)  # fmt: skip
     return ext.to(device)

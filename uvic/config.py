@@ -127,7 +127,7 @@ class DiffusionConfig(PresetSection):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Which image dataset (`name`: "cifar10" | "image_folder" | "digits") and how it is read (task "diffusion")."""
+    """Which image dataset (`name`: "cifar10" | "image_folder" | "digits" | "fashion_mnist") and how it is read (task "diffusion")."""
 
     name: str = "cifar10"
     root: str = "data/cifar10"

@@ -118,9 +118,21 @@ def _check_settings(cfg: Any, where: str) -> None:
 def settings(cfg: Any) -> dict[str, Any]:
     """The protocol's settings of a run config, as `fid_protocol.json` records them."""
     tc, s = cfg.train, cfg.sample
-    return {"num_images": tc.eval_num_images, "reference": tc.eval_reference, "dims": tc.eval_fid_dims,
-            "weights": tc.eval_fid_weights, "sampler": tc.eval_sampler or s.sampler,
-            "steps": tc.eval_steps or s.num_inference_steps, "first_seed": s.seed, "step": tc.max_steps}
+    out = {"num_images": tc.eval_num_images, "reference": tc.eval_reference, "dims": tc.eval_fid_dims,
+           "weights": tc.eval_fid_weights, "sampler": tc.eval_sampler or s.sampler,
+           "steps": tc.eval_steps or s.num_inference_steps, "first_seed": s.seed, "step": tc.max_steps}
+    return {**out, **_classifier_space(tc.eval_fid_weights)}
+
+
+def _classifier_space(weights: str) -> dict[str, Any]:
+    """A feature classifier's (`uvic.fid.classifier`) name and SHA-256, which its distances ("FD (Fashion-MNIST
+    classifier)", not FIDs) are recorded with; {} for the Inception network (keeps older records valid)."""
+    from uvic.fid.classifier import TITLES, is_classifier_file, read_classifier_meta
+    from uvic.io import sha256_file
+
+    if not is_classifier_file(weights or None) or not Path(weights).is_file():
+        return {}
+    return {"title": TITLES[read_classifier_meta(weights)["uvic_features"]], "weights_sha256": sha256_file(weights)}
 
 
 def read_fids(run_dir: str | Path) -> list[float]:
@@ -253,6 +265,7 @@ def compute_protocol_fids(plan: Plan, protocol: Protocol) -> list[Run]:
             if state.is_main_process:  # every process has read the file: the FID above was a collective
                 with atomic_write(path, "w") as f:
                     json.dump({"protocol": expected, "fids": fids}, f, indent=1)
-                logger.info(f"{run.label}: fid{n} of resampling {j + 1}/{protocol.gen_seeds} = {fids[-1]:.4f}")
+                name = f"fid{n}" if evaluator.title == "FID" else f"{evaluator.title} fd{n}"
+                logger.info(f"{run.label}: {name} of resampling {j + 1}/{protocol.gen_seeds} = {fids[-1]:.4f}")
         computed.append(run)
     return computed

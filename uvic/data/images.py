@@ -1,4 +1,5 @@
-"""Image datasets for unconditional diffusion: CIFAR-10, a folder of images, and scikit-learn's 8x8 digits.
+"""Image datasets for unconditional diffusion: CIFAR-10, a folder of images, scikit-learn's 8x8 digits and
+Fashion-MNIST.
 
 Items are `{"x": (C, H, W) float32 in [-1, 1], "label": () int64}` (U-ViT's `ToTensor` + `Normalize(0.5, 0.5)`).
 Random flips are not applied here: the training task draws them on the device from the run's seeded generator,
@@ -257,10 +258,28 @@ class DigitsDataset(_TensorImages):
         super().__init__((x.clamp(0, 1) * 2 - 1).contiguous(), torch.from_numpy(digits.target).long())
 
 
+class FashionMnist(_TensorImages):
+    """A Fashion-MNIST split from its idx files (`uvic.data.fashion_mnist`): "train" (60,000) or "test" (10,000,
+    the held-out set of the validation loss); one channel, pixels as the digits' ([-1, 1]), labels 0..9.
+
+    Args:
+        root: the folder of the idx files, or of torchvision's `FashionMNIST/raw`; the Debian package's folder after.
+        image_size: 28, or larger for a black border (32).
+        split: "train" or "test".
+    """
+
+    def __init__(self, root: str | Path | None, image_size: int = 28, split: str = "train") -> None:
+        from uvic.data.fashion_mnist import load_fashion_mnist, to_model_range
+
+        images, labels = load_fashion_mnist(root, split)
+        super().__init__(to_model_range(images, image_size), torch.from_numpy(labels))
+
+
 DATASETS: dict[str, Callable[[Any], Dataset]] = {
     "cifar10": lambda data: Cifar10(data.root, download=data.download),
     "image_folder": lambda data: ResizedImageFolder(data.root, data.image_size, skip_bad=data.skip_bad_images),
     "digits": lambda data: DigitsDataset(data.image_size),
+    "fashion_mnist": lambda data: FashionMnist(data.root, data.image_size),
 }
 
 
@@ -268,6 +287,7 @@ DATASETS: dict[str, Callable[[Any], Dataset]] = {
 # `data.val_fraction` of their images).
 TEST_SPLITS: dict[str, Callable[[Any], Dataset]] = {
     "cifar10": lambda data: Cifar10(data.root, download=data.download, split="test"),
+    "fashion_mnist": lambda data: FashionMnist(data.root, data.image_size, split="test"),
 }
 
 

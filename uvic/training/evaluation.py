@@ -284,6 +284,11 @@ def check_fid_config(cfg: Any, task: Any) -> Any:
     if not is_stats_file(ref):
         return None
     stats = load_stats(ref)
+    if _classifier_weights(tc):  # a feature classifier's space: its SHA-256 is checked against the reference's
+        return _check_classifier_reference(tc, stats)
+    if stats.mode == "classifier":
+        raise ValueError(f"train.eval_reference {ref!r} holds statistics in a classifier's features (SHA-256 "
+                         f"{stats.meta.get('weights_sha256')}): set train.eval_fid_weights to that .safetensors file")
     if stats.dims != tc.eval_fid_dims:
         raise ValueError(f"train.eval_reference {ref!r} holds {stats.dims}-d features, the FID network gives "
                          f"{tc.eval_fid_dims}-d (train.eval_fid_dims)")
@@ -291,6 +296,29 @@ def check_fid_config(cfg: Any, task: Any) -> Any:
         raise ValueError(f"train.eval_reference {ref!r} holds statistics of FID mode {stats.mode!r}, and "
                          f"train.eval_fid_mode is {tc.eval_fid_mode!r}: set train.eval_fid_mode={stats.mode} to "
                          f"score in that mode, or use a reference of mode {tc.eval_fid_mode!r}")
+    return stats
+
+
+def _classifier_weights(tc: Any) -> bool:
+    """Whether `train.eval_fid_weights` names a feature classifier (`uvic.fid.classifier`: FD, not FID)."""
+    from uvic.fid.classifier import is_classifier_file
+
+    return is_classifier_file(tc.eval_fid_weights or None)
+
+
+def _check_classifier_reference(tc: Any, stats: Any) -> Any:
+    """The reference statistics of a classifier feature space, if made with the weights of train.eval_fid_weights.
+
+    Raises:
+        ValueError: statistics of another feature space or of other weights (both SHA-256 named).
+    """
+    from uvic.fid.classifier import check_same_features, read_classifier_meta
+    from uvic.io import sha256_file
+
+    meta = read_classifier_meta(tc.eval_fid_weights)
+    mine = {"features": meta["uvic_features"], "weights_sha256": sha256_file(tc.eval_fid_weights)}
+    check_same_features(mine, stats.meta, f"train.eval_fid_weights {tc.eval_fid_weights!r}",
+                        f"train.eval_reference {tc.eval_reference!r}")
     return stats
 
 
@@ -346,6 +374,9 @@ class Evaluator:
         self.extractor = load_extractor(weights=tc.eval_fid_weights or None, dims=self.dims, mode=self.mode,
                                         device=state.device, sha256_option="train.eval_fid_weights_sha256=none",
                                         **sha_kw)  # fmt: skip
+        self.dims = self.extractor.dims
+        self.mode = self.extractor.mode  # a feature classifier's own ("classifier"); else train.eval_fid_mode
+        self.title = "FID" if self.mode != "classifier" else self.extractor.title
         self.reference = reference or self._image_reference()
         self.conditions = task.image_conditions("fid", self.num_images)
         logger.info("FID%s: fid%d (%d-d features, mode %s), sampler %s with %d steps, reference %s",
@@ -425,9 +456,12 @@ class Evaluator:
         fid = self.fid(model, step=step)
         record = {"step": step, "fid": fid, "num_images": self.num_images, "dims": self.dims,
                   "sampler": self.sampler, "steps": self.steps, "checkpoint": checkpoint}
+        if self.title != "FID":  # the value is a Fréchet distance in a classifier's features, recorded as such
+            record.update(title=self.title, weights_sha256=self.extractor.weights_sha256)
         if self.state.is_main_process:
             record_evaluation(run_dir, record)
-        logger.info("step=%07d fid%d=%.4f (%s, %d steps)", step, self.num_images, fid, self.sampler, self.steps)
+        logger.info("step=%07d %s%d=%.4f (%s%s, %d steps)", step, "fid" if self.title == "FID" else "fd",
+                    self.num_images, fid, "" if self.title == "FID" else f"{self.title}, ", self.sampler, self.steps)
         return fid
 
     def _batches(self, model: nn.Module, step: int | None = None,
@@ -446,7 +480,8 @@ class Evaluator:
         pipe = self.task.pipeline(model, vae=self.vae, sampler=self.sampler)
         pipe.to(self.state.device)
         pipe.set_progress_bar_config(disable=True)
-        desc = f"fid{n}" if step is None else f"fid{n} at step {step}"
+        stem = "fid" if getattr(self, "title", "FID") == "FID" else "fd"
+        desc = f"{stem}{n}" if step is None else f"{stem}{n} at step {step}"
         with tqdm(total=per, unit="img", desc=desc, leave=False,
                   disable=not self.state.is_local_main_process) as bar:  # fmt: skip
             for k in range(first, first + per, s.batch_size):
