@@ -165,6 +165,8 @@ def _print_summary(out: str, data: dict) -> None:
         if left_out := [f"{arm} seed {seed} ({why})" for arm, by_seed in entry.get("excluded", {}).items()
                         for seed, why in by_seed.items()]:
             print(f"{name}: finished runs left out: {'; '.join(left_out)}")
+        if entry.get("comparable") is False:
+            print(f"{name}: a smoke test, not comparable with published numbers: {entry['reason']}")
     states = [s["state"] for seeds in data["runs"].values() for s in seeds.values()]
     print(f"{states.count('finished')} of {len(states)} runs finished; report: {os.path.join(out, 'report.html')}")
 
