@@ -16,6 +16,8 @@ headline: what the paired interval rules out, as a share of the baseline.
 - `train_loss`: {"split": "training batches", "logged_steps": the number of logged steps it is the mean of (the
   last `uvic.compare.metrics.TRAIN_LOSS_TAIL` of them)}.
 
+- any other metric: {} (a new entry of `uvic.compare.metrics.METRICS` adds its case here).
+
 `comparable` is false, with the `reason`, for a FID that is not the standard FID: weights other than the FID
 Inception network's (random-init test weights say so) or not known to be, features other than the 2048-d pool3,
 fewer than `MIN_FID_IMAGES` images, or runs that differ in any of these. Such a number compares with no published
@@ -67,11 +69,13 @@ def annotate(name: str, entry: dict[str, Any], logs: dict[tuple[str, int], RunLo
     elif name.startswith("val_"):
         provenance = _merge([_validation_record(run) for run in runs], ("split", "examples", "held_out"))
         reasons = []
-    else:  # train_loss: the mean over the last TRAIN_LOSS_TAIL of the logged steps
+    elif name == "train_loss":  # the mean over the last TRAIN_LOSS_TAIL of the logged steps
         tails = [{"n": max(1, math.ceil(TRAIN_LOSS_TAIL * len([r for r in run.train if "loss" in r])))}
                  for run in runs]
         provenance = {"split": "training batches", "logged_steps": _merge(tails, ("n",))["n"]}
         reasons = []
+    else:  # a metric this module does not know: nothing to say where it comes from
+        provenance, reasons = {}, []
     entry["provenance"] = provenance
     entry["comparable"] = not reasons
     entry["reason"] = "; ".join(reasons) if reasons else None
