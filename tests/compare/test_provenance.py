@@ -45,7 +45,9 @@ def test_a_fid_that_is_not_the_standard_fid_is_a_smoke_test_never_better(make_co
         assert entry["vs_baseline"]["uvic"]["verdict"] == "smoke test"
         assert entry["vs_baseline"]["uvic"]["mean_diff"] == pytest.approx(-2.0)  # the statistics stay
         assert {k: entry["provenance"][k] for k in change} == change
-        assert "SMOKE TEST, not comparable with published numbers" in entry["headline"]["uvic"]["text"]
+        text = entry["headline"]["uvic"]["text"]
+        assert "a smoke test, which says nothing about the models. Not comparable with published numbers: " \
+               f"{entry['reason']}." in text and "better" not in text
     assert data["metrics"]["train_loss"]["comparable"] is True  # the runs' other metrics are unaffected
 
 
@@ -117,6 +119,12 @@ def test_headlines_say_what_the_interval_rules_out_as_a_share_of_the_baseline():
         "uvic vs uvit: -4% of uvit's mean (95% interval -6.5% to -1.5%, 3 seeds): uvic is better by 1.5% to 6.5%: it "
         "rules out no difference, and uvic being more than 6.5% better.")
     assert "uvic is worse by 1.5% to 6.5%" in headline("uvic", "uvit", vs, 1.0, lower_is_better=False)["text"]
+    point = {"n": 3, "mean_diff": -0.05, "ci95": [-0.05, -0.05]}  # every seed the same difference
+    assert "(95% interval -5% to -5%, 3 seeds): uvic is better by 5%: it rules out no difference" in headline(
+        "uvic", "uvit", point, 1.0, lower_is_better=True)["text"]
+    smoke = headline("uvic", "uvit", vs, 1.0, lower_is_better=True, smoke_test=True)["text"]
+    assert smoke == "uvic vs uvit: -4% of uvit's mean (95% interval -6.5% to -1.5%, 3 seeds): a smoke test, which " \
+                    "says nothing about the models."
     one = headline("uvic", "uvit", {"n": 1, "mean_diff": -0.01, "ci95": None}, 0.5, lower_is_better=True)
     assert one["relative"] == pytest.approx(-0.02) and one["ci95_relative"] is None
     assert "-2% of uvit's mean over 1 seed: no interval" in one["text"] and "rules out nothing" in one["text"]

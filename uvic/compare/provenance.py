@@ -86,7 +86,7 @@ def annotate(name: str, entry: dict[str, Any], logs: dict[tuple[str, int], RunLo
         seeds = set(entry["values"][arm]) & set(entry["values"][base])
         base_mean = statistics.fmean(entry["values"][base][s] for s in seeds) if seeds else None
         entry["headline"][arm] = headline(arm, base, vs, base_mean, entry["lower_is_better"],
-                                          suffix=_suffix(name, provenance, reasons))
+                                          suffix=_suffix(name, provenance, reasons), smoke_test=bool(reasons))
 
 
 def smoke_test_verdicts(entry: dict[str, Any]) -> None:
@@ -195,7 +195,7 @@ def _merge(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, An
 def _suffix(name: str, provenance: dict[str, Any], reasons: list[str]) -> str:
     """What the headline adds: a smoke test's warning, or a validation metric's held-out examples."""
     if reasons:
-        return f" {SMOKE_TEST.upper()}, not comparable with published numbers: {'; '.join(reasons)}."
+        return f" Not comparable with published numbers: {'; '.join(reasons)}."
     if name.startswith("val_"):
         n, split = provenance.get("examples"), provenance.get("split")
         if isinstance(n, int):
@@ -214,9 +214,10 @@ def _pct(x: float, sign: bool = False) -> str:
 
 
 def headline(arm: str, base: str, vs: dict[str, Any], base_mean: float | None, lower_is_better: bool,
-             suffix: str = "") -> dict[str, Any]:
+             suffix: str = "", smoke_test: bool = False) -> dict[str, Any]:
     """The headline of `arm` against `base` on one metric: `vs` is its report.json `vs_baseline` entry
     (`uvic.compare.stats.Paired`), `base_mean` the baseline's mean over the paired seeds (see the module docstring).
+    A `smoke_test` headline gives the numbers and says they are a smoke test, never what they rule out.
     """
     n, diff, ci = vs["n"], vs["mean_diff"], vs["ci95"]
     if n == 0 or diff is None:
@@ -234,12 +235,15 @@ def headline(arm: str, base: str, vs: dict[str, Any], base_mean: float | None, l
     lo, hi = ci[0] / base_mean, ci[1] / base_mean
     # g: the difference on the side where positive is better.
     g_lo, g_hi = (-hi, -lo) if lower_is_better else (lo, hi)
-    if g_lo > 0:
-        ruled = (f"{arm} is better by {_pct(g_lo)} to {_pct(g_hi)}: it rules out no difference, and {arm} being "
-                 f"more than {_pct(g_hi)} better")
+    span = lambda a, b: _pct(a) if _pct(a) == _pct(b) else f"{_pct(a)} to {_pct(b)}"
+    if smoke_test:
+        ruled = f"a {SMOKE_TEST}, which says nothing about the models"
+    elif g_lo > 0:
+        ruled = (f"{arm} is better by {span(g_lo, g_hi)}: it rules out no difference, and {arm} being more than "
+                 f"{_pct(g_hi)} better")
     elif g_hi < 0:
-        ruled = (f"{arm} is worse by {_pct(-g_hi)} to {_pct(-g_lo)}: it rules out no difference, and {arm} being "
-                 f"more than {_pct(-g_lo)} worse")
+        ruled = (f"{arm} is worse by {span(-g_hi, -g_lo)}: it rules out no difference, and {arm} being more than "
+                 f"{_pct(-g_lo)} worse")
     else:
         ruled = f"it rules out {arm} being more than {_pct(g_hi)} better or {_pct(-g_lo)} worse"
     text = (f"{arm} vs {base}: {_pct(relative, True)} of {base}'s mean (95% interval {_pct(lo, True)} to "
