@@ -66,17 +66,25 @@ def test_before_any_logged_step_there_is_no_estimate(make_comparison):
         "runs: 0 done, 1 running (uvit seed 0 0/100), 0 waiting; time left: after the first logged steps")
 
 
-# A stand-in for train.py that logs its steps and leaves a finished run (as tests/compare/test_run.py's).
+# A stand-in for train.py that logs its steps and leaves a finished run: the plan's config (from plan.json two levels
+# up), its steps in metrics.jsonl, the last checkpoint and pipeline/ (as tests/compare/test_run.py's).
 FAKE_TRAIN = """
 import json, os, sys, time
+import yaml
 args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
 run, steps = args["train.run_dir"], int(args["train.max_steps"])
-os.makedirs(f"{run}/checkpoints/step_{steps:09d}", exist_ok=True)
+os.makedirs(run, exist_ok=True)
+plan = json.load(open(os.path.join(run, "..", "..", "plan.json")))
+config = next(a["config"] for a in plan["arms"] if a["name"] == os.path.basename(os.path.dirname(run)))
+config["train"]["seed"] = int(args["train.seed"])
+open(f"{run}/config.yaml", "w").write(yaml.safe_dump(config))
 with open(f"{run}/metrics.jsonl", "w") as f:
     for s in range(1, steps + 1):
         f.write(json.dumps({"step": s, "loss": 1.0, "lr": 0.001}) + "\\n")
         f.flush()
         time.sleep(0.01)
+os.makedirs(f"{run}/checkpoints/step_{steps:09d}", exist_ok=True)
+open(f"{run}/checkpoints/step_{steps:09d}/config.yaml", "w").write(yaml.safe_dump(config))
 open(f"{run}/checkpoints/step_{steps:09d}/meta.json", "w").write("{}")
 os.makedirs(f"{run}/pipeline", exist_ok=True)
 """

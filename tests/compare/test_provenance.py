@@ -49,6 +49,10 @@ def test_a_fid_that_is_not_the_standard_fid_is_a_smoke_test_never_better(make_co
         assert "a smoke test, which says nothing about the models. Not comparable with published numbers: " \
                f"{entry['reason']}." in text and "better" not in text
     assert data["metrics"]["train_loss"]["comparable"] is True  # the runs' other metrics are unaffected
+    # Every contrast of the same runs too: each pair (--all-pairs), and another baseline (--baseline).
+    other = build_report(plan.out, baseline="uvic", all_pairs=True)["metrics"]["fid_last"]
+    assert other["pairs"]["uvit - uvic"]["verdict"] == other["vs_baseline"]["uvit"]["verdict"] == "smoke test"
+    assert other["headline"]["uvit"]["text"].startswith("uvit vs uvic: +11% of uvic's mean")  # 2 over the mean 19
 
 
 def test_the_standard_fid_keeps_its_verdict_and_names_its_provenance(make_comparison):

@@ -84,7 +84,7 @@ def annotate(name: str, entry: dict[str, Any], logs: dict[tuple[str, int], RunLo
     entry["headline"] = {}
     for arm, vs in entry["vs_baseline"].items():
         seeds = set(entry["values"][arm]) & set(entry["values"][base])
-        base_mean = statistics.fmean(entry["values"][base][s] for s in seeds) if seeds else None
+        base_mean = _mean([entry["values"][base][s] for s in seeds])
         entry["headline"][arm] = headline(arm, base, vs, base_mean, entry["lower_is_better"],
                                           suffix=_suffix(name, provenance, reasons), smoke_test=bool(reasons))
 
@@ -192,6 +192,15 @@ def _merge(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, An
     return out
 
 
+def _mean(values: list[float]) -> float | None:
+    """The mean, None without values or where it is not finite (values near the float limit overflow)."""
+    try:
+        mean = statistics.fmean(values) if values else None
+    except OverflowError:
+        return None
+    return mean if mean is not None and math.isfinite(mean) else None
+
+
 def _suffix(name: str, provenance: dict[str, Any], reasons: list[str]) -> str:
     """What the headline adds: a smoke test's warning, or a validation metric's held-out examples."""
     if reasons:
@@ -222,11 +231,14 @@ def headline(arm: str, base: str, vs: dict[str, Any], base_mean: float | None, l
     n, diff, ci = vs["n"], vs["mean_diff"], vs["ci95"]
     if n == 0 or diff is None:
         return {"relative": None, "ci95_relative": None, "text": f"{arm} vs {base}: no seed both finished.{suffix}"}
-    if base_mean is None or base_mean <= 0:
+    shares = [diff / base_mean, *(c / base_mean for c in ci or ())] if base_mean is not None and base_mean > 0 else []
+    if not shares or not all(math.isfinite(v) for v in shares):
         interval = f" (95% interval {ci[0]:.4g} to {ci[1]:.4g})" if ci else ""
+        why = ("it is not finite" if base_mean is None else "it is 0" if base_mean == 0
+               else "it is not positive" if base_mean < 0 else "the share is not finite")
         return {"relative": None, "ci95_relative": None,
                 "text": f"{arm} vs {base}: {diff:+.4g}{interval}, over {n} seed(s); not a share of {base}'s mean "
-                        f"(it is {'0' if base_mean == 0 else 'not positive'}).{suffix}"}
+                        f"({why}).{suffix}"}
     relative = diff / base_mean
     if ci is None:
         return {"relative": relative, "ci95_relative": None,
