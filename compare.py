@@ -57,6 +57,9 @@ def main() -> None:
                             'Python, sys.executable)')
         parsers[name] = q
     parsers["run"].add_argument("--jobs", type=int_at_least(1), default=1, help="runs trained at once (default 1)")
+    parsers["run"].add_argument("--quiet", action="store_true",
+                                help="no progress bar (runs finished / running / waiting, their steps, the time "
+                                     "left); the log lines stay")
     q = sub.add_parser("report", help="write the report of whatever has finished",
                        description="write OUT/report.{json,md,html} and OUT/figures/ from the finished runs")
     q.add_argument("out", help="the comparison directory")
@@ -113,7 +116,8 @@ def main() -> None:
             # A `kill` (SIGTERM) stops the runs in training too, as Ctrl-C does.
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
             try:
-                failed = run_plan(plan, jobs=args.jobs, train_script=_script("train.py"), launcher=launcher)
+                failed = run_plan(plan, jobs=args.jobs, train_script=_script("train.py"), launcher=launcher,
+                                  progress=not args.quiet)
             except KeyboardInterrupt:  # Ctrl-C: the runs were stopped (run_plan says so); no traceback
                 sys.exit(130)
     elif protocol:
@@ -165,6 +169,8 @@ def _print_summary(out: str, data: dict) -> None:
         if left_out := [f"{arm} seed {seed} ({why})" for arm, by_seed in entry.get("excluded", {}).items()
                         for seed, why in by_seed.items()]:
             print(f"{name}: finished runs left out: {'; '.join(left_out)}")
+        if entry.get("comparable") is False:
+            print(f"{name}: a smoke test, not comparable with published numbers: {entry['reason']}")
     states = [s["state"] for seeds in data["runs"].values() for s in seeds.values()]
     print(f"{states.count('finished')} of {len(states)} runs finished; report: {os.path.join(out, 'report.html')}")
 

@@ -174,6 +174,7 @@ class ClassifierExtractor(nn.Module):
 
         super().__init__()
         meta = read_classifier_meta(weights)
+        self.weights_path = str(weights)
         self.weights_sha256 = sha256_file(weights)
         if sha256 and not self.weights_sha256.startswith(sha256.lower()):
             raise ValueError(f"{weights}: SHA-256 {self.weights_sha256} does not start with the expected {sha256}")
@@ -189,6 +190,16 @@ class ClassifierExtractor(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.net.fc.weight.device
+
+    def provenance(self) -> dict[str, Any]:
+        """What the features come from, as `InceptionExtractor.provenance` says it: {"weights", "weights_sha256",
+        "standard_weights": False (not the FID Inception network), "trained": True, "mode", "dims", "title": what
+        the distance is called}."""
+        from pathlib import Path
+
+        return {"weights": Path(self.weights_path).name, "weights_sha256": self.weights_sha256,
+                "standard_weights": False, "trained": True, "mode": self.mode, "dims": self.dims,
+                "title": self.title}
 
     @torch.inference_mode()
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:

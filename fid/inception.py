@@ -20,7 +20,7 @@ import io
 import logging
 import os
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +139,12 @@ def resolve_weights(
     return path, digest
 
 
+def is_standard_weights(sha256: str | None) -> bool:
+    """Whether a weights file of SHA-256 `sha256` (full hex) is the FID Inception network, `WEIGHTS_NAME` (or
+    torch-fidelity's copy): the check `resolve_weights` makes by default, the start of its SHA-256."""
+    return isinstance(sha256, str) and sha256.lower().startswith(WEIGHTS_SHA256_PREFIX)
+
+
 def make_test_weights(path: str | os.PathLike, seed: int = 0) -> Path:
     """Write random-init weights in the FID-Inception layout (torchvision `Inception3(1008)`, the 566 keys of
     `WEIGHTS_NAME`, ~96 MB) to `path`, for offline smoke tests of the FID code paths: convolutions He-normal,
@@ -237,6 +243,7 @@ class InceptionExtractor(nn.Module):
         path, self.weights_sha256 = resolve_weights(weights, sha256=sha256, allow_download=allow_download,
                                                     sha256_option=sha256_option)  # fmt: skip
         self.weights_path = str(path)
+        self.trained = True  # False for weights that were never trained (`_untrained`), set below
         features = [str(dims)] + (["logits_unbiased"] if with_logits else [])
         # The weights are read here with torch.load(weights_only=True), whatever the checksum setting, and handed
         # to torch-fidelity (which would unpickle a path in full) as an in-memory copy of plain tensors.
@@ -244,7 +251,8 @@ class InceptionExtractor(nn.Module):
             state = load_torch_data(path, what="FID Inception weights")
             if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
                 raise TypeError(f"a {type(state).__name__}, not a state dict of tensors")
-            if _untrained(state):
+            self.trained = not _untrained(state)
+            if not self.trained:
                 logger.warning("the FID Inception weights %s were never trained (every batch-norm running mean is 0 "
                                "and every variance 1), e.g. `python -m uvic.fid make-test-weights`: the scores they "
                                "give are for smoke tests only, not FIDs to report", path)  # fmt: skip
@@ -263,6 +271,15 @@ class InceptionExtractor(nn.Module):
                 f"{' '.join(str(cause).split())[:200]}); the file is corrupt or not {WEIGHTS_NAME} (its SHA-256 "
                 f"check {checked})"
             ) from e
+
+    def provenance(self) -> dict[str, Any]:
+        """What the features come from, as a run's FID records name it: {"weights": the weights file's name,
+        "weights_sha256": its full SHA-256, "standard_weights": whether it is the FID Inception network (its SHA-256
+        starts with `WEIGHTS_SHA256_PREFIX`, the check `resolve_weights` makes by default), "trained": False for
+        never-trained weights such as `make_test_weights`', "mode", "dims"}."""
+        return {"weights": Path(self.weights_path).name, "weights_sha256": self.weights_sha256,
+                "standard_weights": is_standard_weights(self.weights_sha256), "trained": self.trained,
+                "mode": self.mode, "dims": self.dims}
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:

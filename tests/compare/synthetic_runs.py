@@ -20,10 +20,11 @@ MAX_STEPS = 100
 
 
 def write_run(plan, arm, seed, *, losses=None, val=None, fids=None, finished=True, grid=True, extra_lines="",
-              shares=None):
+              shares=None, fid_record=None, validation=None):
     """Write the run dir of (arm, seed) of `plan`: training lines {step: loss}, validation lines {step: val_loss}
-    (with the attention probe's {step: {block: share}}) and FID lines {step: fid}; finished runs get the checkpoint
-    at train.max_steps and pipeline/, unfinished ones a checkpoint at half their last logged step."""
+    (with the attention probe's {step: {block: share}}) and FID lines {step: fid} (with the fields `fid_record`,
+    e.g. the FID network's); `validation` is validation.json's record; finished runs get the checkpoint at
+    train.max_steps and pipeline/, unfinished ones a checkpoint at half their last logged step."""
     run = plan.run(arm, seed)
     d = run.run_dir
     d.mkdir(parents=True, exist_ok=True)
@@ -36,8 +37,10 @@ def write_run(plan, arm, seed, *, losses=None, val=None, fids=None, finished=Tru
     lines.sort(key=lambda r: r["step"])  # at a step with both, the validation line comes after the training line
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + extra_lines)
     if fids:
-        (d / "eval.jsonl").write_text("".join(json.dumps({"step": s, "fid": v, "checkpoint": f"checkpoints/step_{s:09d}"})
-                                              + "\n" for s, v in fids.items()))
+        (d / "eval.jsonl").write_text("".join(json.dumps({"step": s, "fid": v, "checkpoint": f"checkpoints/step_{s:09d}",
+                                                          **(fid_record or {})}) + "\n" for s, v in fids.items()))
+    if validation is not None:
+        (d / "validation.json").write_text(json.dumps(validation))
     max_steps = plan.configs[arm]["train"]["max_steps"]
     last = max([*(losses or {}), 0])
     ckpt = d / "checkpoints" / f"step_{(max_steps if finished else last // 2):09d}"

@@ -5,6 +5,7 @@ comparison of the per-run means; bad settings refused before anything trains.
 Offline and cheap, as tests/training/test_evaluation.py: the random-init FID-Inception of tests/fid/conftest.py
 read at its 64-d layer, and a reference made of a small image folder."""
 
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -120,6 +121,22 @@ def test_each_run_gets_k_fids_of_disjoint_seeds_and_the_report_separates_the_spr
     assert vs["n"] == 2 and vs["mean_diff"] == pytest.approx(np.mean([means["uvic"][s] - means["uvit"][s]
                                                                       for s in (0, 1)]))
     assert "fid_protocol: uvic - uvit" in stdout
+    # The random-init test weights, 64-d, 4 images: recorded, and the report calls it a smoke test whatever the
+    # statistics say, in report.json, report.md and report.html.
+    sha = hashlib.sha256(Path(trained["weights"]).read_bytes()).hexdigest()
+    assert record["network"] == {"weights": Path(trained["weights"]).name, "weights_sha256": sha,
+                                 "standard_weights": False, "trained": False, "mode": "pytorch-fid"}
+    assert entry["comparable"] is False and vs["verdict"] == "smoke test"
+    assert entry["reason"].startswith(f"the FID network's weights {Path(trained['weights']).name} were never "
+                                      "trained (random-init test weights); 64-d features, not the standard FID's "
+                                      "2048-d pool3; 4 images, fewer than the 10,000")
+    assert entry["provenance"] == {"weights": Path(trained["weights"]).name, "weights_sha256": sha,
+                                   "standard_weights": False, "trained": False, "mode": "pytorch-fid", "dims": 64,
+                                   "num_images": N, "sampler": "uvit_dpm_solver", "steps": 2,
+                                   "reference": str(trained["reference"])}
+    assert "fid_protocol: uvic - uvit" in stdout and ": smoke test" in stdout
+    assert "> **Smoke test: `fid_protocol` is not comparable" in (cmp / "report.md").read_text()
+    assert '<div class="banner" role="alert">Smoke test: <code>fid_protocol</code>' in (cmp / "report.html").read_text()
     md = (cmp / "report.md").read_text()
     assert "| arm | runs | resamplings per run | mean | sd across training seeds | sd across resamplings |" in md
     assert (cmp / "figures" / "paired_fid_protocol.png").is_file()

@@ -42,7 +42,8 @@ def test_report_json_has_the_documented_shape_and_the_paired_statistics(make_com
     assert (data["baseline"], data["arms"], data["seeds"]) == ("uvit", ["uvit", "uvic"], [0, 1, 2])
     assert list(data["metrics"]) == ["val_loss", "val_loss_mean", "train_loss", "fid_last", "fid_best"]
     for name, entry in data["metrics"].items():
-        assert set(entry) == {"lower_is_better", "values", "vs_baseline", "excluded"}
+        assert set(entry) == {"lower_is_better", "values", "vs_baseline", "excluded", "provenance", "comparable",
+                              "reason", "headline"}
         assert entry["lower_is_better"] is True and entry["excluded"] == {"uvit": {}, "uvic": {}}
         assert set(entry["values"]) == {"uvit", "uvic"} and set(entry["vs_baseline"]) == {"uvic"}
         assert set(entry["vs_baseline"]["uvic"]) == {"n", "mean_diff", "ci95", "p_value", "relative", "verdict"}

@@ -188,6 +188,7 @@ def test_run_killed_then_run_again_equals_the_plan_run_by_hand_and_aa_is_exact(t
     again = subprocess.run([*command, "--jobs", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "4 of 4 runs finished" in again.stdout
+    assert "], runs: 4 done, 0 running, 0 waiting; 0 s left" in again.stderr  # the one progress line, at its end
     log = (seen.parent / f"{seen.name}.log").read_text()
     assert [line[:4] for line in log.splitlines() if line.startswith("=== ")] == ["=== "] * 2  # two attempts
     assert "resumed from" in log

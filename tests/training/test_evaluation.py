@@ -7,6 +7,7 @@ milliseconds), the reference statistics are made by the harness (`uvic.fid.compu
 folder, and every FID is checked against the harness scoring the same protocol's images written by the folder
 writer (`sample.py --out-dir`)."""
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -116,8 +117,13 @@ def test_each_evaluation_is_one_line_with_the_harness_fid(fid_run, data, tmp_pat
     assert [r["step"] for r in records] == [2, 4]
     sampler = load_config(fid_run / "config.yaml").sample.sampler  # eval_sampler unset: the sample section's
     for r in records:
-        assert set(r) == {"step", "fid", "num_images", "dims", "sampler", "steps", "checkpoint"}
+        assert set(r) == {"step", "fid", "num_images", "dims", "sampler", "steps", "checkpoint", "weights",
+                          "weights_sha256", "standard_weights", "trained", "mode"}
         assert (r["num_images"], r["dims"], r["sampler"], r["steps"]) == (3, DIMS, sampler, 2)
+        # The FID network: the random-init test weights, named with their SHA-256 (hashed here), never trained.
+        weights = Path(data["weights"])
+        assert (r["weights"], r["weights_sha256"], r["standard_weights"], r["trained"], r["mode"]) == (
+            weights.name, hashlib.sha256(weights.read_bytes()).hexdigest(), False, False, "pytorch-fid")
         assert r["checkpoint"] == f"checkpoints/step_{r['step']:09d}"
         assert np.isfinite(r["fid"]) and r["fid"] > 0
     # The latest checkpoint always survives rotation: its FID is what the harness gives for sample.py's images.

@@ -67,6 +67,12 @@ def test_the_digits_demo_holds_out_10_percent_and_cifar10_its_test_batch(tmp_pat
     trained, held = task.build_dataset(), task.validation_set()
     assert (len(trained), len(held)) == (1617, 180)
     assert set(trained.indices).isdisjoint(held.indices)
+    # Recorded for the report: what is held out, how many of them are scored (the first train.val_examples).
+    assert task.validation_split() == "data.val_fraction=0.1 of the data, held out"
+    cfg16 = load_config(ROOT / "configs" / "demo_digits.yaml", ["train.val_examples=16"])
+    Validator(cfg16, build_task(cfg16), _state()).record(tmp_path)
+    assert json.loads((tmp_path / "validation.json").read_text()) == {
+        "split": "data.val_fraction=0.1 of the data, held out", "examples": 16, "held_out": 180}
     # CIFAR-10: the test batch is the held-out set, and all 50,000 (here 10) training images are trained on.
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()
@@ -77,6 +83,7 @@ def test_the_digits_demo_holds_out_10_percent_and_cifar10_its_test_batch(tmp_pat
             pickle.dump({"data": part, "labels": [0] * len(part)}, f)
     task = build_task(load_config(None, [f"data.root={tmp_path}", "data.download=false", "train.val_every=5"]))
     assert len(task.build_dataset()) == 10 and len(task.validation_set()) == 4
+    assert task.validation_split() == "the data's test split"
     expected = torch.from_numpy(rows[13].reshape(3, 32, 32)).float() / 127.5 - 1  # the last test image
     torch.testing.assert_close(task.validation_set()[3]["x"], expected)
 
@@ -154,6 +161,9 @@ def test_validation_lines_in_metrics_jsonl_and_the_trackers(tmp_path):
     model = task.build_model()
     model.load_state_dict(load_file(str(checkpoint_dir(run, 5) / "ema.safetensors")))
     assert Validator(cfg, task, _state()).validate(model.eval()) == {k: v for k, v in val[-1].items() if k != "step"}
+    # What the values are over: round(5% of the 1,797 digits) = 90 held out, all scored (train.val_examples 10,000).
+    assert json.loads((run / "validation.json").read_text()) == {
+        "split": "data.val_fraction=0.05 of the data, held out", "examples": 90, "held_out": 90}
     assert (run / "loss_curve.png").is_file()
 
 

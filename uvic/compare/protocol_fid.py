@@ -20,7 +20,8 @@ same seeds (common random numbers). The settings are each run's own config, with
 (`FID_KEYS`, compare.py's `--fid KEY=VALUE`) on top.
 
 One process (the GPU, when there is one) or several (`accelerate launch compare.py report ...`) compute them.
-On disk, per run: `fid_protocol.json` = {"protocol": {settings}, "fids": [FID of resampling 0, 1, ...]}, rewritten
+On disk, per run: `fid_protocol.json` = {"protocol": {settings}, "fids": [FID of resampling 0, 1, ...], "network":
+{the FID network's weights file, SHA-256, whether standard and trained, mode: `Evaluator.features`}}, rewritten
 atomically after each FID, so a kill loses at most the one in progress and the same command continues. A file of
 other settings is refused, naming the difference: two protocols' FIDs are never mixed, and none is overwritten.
 """
@@ -264,7 +265,7 @@ def compute_protocol_fids(plan: Plan, protocol: Protocol) -> list[Run]:
             fids.append(evaluator.fid(model, first_seed=cfg.sample.seed + j * n))
             if state.is_main_process:  # every process has read the file: the FID above was a collective
                 with atomic_write(path, "w") as f:
-                    json.dump({"protocol": expected, "fids": fids}, f, indent=1)
+                    json.dump({"protocol": expected, "fids": fids, "network": evaluator.features()}, f, indent=1)
                 name = f"fid{n}" if evaluator.title == "FID" else f"{evaluator.title} fd{n}"
                 logger.info(f"{run.label}: {name} of resampling {j + 1}/{protocol.gen_seeds} = {fids[-1]:.4f}")
         computed.append(run)

@@ -9,7 +9,11 @@ report.json has this shape (for other tools; `runs` names every run's state, see
                               "values": {"uvit": {"0": 0.0712, ...}, "uvic": {...}},
                               "vs_baseline": {"uvic": {"n": 3, "mean_diff": -0.0011, "ci95": [-0.0019, -0.0003],
                                                        "p_value": 0.03, "relative": -0.0155, "verdict": "better"}},
-                              "excluded": {"uvit": {}, "uvic": {"2": "metrics.jsonl: val_loss is nan at step 600"}}},
+                              "excluded": {"uvit": {}, "uvic": {"2": "metrics.jsonl: val_loss is nan at step 600"}},
+                              "provenance": {"split": "the data's test split", "examples": 10000, "held_out": 10000},
+                              "comparable": true, "reason": null,
+                              "headline": {"uvic": {"relative": -0.0155, "ci95_relative": [-0.027, -0.004],
+                                                    "text": "uvic vs uvit: -1.6% of uvit's mean (...)"}}},
                  "train_loss": {...}},
      "per_block": {"attn_neg_share": {"uvit": {"0": {"in_blocks.0": 0.0, ...}, ...}, "uvic": {...}}},
      "runs": {"uvit": {"0": {"state": "finished", "detail": ""}, ...}, ...}}
@@ -20,7 +24,11 @@ a value that is not finite, no value at the run's last step; for `fid_protocol`,
 step, `uvic.compare.protocol_fid.record_exclusions`), so that no seed leaves a pairing silently. A statistic that
 overflows (values near the float limit) is null: report.json is always valid JSON. A metric no finished run
 records (`uvic.compare.metrics.METRICS`) is left out, and so is a per-block quantity
-(`PER_BLOCK`: each finished run's {block: value} at its last validation). report.md and report.html are the
+(`PER_BLOCK`: each finished run's {block: value} at its last validation). `provenance`, `comparable`, `reason`
+and `headline` (`uvic.compare.provenance`): where the numbers come from (a FID's network, dims, images, sampler
+and steps; a validation metric's held-out split and examples), whether a FID is the standard one (if not, every
+verdict is "smoke test", also in `pairs`, and the report opens with a banner), and what each interval rules out
+as a share of the baseline's mean. report.md and report.html are the
 same document (one list of blocks, two renderers): the runs, a table of every metric with the verdicts, per-seed
 values, and the figures; the HTML embeds them as base64 PNG data URIs, so it opens offline with nothing beside it.
 """
@@ -37,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from uvic.compare import figures
+from uvic.compare import figures, provenance
 from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric, exclusion
 from uvic.compare.plan import Plan, load_plan, rebase, shell_command
 from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
@@ -50,7 +58,7 @@ from uvic.io import atomic_write
 
 
 FIGURES = "figures"
-VERDICTS = ("better", "worse", "inconclusive")
+VERDICTS = ("better", "worse", "inconclusive", provenance.SMOKE_TEST)
 
 
 @dataclass
@@ -130,6 +138,8 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
                 values.setdefault(arm, {})[str(seed)] = by_block
         if values:
             per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
+    for name, entry in metrics.items():  # where each number comes from; a smoke-test FID is never better or worse
+        provenance.annotate(name, entry, g.logs, plan)
     runs = {arm: {str(seed): {"state": g.states[arm, seed].state, "detail": g.states[arm, seed].detail}
                   for seed in plan.seeds} for arm in arms}
     return _finite_only({"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics,
@@ -146,6 +156,7 @@ def _with_pairs(data: dict[str, Any], all_pairs: bool) -> dict[str, Any]:
         lower = entry["lower_is_better"]
         entry["pairs"] = {f"{a} - {b}": paired_by_seed(entry["values"][a], entry["values"][b], lower).to_dict()
                           for i, a in enumerate(arms) for b in arms[:i]}
+        provenance.smoke_test_verdicts(entry)  # a FID that is not comparable is a smoke test in every pair too
     return _finite_only(data)
 
 
@@ -294,7 +305,8 @@ def _curve_data(g: _Gathered, curve: Curve) -> dict[str, dict[int, dict[int, flo
 # ---------------------------------------------------------------------------------------------------------
 # The document: blocks, rendered as Markdown or HTML
 # ---------------------------------------------------------------------------------------------------------
-# A block is ("h1" | "h2" | "h3" | "p", text), ("list", [text]), ("table", header, rows) or ("figure", path, caption).
+# A block is ("h1" | "h2" | "h3" | "p" | "banner", text), ("list", [text]), ("table", header, rows) or ("figure", path,
+# caption); a banner is a warning set apart (a smoke test).
 # Text may hold `code` spans; a table cell that is a verdict is emphasised by both renderers.
 
 
@@ -304,7 +316,8 @@ def _fmt(value: float | None, spec: str = ".4g") -> str:
 
 def _document(g: _Gathered, data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
     """The report's blocks: what was compared, the runs, the results, the figures, and how to read a verdict."""
-    return [*_header_blocks(g.plan, data), *_run_blocks(g), *_result_blocks(data, drawn),
+    return [*_header_blocks(g.plan, data), *_banner_blocks(data), *_run_blocks(g), *_headline_blocks(data),
+            *_result_blocks(data, drawn),
             *_figure_blocks(data, drawn), ("h2", "What a verdict means"), ("p", MEANING)]
 
 
@@ -377,7 +390,9 @@ def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
             vals = [entry["values"][arm].get(str(seed)) for arm in arms]
             diffs = [None if v is None or vals[0] is None else v - vals[0] for v in vals[1:]]
             table.append([str(seed), *map(_fmt, vals), *map(_fmt, diffs)])
-        blocks += [("h3", name), ("p", described[name] + "."),
+        title = (entry.get("provenance") or {}).get("title")
+        heading = f"{name}: {title}" if isinstance(title, str) and title != "FID" else name
+        blocks += [("h3", heading), ("p", described[name] + ". " + _provenance_text(entry)),
                    ("table", ["seed", *arms, *(f"{arm} - {base}" for arm in arms[1:])], table)]
         blocks += _excluded_blocks(entry.get("excluded", {}))
         blocks += _pair_blocks(entry.get("pairs", {}))
@@ -414,6 +429,48 @@ def _stdev(values: list[float]) -> float | None:
         return statistics.stdev(values)
     except (OverflowError, ValueError):
         return None
+
+
+def _banner_blocks(data: dict[str, Any]) -> list[tuple]:
+    """A banner per metric that compares with no published number (`uvic.compare.provenance`)."""
+    return [("banner", f"Smoke test: `{name}` is not comparable with published numbers: {entry['reason']}. Its "
+                       f"verdicts are `{provenance.SMOKE_TEST}`, never better or worse.")
+            for name, entry in data["metrics"].items() if entry.get("comparable") is False]
+
+
+def _headline_blocks(data: dict[str, Any]) -> list[tuple]:
+    """Per metric and arm: the paired difference and its interval as a share of the baseline's mean, and what it
+    rules out (report.json's `headline`)."""
+    items = [f"`{name}`: {h['text']}" for name, entry in data["metrics"].items()
+             for h in entry.get("headline", {}).values()]
+    return [("h2", "Headlines"), ("list", items)] if items else []
+
+
+def _provenance_text(entry: dict[str, Any]) -> str:
+    """Where a metric's numbers come from (report.json's `provenance`), in a sentence."""
+    p = entry.get("provenance") or {}
+    show = lambda v: "not recorded" if v is None else ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+    if "num_images" in p and p.get("mode") == "classifier":  # uvic.fid.classifier's features: never called a FID
+        return (f"Provenance: {show(p.get('title'))}, not a FID: a Fréchet distance in the features of the classifier "
+                f"`{show(p['weights'])}`, SHA-256 `{show(p['weights_sha256'])}`; {show(p['dims'])}-d features; "
+                f"{show(p['num_images'])} images, sampler {show(p['sampler'])} with {show(p['steps'])} steps; "
+                f"reference `{show(p['reference'])}`. It compares only with distances of the same weights and number "
+                f"of images.")
+    if "num_images" in p:
+        standard = {True: "the standard FID Inception weights", False: "not the standard FID Inception weights",
+                    None: "not known to be the standard FID Inception weights"}
+        kind = standard.get(p["standard_weights"], show(p["standard_weights"]))
+        trained = " (never trained)" if p.get("trained") is False else ""
+        return (f"Provenance: FID network `{show(p['weights'])}`, SHA-256 `{show(p['weights_sha256'])}`, "
+                f"{kind}{trained}; {show(p['dims'])}-d features, mode {show(p['mode'])}; {show(p['num_images'])} "
+                f"images, sampler {show(p['sampler'])} with {show(p['steps'])} steps; reference "
+                f"`{show(p['reference'])}`.")
+    if "examples" in p:
+        return (f"Provenance: {show(p['examples'])} held-out examples (of {show(p['held_out'])}): "
+                f"{show(p['split'])}.")
+    if "logged_steps" in p:
+        return f"Provenance: training batches, the mean of the last {show(p['logged_steps'])} logged steps."
+    return ""
 
 
 def _spread_blocks(arms: list[str], spreads: dict[str, dict[str, Any]]) -> list[tuple]:
@@ -479,6 +536,8 @@ def to_markdown(blocks: list[tuple], root: Path) -> str:
             lines += ["#" * int(kind[1]) + " " + block[1], ""]
         elif kind == "p":
             lines += [block[1], ""]
+        elif kind == "banner":
+            lines += [f"> **{block[1]}**", ""]
         elif kind == "list":
             lines += [f"- {item}" for item in block[1]] + [""]
         elif kind == "table":
@@ -501,7 +560,9 @@ figure { margin: 1rem 0; }
 figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { font-size: 0.85rem; color: #555; }
 .verdict { font-weight: bold; }
-.better { color: #1a7f37; } .worse { color: #b42318; } .inconclusive { color: #6b6b6b; }
+.better { color: #1a7f37; } .worse { color: #b42318; } .inconclusive { color: #6b6b6b; } .smoke { color: #b54708; }
+.banner { border: 2px solid #b54708; background: #fffaeb; color: #7a2e0e; padding: 0.6rem 1rem; margin: 1rem 0;
+          font-weight: bold; }
 """
 
 
@@ -519,6 +580,8 @@ def to_html(blocks: list[tuple], title: str) -> str:
             parts.append(f"<{kind}>{_inline(block[1])}</{kind}>")
         elif kind == "p":
             parts.append(f"<p>{_inline(block[1])}</p>")
+        elif kind == "banner":
+            parts.append(f'<div class="banner" role="alert">{_inline(block[1])}</div>')
         elif kind == "list":
             parts.append("<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in block[1]) + "</ul>")
         elif kind == "table":
@@ -526,7 +589,7 @@ def to_html(blocks: list[tuple], title: str) -> str:
 
             def cell(text: str) -> str:
                 if text in VERDICTS:
-                    return f'<td><span class="verdict {text}">{text}</span></td>'
+                    return f'<td><span class="verdict {text.split()[0]}">{text}</span></td>'
                 return f"<td>{_inline(text)}</td>"
 
             parts.append("<table><thead><tr>" + "".join(f"<th>{_inline(h)}</th>" for h in header) + "</tr></thead>"

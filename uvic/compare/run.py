@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from uvic.compare.plan import Plan, Run, shell_command
+from uvic.compare.progress import Progress
 from uvic.compare.rundirs import read_attempts, record_attempt, run_state
 from uvic.errors import ConfigError, RunLockedError, StorageError, describe_os_error
 from uvic.training.lock import RunDirLock
@@ -75,7 +78,7 @@ class _Job:
 
 
 def run_plan(plan: Plan, *, jobs: int = 1, train_script: str = "train.py",
-             launcher: Sequence[str] | None = None) -> list[Run]:
+             launcher: Sequence[str] | None = None, progress: bool = True) -> list[Run]:
     """Train every run of `plan` that has not finished; returns the runs that failed.
 
     Args:
@@ -83,6 +86,7 @@ def run_plan(plan: Plan, *, jobs: int = 1, train_script: str = "train.py",
         train_script: the path of train.py.
         launcher: the argv prefix that starts train.py (e.g. ["accelerate", "launch"]); None: this Python
             (`Plan.command`).
+        progress: show one aggregate progress bar on stderr (`uvic.compare.progress`); False: the log lines only.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
@@ -93,20 +97,28 @@ def run_plan(plan: Plan, *, jobs: int = 1, train_script: str = "train.py",
     failed: list[Run] = []
     done = 0
     total = len(todo)
+    bar = Progress(plan, todo, enabled=progress)
+    ended: list[Run] = []
     try:
-        while todo or running:
-            while todo and len(running) < jobs:
-                run = todo.pop(0)
-                extra = [f"train.cpu_threads={threads}"] if jobs > 1 and _threads(plan, run) == 0 else []
-                running.append(_start(run, plan.command(run, launcher, train_script, extra), preexec))
-                logger.info(f"[{done + len(running)}/{total}] {run.label}: training (log: {run.log_path})")
-            time.sleep(0.2)
-            for job in [j for j in running if j.process.poll() is not None]:
-                running.remove(job)
-                done += 1
-                if not _finish(plan, job):
-                    failed.append(job.run)
+        with logging_redirect_tqdm():  # log lines go above the progress bar, never onto it
+            while todo or running:
+                while todo and len(running) < jobs:
+                    run = todo.pop(0)
+                    extra = [f"train.cpu_threads={threads}"] if jobs > 1 and _threads(plan, run) == 0 else []
+                    bar.started(run)
+                    running.append(_start(run, plan.command(run, launcher, train_script, extra), preexec))
+                    logger.info(f"[{done + len(running)}/{total}] {run.label}: training (log: {run.log_path})")
+                    bar.update([j.run for j in running], ended, force=True)
+                time.sleep(0.2)
+                for job in [j for j in running if j.process.poll() is not None]:
+                    running.remove(job)
+                    done += 1
+                    ended.append(job.run)
+                    if not _finish(plan, job):
+                        failed.append(job.run)
+                bar.update([j.run for j in running], ended)
     finally:
+        bar.close()
         _stop(running)
     return failed
 

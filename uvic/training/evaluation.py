@@ -8,7 +8,8 @@ The number is a training monitor (U-ViT's fid10k with the training sampler), not
 
 On disk, in the run dir:
 
-    eval.jsonl   one line per evaluated step: {"step", "fid", "num_images", "dims", "sampler", "steps", "checkpoint"}
+    eval.jsonl   one line per evaluated step: {"step", "fid", "num_images", "dims", "sampler", "steps", "checkpoint",
+                 and the FID network: "weights" (file name), "weights_sha256", "standard_weights", "trained", "mode"}
     best.json    the evaluated checkpoint with the lowest FID among those that exist: {"step", "fid", "checkpoint"}
     eval_reference.npz   the statistics of an image reference (a folder or a dataset spec), computed once and
                  reused while the images, the FID network, its layer and mode stay the same
@@ -69,6 +70,11 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dims": (_is_int, "an integer"),
     "sampler": (lambda v: isinstance(v, str), "a string"),
     "steps": (_is_int, "an integer"),
+    "weights": (lambda v: isinstance(v, str), "a string"),
+    "weights_sha256": (lambda v: isinstance(v, str), "a string"),
+    "standard_weights": (lambda v: isinstance(v, bool), "true or false"),
+    "trained": (lambda v: isinstance(v, bool), "true or false"),
+    "mode": (lambda v: isinstance(v, str), "a string"),
 }
 _BEST_FIELDS = ("step", "fid", "checkpoint")
 
@@ -430,6 +436,11 @@ class Evaluator:
 
         return decoded_shape(self.cfg.model.img_size, self.cfg.model.in_chans, self.vae)
 
+    def features(self) -> dict[str, Any]:
+        """The FID network of this evaluator, as its records name it: {"weights", "weights_sha256",
+        "standard_weights", "trained", "mode"} (`InceptionExtractor.provenance`; the dims are recorded beside)."""
+        return {k: v for k, v in self.extractor.provenance().items() if k != "dims"}
+
     @staticmethod
     def recorded(run_dir: str | os.PathLike, step: int) -> bool:
         """Whether eval.jsonl holds the evaluation of `step` (False for a resumed checkpoint whose evaluation a kill
@@ -455,9 +466,7 @@ class Evaluator:
         they were, so a run that evaluates continues exactly as a resumed one."""
         fid = self.fid(model, step=step)
         record = {"step": step, "fid": fid, "num_images": self.num_images, "dims": self.dims,
-                  "sampler": self.sampler, "steps": self.steps, "checkpoint": checkpoint}
-        if self.title != "FID":  # the value is a Fréchet distance in a classifier's features, recorded as such
-            record.update(title=self.title, weights_sha256=self.extractor.weights_sha256)
+                  "sampler": self.sampler, "steps": self.steps, "checkpoint": checkpoint, **self.features()}
         if self.state.is_main_process:
             record_evaluation(run_dir, record)
         logger.info("step=%07d %s%d=%.4f (%s%s, %d steps)", step, "fid" if self.title == "FID" else "fd",

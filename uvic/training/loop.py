@@ -114,6 +114,8 @@ def _train(cfg: RunConfig, stack: ExitStack) -> Path:
     # The held-out set of the validation loss, and FID while training (its reference, weights and sizes): checked
     # now, before any training.
     run.validator = Validator(cfg, run.task, accelerator) if cfg.train.val_every > 0 else None
+    if run.validator is not None and accelerator.is_main_process:
+        run.validator.record(run.run_dir)  # what each validation line is over (the comparison report says it)
     run.evaluator = Evaluator(cfg, run.task, accelerator) if cfg.train.eval_every > 0 else None
     _resume(run)
     with logging_redirect_tqdm():  # log lines go above the progress bar, never onto it

@@ -27,14 +27,18 @@ On disk, each validation appends one line to `run_dir/metrics.jsonl` (`uvic.trai
      "attn_neg_share": {block name: share, ...}}      # blocks in execution order
 
 with no "loss" key (the training log lines have one); the trackers get the same values under the same names, the
-shares as `attn_neg_share/<block name>` (`tracker_values`).
+shares as `attn_neg_share/<block name>` (`tracker_values`). What is scored is recorded once per start in
+`run_dir/validation.json`: {"split": the held-out set in words (`Task.validation_split`), "examples": the number
+of examples scored, "held_out": the size of the held-out set}.
 A killed run resumes from its last checkpoint and validates again the steps after it, with the same values.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,11 +48,12 @@ from torch.utils.data import Dataset, Subset, default_collate
 
 from uvic.attention_probe import probe_attention
 from uvic.errors import ConfigError
+from uvic.io import atomic_write
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTN_NEG_SHARE", "HOLDOUT_SEED", "VALIDATION_SEED", "Validator", "example_generators", "hold_out",
+__all__ = ["ATTN_NEG_SHARE", "HOLDOUT_SEED", "RECORD", "VALIDATION_SEED", "Validator", "example_generators", "hold_out",
            "held_out_subsets", "tracker_values"]
 
 # Fixed seeds, independent of `train.seed`: which examples are held out, and each held-out example's draws.
@@ -56,6 +61,8 @@ HOLDOUT_SEED = 20_250_701
 VALIDATION_SEED = 1_000_003
 # The key of the per-block shares of negative attention weight in a validation line.
 ATTN_NEG_SHARE = "attn_neg_share"
+# The run dir's record of what the validations score (`Validator.record`).
+RECORD = "validation.json"
 
 
 def hold_out(num_items: int, fraction: float, groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -119,10 +126,18 @@ class Validator:
         if n == 0:
             raise ConfigError("train.val_every: the held-out set is empty")
         self.num_examples = n
+        self.split, self.held_out = task.validation_split(), len(self.dataset)
         batches = [list(range(k, min(k + tc.val_batch_size, n))) for k in range(0, n, tc.val_batch_size)]
         self.batches = batches[state.process_index :: state.num_processes]
         self.probe_index = list(range(min(tc.val_probe_examples, n)))  # the attention probe's examples
         logger.info("validation loss every %d steps on %d held-out examples", tc.val_every, n)
+
+    def record(self, run_dir: str | Path) -> None:
+        """Write `run_dir/validation.json` (`RECORD`; main process): what every validation of this run scores,
+        {"split": `Task.validation_split()`, "examples": the number scored, "held_out": the size of the held-out
+        set}, rewritten at each start."""
+        with atomic_write(Path(run_dir) / RECORD, "w") as f:
+            json.dump({"split": self.split, "examples": self.num_examples, "held_out": self.held_out}, f)
 
     def _batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.state.device) for k, v in default_collate([self.dataset[i] for i in idx]).items()}

@@ -222,6 +222,7 @@ def test_validation_scores_the_held_out_tail_with_transformers_own_loss(tmp_path
     blocks = len(tokens) // 32
     trained, held = task.build_dataset(), task.validation_set()
     assert len(held) == round(0.2 * blocks) and len(trained) == blocks - len(held)
+    assert task.validation_split() == "the last data.val_fraction=0.2 of the tokens, held out"
     assert np.array_equal(held.tokens, tokens[len(tokens) - 32 * len(held) :])  # the tail, whole blocks
     assert len(trained.tokens) + len(held.tokens) == len(tokens) and np.array_equal(
         trained.tokens, tokens[: len(trained.tokens)])
@@ -254,6 +255,7 @@ def test_synthetic_validation_scores_the_answers_only_by_hand():
     """Loss and accuracy over the labelled positions only: position t's logits predict labels[t + 1]."""
     cfg = load_config(ROOT / "configs" / "lm_mqar.yaml", ["train.val_every=1"])
     task = LMTask(cfg)
+    assert task.validation_split() == f"held-out mqar sequences (data.val_fraction={cfg.data.val_fraction})"
     logits = torch.log(torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4], [1 / 3, 1 / 3, 1 / 3]],
                                      [[0.2, 0.5, 0.3], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.5, 0.25, 0.25]]]))
     batch = {"input_ids": torch.tensor([[2, 0, 1, 2], [1, 1, 0, 2]]),

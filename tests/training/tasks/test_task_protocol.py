@@ -21,8 +21,9 @@ from uvic.training.checkpoint import list_checkpoints
 from uvic.training.tasks import TASK_CLASSES, Task, build_task, register_task, task_class
 
 
-PROTOCOL_METHODS = ["build_model", "build_dataset", "validation_set", "param_groups", "loss", "validation_losses",
-                    "validation_metrics", "load_vae", "pipeline", "image_conditions", "on_sample", "export"]
+PROTOCOL_METHODS = ["build_model", "build_dataset", "validation_set", "validation_split", "param_groups", "loss",
+                    "validation_losses", "validation_metrics", "load_vae", "pipeline", "image_conditions", "on_sample",
+                    "export"]
 
 
 def _params(fn):
@@ -102,6 +103,9 @@ class DummyTask:
 
     def validation_set(self):
         return self._items(1)
+
+    def validation_split(self):
+        return "a second random draw"
 
     def _items(self, seed):
         x = torch.randn(self.cfg.data.num_items, 3, generator=torch.Generator().manual_seed(seed))

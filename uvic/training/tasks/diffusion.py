@@ -78,6 +78,12 @@ class DiffusionTask:
             return load()
         return held_out_subsets(self._data(), self.cfg.data.val_fraction, self._holdout_groups())[1]
 
+    def validation_split(self) -> str:
+        """The data's test split, or the share `data.val_fraction` held out."""
+        if self._test_split() is not None:
+            return "the data's test split"
+        return f"data.val_fraction={self.cfg.data.val_fraction} of the data, held out"
+
     def _data(self) -> Dataset:
         """All the training data, read once (`_read_data`)."""
         if self._dataset is None:

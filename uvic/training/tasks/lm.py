@@ -141,6 +141,12 @@ class LMTask:
         data = self._data()
         return TokenDataset(data.tokens[self._held_out_start() :], data.block_size)
 
+    def validation_split(self) -> str:
+        """The held-out tail of the tokens, or the held-out synthetic sequences."""
+        if self.data_cfg.synthetic:
+            return f"held-out {self.data_cfg.synthetic} sequences (data.val_fraction={self.data_cfg.val_fraction})"
+        return f"the last data.val_fraction={self.data_cfg.val_fraction} of the tokens, held out"
+
     def _synthetic(self, split: str, num_sequences: int) -> SyntheticDataset:
         d = self.data_cfg
         return SyntheticDataset(d.synthetic, split, num_sequences, d.block_size, self.model_cfg.vocab_size,

@@ -40,6 +40,10 @@ class Task(Protocol):
         for every run, which `build_dataset` leaves out when validating. Items are `build_dataset`'s, in a fixed
         order (validation scores the first `train.val_examples`)."""
 
+    def validation_split(self) -> str:
+        """What `validation_set()` holds, in a few words for the run's records and reports (e.g. "the data's test
+        split", "data.val_fraction=0.1 of the data, held out")."""
+
     def param_groups(self, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         """AdamW parameter groups (`{"params": [...], "weight_decay": w}`); every trainable parameter once."""
 
