@@ -71,7 +71,7 @@ def stubbed_launches(capability: tuple[int, int] = (9, 0), smem: int = 232448) -
 
     if not all(isinstance(fn, JITFunction) for fn in kattn.KERNEL_FNS.values()):
         raise RuntimeError("stubbed_launches needs triton's JIT kernels: unset TRITON_INTERPRET before importing "
-                           "triton")  # fmt: skip
+                           "triton")
     launches: list[tuple] = []
 
     class StubDriver:
@@ -180,7 +180,7 @@ def calls(device: torch.device, shape: tuple[int, int, int, int]) -> dict[str, C
 
     if device.type == "cpu":
         return {"floor": forward_backward(_Empty.apply), "fused fwd": forward(fused_attention),
-                "fused fwd+bwd": forward_backward(fused_attention)}  # fmt: skip
+                "fused fwd+bwd": forward_backward(fused_attention)}
     ops = {"sdpa": F.scaled_dot_product_attention, "cog_attention": cog_attention, "fused_attention": fused_attention}
     timed = {f"{name} fwd": forward(op) for name, op in ops.items()}
     timed.update({f"{name} fwd+bwd": forward_backward(op) for name, op in ops.items()})

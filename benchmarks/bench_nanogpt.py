@@ -65,7 +65,7 @@ def nanogpt_model(module: Any, cfg: Any) -> torch.nn.Module:
     m = cfg.model
     return module.GPT(module.GPTConfig(block_size=cfg.data.block_size, vocab_size=m.vocab_size,
                                        n_layer=m.num_hidden_layers, n_head=m.num_attention_heads, n_embd=m.hidden_size,
-                                       dropout=0.0, bias=False))  # fmt: skip
+                                       dropout=0.0, bias=False))
 
 
 def step_functions(cfg: Any, module: Any, seed: int = 0) -> tuple[dict[str, Callable[[], None]], dict[str, int]]:

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     # perf_report's run() imports pandas unconditionally: name the extra rather than fail in triton's code.
     if importlib.util.find_spec("pandas") is None:
         raise SystemExit('bench_triton needs pandas for its tables: pip install "uvic[bench]" (from a checkout: '
-                         'pip install -e ".[bench]")')  # fmt: skip
+                         'pip install -e ".[bench]")')
     if not torch.cuda.is_available():
         raise SystemExit("bench_triton needs a CUDA GPU (torch.cuda.is_available() is False)")
     causals = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]

@@ -46,7 +46,7 @@ DEFAULTS = {  # per device: presets, dtypes, modes, the sampling preset and batc
              "sample_preset": "s2-cifar10", "sample_batch": 500},
     "cpu": {"presets": ["tiny-cifar", "tiny-t2i", "tiny-class"], "dtypes": ["fp32"], "modes": ["eager"],
             "sample_preset": "tiny-cifar", "sample_batch": 16},
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -106,12 +106,12 @@ def _inputs(model: torch.nn.Module, batch: int, device: torch.device) -> tuple[t
         cond["class_labels"] = torch.randint(0, cfg.num_classes, (batch,), device=device, generator=g)
     elif cfg.clip_dim is not None:
         cond["encoder_hidden_states"] = torch.randn(batch, cfg.num_clip_token, cfg.clip_dim, device=device,
-                                                    generator=g)  # fmt: skip
+                                                    generator=g)
     return x, t, cond
 
 
 def train_step(model: torch.nn.Module, batch: int, device: torch.device, dtype: torch.dtype,
-               compile: bool) -> Callable[[], None]:  # fmt: skip
+               compile: bool) -> Callable[[], None]:
     """A closure running one training step of `model` as `uvic.training` runs it (see the module docstring)."""
     from uvic.config import TrainConfig
     from uvic.training.ema import EMA
@@ -120,7 +120,7 @@ def train_step(model: torch.nn.Module, batch: int, device: torch.device, dtype: 
     x, t, cond = _inputs(model, batch, device)
     eps = torch.randn_like(x)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps,
-                            weight_decay=tc.weight_decay)  # fmt: skip
+                            weight_decay=tc.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     ema = EMA(model, tc.ema_decay)
     forward = torch.compile(model) if compile else model
@@ -139,7 +139,7 @@ def train_step(model: torch.nn.Module, batch: int, device: torch.device, dtype: 
 
 
 def sampler(model: torch.nn.Module, batch: int, steps: int, device: torch.device, dtype: torch.dtype,
-            compile: bool) -> Callable[[], None]:  # fmt: skip
+            compile: bool) -> Callable[[], None]:
     """A closure drawing `batch` images with `UViCPipeline` and `steps` DPM-Solver steps (VP-SDE, as CIFAR-10)."""
     from uvic.config import DiffusionConfig
     from uvic.pipelines import UViCPipeline
@@ -154,13 +154,13 @@ def sampler(model: torch.nn.Module, batch: int, steps: int, device: torch.device
     def sample() -> None:
         with autocast:
             pipe(batch_size=batch, num_inference_steps=steps, generator=torch.Generator(device).manual_seed(0),
-                 output_type="pt")  # fmt: skip
+                 output_type="pt")
 
     return sample
 
 
 def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, rounds: int, repeat: int,
-                warmup: int) -> tuple[dict[str, float], float]:  # fmt: skip
+                warmup: int) -> tuple[dict[str, float], float]:
     """Median seconds per call of each of the two functions, timed `repeat` calls at a time in `rounds` rounds
     whose order alternates, and the median over rounds of the ratio second / first."""
     for fn in fns.values():
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace, device: torch.device, out: Callable[[str], Non
 
 
 def _row(kind: str, what: str, preset: str, batch: int, ckpt: bool, dtype: torch.dtype, compile: bool,
-         device: torch.device, args: argparse.Namespace) -> Row:  # fmt: skip
+         device: torch.device, args: argparse.Namespace) -> Row:
     """Build both models of `preset` and time one training or sampling row."""
     models = _models(preset, device, ckpt)
     backend = cog_backend(models["U-ViC"], batch, device, dtype)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--presets", nargs="+", help="base preset names (uvic.presets), timed as uvit-NAME / uvic-NAME")
     p.add_argument("--batch", type=int, default=0, help="training batch for every preset (default: OFFICIAL_BATCH, "
-                   "else 8)")  # fmt: skip
+                   "else 8)")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="autocast dtypes (fp32: no autocast)")
     p.add_argument("--modes", nargs="+", choices=["eager", "compile"])
     p.add_argument("--rounds", type=int, default=6)

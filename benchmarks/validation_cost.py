@@ -59,7 +59,7 @@ def measure(config: str, overrides: list[str], rounds: int, steps: int) -> dict[
     rng = ShardedRNG(tc.seed, 0, 1, "cpu")
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(tc.seed)).tolist()
     batches = [default_collate([dataset[i] for i in order[k * tc.batch_size : (k + 1) * tc.batch_size]])
-               for k in range(min(steps, len(dataset) // tc.batch_size))]  # fmt: skip
+               for k in range(min(steps, len(dataset) // tc.batch_size))]
     state = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1, autocast=nullcontext)
     validator = Validator(cfg, task, state)
     sampling = ema.model if ema is not None else model

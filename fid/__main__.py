@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "the distance is then e.g. 'FD (Fashion-MNIST classifier)', not a FID")
     common.add_argument("--no-progress", action="store_true")
     p = argparse.ArgumentParser(prog="python -m uvic.fid", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("stats", parents=[common], help="compute reference statistics (.npz)")
     s.add_argument("source")
@@ -190,7 +190,7 @@ def _run(args: argparse.Namespace) -> str:
     weights = {"weights": args.weights, "sha256": sha, "allow_download": args.download, "device": args.device,
                "sha256_option": "--weights-sha256 none"}
     opts = {"batch_size": args.batch_size, "num_workers": args.num_workers, "value_range": args.value_range,
-            "progress": not args.no_progress}  # fmt: skip
+            "progress": not args.no_progress}
 
     def source(spec: str):
         return open_source(spec, value_range=args.value_range, recursive=args.recursive, md5_check=args.md5_check)
@@ -237,7 +237,7 @@ def _run(args: argparse.Namespace) -> str:
         ext = load_extractor(mode=args.mode, dims=dims, with_logits=args.isc, **weights)
         result = compute_fid(samples, ref, num_samples=args.num_samples, extractor=ext, mode=args.mode,
                              isc=args.isc, kid=args.kid, prc=args.prc, isc_splits=args.isc_splits,
-                             kid_subsets=args.kid_subsets, kid_subset_size=args.kid_subset_size, **opts)  # fmt: skip
+                             kid_subsets=args.kid_subsets, kid_subset_size=args.kid_subset_size, **opts)
     if args.expect_n is not None:
         _check_n(result.n, args.expect_n)
     if args.json and process_state().is_main_process:

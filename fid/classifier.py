@@ -74,13 +74,13 @@ def accuracy(model: FashionCNN, x: torch.Tensor, y: torch.Tensor, batch_size: in
     model.eval()
     with torch.inference_mode():
         right = sum(int((model(x[i : i + batch_size]).argmax(1) == y[i : i + batch_size]).sum())
-                    for i in range(0, len(x), batch_size))  # fmt: skip
+                    for i in range(0, len(x), batch_size))
     return right / len(x)
 
 
 def train_classifier(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor], *,
                      seed: int = 0, epochs: int = 4, batch_size: int = 128, lr: float = 1e-3,
-                     log_every: int = 100) -> tuple[FashionCNN, float]:  # fmt: skip
+                     log_every: int = 100) -> tuple[FashionCNN, float]:
     """Train `FashionCNN` with Adam (`lr` decayed to 0 along a cosine over all steps: 3 epochs at a constant 1e-3
     reached 89.9% on Fashion-MNIST's test set) on (N, 1, 28, 28) images in [-1, 1] and (N,) labels; deterministic
     from `seed`
@@ -228,7 +228,7 @@ def title_of(meta: dict[str, Any]) -> str:
 
 
 def check_same_features(a: dict[str, Any], b: dict[str, Any], a_name: str = "samples",
-                        b_name: str = "reference") -> None:  # fmt: skip
+                        b_name: str = "reference") -> None:
     """Refuse two provenances (`meta`) of different feature spaces, or of one classifier space with weights of
     different SHA-256 (Inception weights differing only warn, in `check_compatible`).
 
@@ -266,7 +266,7 @@ DATASETS = {"fashion_mnist": ("fashion_mnist-classifier", _fashion_mnist)}
 
 
 def train_features(dataset: str, out: str | os.PathLike, *, root: str | None = None, seed: int = 0,
-                   epochs: int = 4) -> tuple[float, str]:  # fmt: skip
+                   epochs: int = 4) -> tuple[float, str]:
     """Train the classifier of `dataset` (`DATASETS`) and write it to `out`; returns (test accuracy, SHA-256)."""
     if dataset not in DATASETS:
         raise ValueError(f"no feature classifier for dataset {dataset!r}; choose one of {sorted(DATASETS)}")

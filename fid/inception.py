@@ -57,7 +57,7 @@ _TRUNK = (
     "Conv2d_3b_1x1", "Conv2d_4a_3x3", "MaxPool_2",
     "Mixed_5b", "Mixed_5c", "Mixed_5d", "Mixed_6a", "Mixed_6b", "Mixed_6c", "Mixed_6d", "Mixed_6e",
     "Mixed_7a", "Mixed_7b", "Mixed_7c",
-)  # fmt: skip
+)
 # Trunk stage after which each pooled feature layer is read (pytorch-fid's BLOCK_INDEX_BY_DIM).
 _LAYER_AFTER = {64: "MaxPool_1", 192: "MaxPool_2", 768: "Mixed_6e", 2048: "Mixed_7c"}
 
@@ -241,7 +241,7 @@ class InceptionExtractor(nn.Module):
             raise ValueError(f"dims must be one of {DIMS}, got {dims!r}")
         self.dims, self.with_logits = dims, with_logits
         path, self.weights_sha256 = resolve_weights(weights, sha256=sha256, allow_download=allow_download,
-                                                    sha256_option=sha256_option)  # fmt: skip
+                                                    sha256_option=sha256_option)
         self.weights_path = str(path)
         self.trained = True  # False for weights that were never trained (`_untrained`), set below
         features = [str(dims)] + (["logits_unbiased"] if with_logits else [])
@@ -255,7 +255,7 @@ class InceptionExtractor(nn.Module):
             if not self.trained:
                 logger.warning("the FID Inception weights %s were never trained (every batch-norm running mean is 0 "
                                "and every variance 1), e.g. `python -m uvic.fid make-test-weights`: the scores they "
-                               "give are for smoke tests only, not FIDs to report", path)  # fmt: skip
+                               "give are for smoke tests only, not FIDs to report", path)
             buffer = io.BytesIO()
             torch.save(state, buffer)
             buffer.seek(0)

@@ -114,19 +114,19 @@ class ImageFolder(Dataset):
         lossy = [p for p in self.files if p.suffix.lower() in LOSSY_EXTENSIONS]
         if lossy:
             warnings.warn(f"{len(lossy)} lossy-compressed images in {self.name} (e.g. {lossy[0].name}); "
-                          "JPEG artefacts change FID, prefer PNG samples", stacklevel=3)  # fmt: skip
+                          "JPEG artefacts change FID, prefer PNG samples", stacklevel=3)
         first = None
         for p in self.files:
             with Image.open(p) as im:
                 size, mode = im.size, im.mode
             if mode not in IMAGE_MODES:
                 raise ValueError(f"image {str(p)!r} has mode {mode!r} ({Image.getmodebands(mode)} channels); "
-                                 "FID takes RGB or 8-bit grayscale (L) images")  # fmt: skip
+                                 "FID takes RGB or 8-bit grayscale (L) images")
             if first is None:
                 first = (p, size)
             elif size != first[1]:
                 raise ValueError(f"image {str(p)!r} is {size[0]}x{size[1]}, but {str(first[0])!r} is "
-                                 f"{first[1][0]}x{first[1][1]}; all images must have one size")  # fmt: skip
+                                 f"{first[1][0]}x{first[1][1]}; all images must have one size")
 
     def __len__(self) -> int:
         return len(self.files)
@@ -155,7 +155,7 @@ class ImageArray(Dataset):
 
     @classmethod
     def from_npz(cls, path: str | os.PathLike, *, key: str | None = None,
-                 value_range: ValueRange = DEFAULT_VALUE_RANGE) -> "ImageArray":  # fmt: skip
+                 value_range: ValueRange = DEFAULT_VALUE_RANGE) -> "ImageArray":
         """Read an `.npz` of images (``arr_0`` as written by ``np.savez(path, images)``, or the only array)."""
         path = Path(path)
         if not path.is_file():
@@ -209,7 +209,7 @@ def cifar10(root: str | os.PathLike, split: str = "train", *, md5_check: bool = 
         path = folder / fname
         if not path.is_file():
             raise FileNotFoundError(f"CIFAR-10 batch {str(path)!r} not found; expected the python version "
-                                    f"(cifar-10-python.tar.gz) extracted to {str(folder)!r}")  # fmt: skip
+                                    f"(cifar-10-python.tar.gz) extracted to {str(folder)!r}")
         if md5_check and (got := hashlib.md5(path.read_bytes()).hexdigest()) != md5:
             raise ValueError(f"md5 of {str(path)!r} is {got}, expected {md5} (corrupt or not the official file)")
         files.append(path)
@@ -294,7 +294,7 @@ class GeneratorSource:
     """
 
     def __init__(self, source: Callable[[int], Batch] | Iterable[Batch], *, num_samples: int | None = None,
-                 value_range: ValueRange = DEFAULT_VALUE_RANGE, name: str = "generator") -> None:  # fmt: skip
+                 value_range: ValueRange = DEFAULT_VALUE_RANGE, name: str = "generator") -> None:
         if callable(source) and not isinstance(source, Iterable):
             if num_samples is None:
                 raise ValueError("num_samples is required when the source is a callable fn(n) -> images")
@@ -332,7 +332,7 @@ Source = Union[str, os.PathLike, Dataset, GeneratorSource, Callable[[int], Batch
 
 
 def open_source(spec: Source, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, num_samples: int | None = None,
-                recursive: bool = False, md5_check: bool = False) -> Dataset | GeneratorSource:  # fmt: skip
+                recursive: bool = False, md5_check: bool = False) -> Dataset | GeneratorSource:
     """Turn a source spec into a map-style dataset or a `GeneratorSource`.
 
     String specs: a folder of images; an ``.npz`` of images; ``cifar10-train:ROOT`` / ``cifar10-test:ROOT``;
@@ -359,7 +359,7 @@ def open_source(spec: Source, *, value_range: ValueRange = DEFAULT_VALUE_RANGE, 
         if path.suffix == ".npz":
             return ImageArray.from_npz(path, value_range=value_range)
         raise FileNotFoundError(f"image source {text!r} is not a folder, an .npz file, cifar10-<split>:ROOT, "
-                                "digits:SIZE, fashion_mnist:<split>[:ROOT] or coco-val2014-<res>:DIR")  # fmt: skip
+                                "digits:SIZE, fashion_mnist:<split>[:ROOT] or coco-val2014-<res>:DIR")
     if callable(spec) or isinstance(spec, Iterable):
         return GeneratorSource(spec, num_samples=num_samples, value_range=value_range)
     raise ValueError(f"unsupported image source {type(spec)}")

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray, *,
-                     eps: float = 1e-6, atol: float = 1e-3) -> float:  # fmt: skip
+                     eps: float = 1e-6, atol: float = 1e-3) -> float:
     """Fréchet distance ``|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2))`` between two Gaussians.
 
     Args:
@@ -53,7 +53,7 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     validate_stats(mu2, sigma2, "second stats")
     if mu1.shape != mu2.shape:
         raise ValueError(f"feature dims differ: first stats are {mu1.shape[0]}-d, second are {mu2.shape[0]}-d "
-                         "(computed from different Inception layers?)")  # fmt: skip
+                         "(computed from different Inception layers?)")
     diff = mu1 - mu2
     covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
     if not np.isfinite(covmean).all():
@@ -64,7 +64,7 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
         imag = float(np.abs(np.diagonal(covmean).imag).max())
         if imag > atol:
             raise ValueError(f"sqrtm(sigma1 @ sigma2) has an imaginary component of magnitude {imag:.3g} on its "
-                             f"diagonal (> {atol}); the covariances are ill-conditioned (too few images?)")  # fmt: skip
+                             f"diagonal (> {atol}); the covariances are ill-conditioned (too few images?)")
         covmean = covmean.real
     tr1, tr2 = float(np.trace(sigma1)), float(np.trace(sigma2))
     fid = float(diff @ diff + tr1 + tr2 - 2 * np.trace(covmean))
@@ -125,13 +125,13 @@ def check_compatible(a: FIDStats, b: FIDStats) -> str:
     check_same_features(a.meta, b.meta, a.name or "first", b.name or "second")
     if a.mode is not None and b.mode is not None and a.mode != b.mode:
         raise ValueError(f"FID stats from different pipelines: {a.name or 'first'} is mode={a.mode!r}, "
-                         f"{b.name or 'second'} is mode={b.mode!r}; recompute one of them in the other mode")  # fmt: skip
+                         f"{b.name or 'second'} is mode={b.mode!r}; recompute one of them in the other mode")
     if a.dims != b.dims:
         raise ValueError(f"feature dims differ: {a.name or 'first'} has {a.dims}, {b.name or 'second'} has {b.dims}")
     wa, wb = a.meta.get("weights_sha256"), b.meta.get("weights_sha256")
     if wa and wb and wa != wb:
         warnings.warn(f"the two stats were computed with different Inception weights ({wa[:12]} vs {wb[:12]})",
-                      stacklevel=3)  # fmt: skip
+                      stacklevel=3)
     return a.mode or b.mode
 
 
@@ -154,15 +154,15 @@ def inception_score(logits: Any, *, splits: int = 10, seed: int = 2020) -> dict[
 
 
 def kernel_inception_distance(f1: Any, f2: Any, *, subsets: int = 100, subset_size: int = 1000,
-                              seed: int = 2020) -> dict[str, float]:  # fmt: skip
+                              seed: int = 2020) -> dict[str, float]:
     """KID (torch-fidelity's ``kid_features_to_metric``, cubic polynomial kernel) of (N1, d) vs (N2, d) features."""
     from torch_fidelity.metric_kid import kid_features_to_metric
 
     if subset_size > min(len(f1), len(f2)):
         raise ValueError(f"KID subset size {subset_size} is larger than the number of images (samples: {len(f1)}, "
-                         f"reference: {len(f2)}); pass a kid_subset_size <= {min(len(f1), len(f2))}")  # fmt: skip
+                         f"reference: {len(f2)}); pass a kid_subset_size <= {min(len(f1), len(f2))}")
     return kid_features_to_metric(f1, f2, kid_subsets=subsets, kid_subset_size=subset_size, rng_seed=seed,
-                                  verbose=False)  # fmt: skip
+                                  verbose=False)
 
 
 def precision_recall(f1: Any, f2: Any, *, neighborhood: int = 3) -> dict[str, float]:
@@ -176,7 +176,7 @@ def precision_recall(f1: Any, f2: Any, *, neighborhood: int = 3) -> dict[str, fl
     if min(len(f1), len(f2)) <= neighborhood:
         raise ValueError(f"precision/recall with k={neighborhood} needs more than {neighborhood} images per side")
     out = prc_features_to_metric(f1, f2, prc_neighborhood=neighborhood, prc_batch_size=10000, save_cpu_ram=False,
-                                 verbose=False)  # fmt: skip
+                                 verbose=False)
     return {f"{k}_inception": v for k, v in out.items()}
 
 
@@ -222,7 +222,7 @@ def compute_fid(
     check_mode(mode)
     if kid and num_samples is not None and kid_subset_size > num_samples:  # fail before the expensive pass
         raise ValueError(f"KID subset size {kid_subset_size} is larger than num_samples={num_samples}; "
-                         f"pass a kid_subset_size <= {num_samples}")  # fmt: skip
+                         f"pass a kid_subset_size <= {num_samples}")
     ref_stats, ref_feats = None, None
     if isinstance(reference, FIDStats):
         ref_stats = reference
@@ -237,15 +237,15 @@ def compute_fid(
                              f"the same classifier's weights (its SHA-256 is {ref_stats.meta.get('weights_sha256')})")
         if kid or prc:
             raise ValueError("KID and precision/recall need reference images, not statistics; pass the reference "
-                             "image source instead of a stats file")  # fmt: skip
+                             "image source instead of a stats file")
         if ref_stats.mode is not None and ref_stats.mode != mode and ref_stats.mode != "classifier":
             raise ValueError(f"reference {ref_stats.name!r} was computed with mode={ref_stats.mode!r}, samples would "
-                             f"use mode={mode!r}; pass mode={ref_stats.mode!r}")  # fmt: skip
+                             f"use mode={mode!r}; pass mode={ref_stats.mode!r}")
         dims = ref_stats.dims if extractor is None else dims
     if extractor is None:
         extractor = load_extractor(mode=mode, dims=dims, with_logits=isc, weights=weights, sha256=weights_sha256,
                                    allow_download=allow_download, device=device,
-                                   sha256_option="weights_sha256=None")  # fmt: skip
+                                   sha256_option="weights_sha256=None")
     if ref_stats is not None:  # before the expensive pass: statistics of other features are refused
         check_same_features(_space(extractor), ref_stats.meta, "the samples' features", repr(ref_stats.name))
     if extractor.mode != mode and extractor.mode == "classifier":
@@ -254,7 +254,7 @@ def compute_fid(
         raise ValueError(f"extractor runs mode={extractor.mode!r} but mode={mode!r} was requested")
     if ref_stats is not None and extractor.dims != ref_stats.dims:
         raise ValueError(f"reference {ref_stats.name!r} has {ref_stats.dims}-d features, the extractor gives "
-                         f"{extractor.dims}-d")  # fmt: skip
+                         f"{extractor.dims}-d")
     if isc and not extractor.with_logits:
         raise ValueError("the Inception Score needs an extractor built with with_logits=True")
     opts = {"batch_size": batch_size, "num_workers": num_workers, "value_range": value_range, "progress": progress}
@@ -276,13 +276,13 @@ def _space(extractor: Any) -> dict[str, Any]:
 
 
 def _extras(feats: Features, ref: Features | None, isc: bool, kid: bool, prc: bool, isc_splits: int,
-            kid_subsets: int, kid_subset_size: int, seed: int) -> dict[str, float]:  # fmt: skip
+            kid_subsets: int, kid_subset_size: int, seed: int) -> dict[str, float]:
     out: dict[str, float] = {}
     if isc:
         out.update(inception_score(feats.logits, splits=isc_splits, seed=seed))
     if kid:
         out.update(kernel_inception_distance(feats.features, ref.features, subsets=kid_subsets,
-                                             subset_size=kid_subset_size, seed=seed))  # fmt: skip
+                                             subset_size=kid_subset_size, seed=seed))
     if prc:
         out.update(precision_recall(feats.features, ref.features))
     return out

@@ -112,7 +112,7 @@ def stats_from_features(features: torch.Tensor | np.ndarray, **kwargs: Any) -> F
         raise ValueError("features contain NaN or Inf")
     if n <= d:
         warnings.warn(f"N={n} <= feature dim {d}: the covariance is rank-deficient and FID is biased upwards; "
-                      "published numbers use 10k-50k images", stacklevel=2)  # fmt: skip
+                      "published numbers use 10k-50k images", stacklevel=2)
     return FIDStats(mu=x.mean(axis=0), sigma=np.cov(x, rowvar=False), n=n, **kwargs)
 
 
@@ -124,7 +124,7 @@ def save_stats(stats: FIDStats, path: str | os.PathLike) -> None:
         extra["mode"] = np.str_(stats.mode)
     with atomic_write(path) as f:  # a kill or a full disk never leaves a truncated .npz under `path`
         np.savez(f, mu=stats.mu.astype(np.float64), sigma=stats.sigma.astype(np.float64),
-                 meta=np.str_(json.dumps({**stats.meta, "name": stats.name})), **extra)  # fmt: skip
+                 meta=np.str_(json.dumps({**stats.meta, "name": stats.name})), **extra)
 
 
 def is_stats_file(path: str | os.PathLike) -> bool:
@@ -143,7 +143,7 @@ def load_stats(path: str | os.PathLike) -> FIDStats:
     keys = set(f["__keys__"])
     if not {"mu", "sigma"} <= keys:
         raise ValueError(f"{str(path)!r} is not a FID statistics file: needs arrays 'mu' and 'sigma', "
-                         f"has {sorted(keys)}")  # fmt: skip
+                         f"has {sorted(keys)}")
     mu, sigma = f["mu"].astype(np.float64), f["sigma"].astype(np.float64)
     n = int(f["n"]) if "n" in keys else None
     mode = str(f["mode"]) if "mode" in keys else None
@@ -152,12 +152,12 @@ def load_stats(path: str | os.PathLike) -> FIDStats:
     if mode is None:
         warnings.warn(f"{str(path)!r} has no 'mode' metadata (legacy pytorch-fid / U-ViT file); it cannot be "
                       "checked against the sample pipeline. U-ViT's fid_stats_*.npz were made with pytorch-fid: "
-                      "compare them with mode='pytorch-fid' only", stacklevel=2)  # fmt: skip
+                      "compare them with mode='pytorch-fid' only", stacklevel=2)
     else:
         check_mode(mode)
     if n is not None and n <= mu.shape[0]:
         warnings.warn(f"{str(path)!r}: N={n} <= feature dim {mu.shape[0]}, FID against it is biased upwards",
-                      stacklevel=2)  # fmt: skip
+                      stacklevel=2)
     meta.pop("name", None)
     return FIDStats(mu=mu, sigma=sigma, n=n, mode=mode, name=str(path), meta=meta)
 
@@ -173,7 +173,7 @@ def _provenance(extractor: InceptionExtractor, world_size: int) -> dict[str, Any
         "weights_sha256": extractor.weights_sha256,
         "world_size": world_size,
         "versions": {"torch": torch.__version__, "torch_fidelity": torch_fidelity.__version__,
-                     "numpy": np.__version__, "scipy": scipy.__version__},  # fmt: skip
+                     "numpy": np.__version__, "scipy": scipy.__version__},
     }
 
 
@@ -250,12 +250,12 @@ def extract_features(
         shard: Dataset = Subset(src, range(min(rank * per, total), min((rank + 1) * per, total)))
         local_n = len(shard)
         batches = DataLoader(shard, batch_size=batch_size, num_workers=num_workers, shuffle=False,
-                             pin_memory=torch.cuda.is_available())  # fmt: skip
+                             pin_memory=torch.cuda.is_available())
 
     feats, logits = [], []
     space = getattr(extractor, "feature_space", "Inception")
     with tqdm(total=local_n, unit="img", desc=f"{space} features ({extractor.mode})",
-              disable=not (progress and state.is_local_main_process)) as bar, _worker_errors():  # fmt: skip
+              disable=not (progress and state.is_local_main_process)) as bar, _worker_errors():
         for batch in batches:
             out = extractor(batch)
             feats.append(out["features"].cpu())
@@ -316,7 +316,7 @@ def compute_stats(
     if extractor is None:
         extractor = load_extractor(mode=mode, dims=dims, weights=weights, sha256=weights_sha256,
                                    allow_download=allow_download, device=device,
-                                   sha256_option="weights_sha256=None")  # fmt: skip
+                                   sha256_option="weights_sha256=None")
     return extract_features(source, extractor, **kwargs).stats()
 
 
@@ -345,5 +345,5 @@ def load_extractor(
             raise ValueError("the Inception Score needs the Inception network's logits, not a feature classifier")
         return ClassifierExtractor(weights, sha256=None if sha256 == WEIGHTS_SHA256_PREFIX else sha256).to(device)
     ext = InceptionExtractor(weights, mode=mode, dims=dims, with_logits=with_logits, sha256=sha256,
-                             allow_download=allow_download, sha256_option=sha256_option)  # fmt: skip
+                             allow_download=allow_download, sha256_option=sha256_option)
     return ext.to(device)

@@ -90,7 +90,7 @@ def _tiny_overrides(run_dir, image_dir, **extra):
         "train.lr": 1e-3, "train.ema_decay": 0.9, "train.log_every": 1, "train.sample_every": 0,
         "train.save_every": 2, "train.log_with": "none", "train.cpu_threads": 1,
         "sample.num_images": 4, "sample.num_inference_steps": 2,
-    }  # fmt: skip
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 

@@ -486,7 +486,7 @@ def test_kept_by_mask_reads_bool_and_additive_masks():
     # The default: half the dtype's lowest value, where masks built from finfo.min sit (and -inf).
     low = torch.finfo(torch.float16).min
     assert kept_by_mask(torch.tensor([0.0, low, low / 2, float("-inf")], dtype=torch.float16)).tolist() == [
-        True, False, False, False]  # fmt: skip
+        True, False, False, False]
     assert kept_by_mask(torch.tensor([0.0, low / 4], dtype=torch.float16)) is None
 
 
@@ -672,10 +672,10 @@ def test_windows_larger_than_any_index_are_unbounded(Lq, Lk):
     for op in (cog_attention, softmax_attention):
         attention = "cog" if op is cog_attention else "softmax"
         for huge, unbounded, widest in [((10**30, 0), (-1, 0), (Lk - 1, 0)), ((1, 2**63), (1, -1), (1, Lq - 1)),
-                                        ((10**30, 10**30), None, (Lk - 1, Lq - 1))]:  # fmt: skip
+                                        ((10**30, 10**30), None, (Lk - 1, Lq - 1))]:
             want = attention_ref(q, k, v, key_padding_mask=kpm, window=unbounded, attention=attention)
             torch.testing.assert_close(attention_ref(q, k, v, key_padding_mask=kpm, window=widest,
-                                                     attention=attention), want)  # fmt: skip
+                                                     attention=attention), want)
             for backend in ("reference", "torch", "auto"):
                 torch.testing.assert_close(op(q, k, v, key_padding_mask=kpm, window=huge, backend=backend), want)
 
@@ -700,7 +700,7 @@ def test_window_softcap_gradcheck_float64(attention):
     for backend in ("reference", "torch"):
         inputs = tuple(t.clone().requires_grad_(True) for t in (q, k, v))
         fn = lambda q_, k_, v_: op(q_, k_, v_, causal=True, window=(2, -1), softcap=0.8, key_padding_mask=kpm,
-                                   backend=backend)  # fmt: skip
+                                   backend=backend)
         assert torch.autograd.gradcheck(fn, inputs)
 
 
@@ -712,7 +712,7 @@ def test_banded_tiles_skip_keys_outside_the_band():
     Lq = Lk = 2048
     nh = 12
     for causal, window, band_area in [(True, None, Lq * (Lq + 1) // 2), (True, (255, -1), 256 * Lq),
-                                      (False, (63, 64), 128 * Lq)]:  # fmt: skip
+                                      (False, (63, 64), 128 * Lq)]:
         band = _band(causal, window)
         computed = 0
         for _, hs, rs in _tiles(1, nh, Lq, Lk, 2**20, band):
@@ -748,7 +748,7 @@ def test_the_attention_compile_does_not_show_torch_cuda_home_warning(tmp_path):
     """)
     env = {**os.environ, "CUDA_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     runs = {how: subprocess.run([sys.executable, "-c", script, how], env=env, capture_output=True, text=True,
-                                timeout=300) for how in ("uvic", "plain")}  # fmt: skip
+                                timeout=300) for how in ("uvic", "plain")}
     assert runs["plain"].returncode == 0 and "No CUDA runtime is found" in runs["plain"].stderr
     assert runs["uvic"].returncode == 0, runs["uvic"].stderr
     assert "No CUDA runtime is found" not in runs["uvic"].stderr
@@ -803,7 +803,7 @@ def test_placement_overlap_is_refused_unless_allowed(recwarn):
     from uvic.attention import attention_placement
 
     with pytest.raises(ValueError, match=r"keep_softmax_first=3 and keep_softmax_last=3 keep softmax in 6 layers, "
-                                         r"more than the 5 there are"):  # fmt: skip
+                                         r"more than the 5 there are"):
         attention_placement(5, 3, 3)
     # The integrations: one count for stacks of any length; a short stack keeps softmax everywhere, silently
     # (they warn once for the whole model).
@@ -812,7 +812,7 @@ def test_placement_overlap_is_refused_unless_allowed(recwarn):
     assert not recwarn.list
     # Exactly every layer: allowed, but a Cog model without a Cog layer warns.
     with pytest.warns(UserWarning, match=r"attention='cog' with keep_softmax_first=2 and keep_softmax_last=3 keeps all "
-                                         r"5 layers on softmax"):  # fmt: skip
+                                         r"5 layers on softmax"):
         assert attention_placement(5, 2, 3) == ["softmax"] * 5
     attention_placement(5, 2, 3, "softmax")  # nothing to say for a softmax model
     assert not recwarn.list

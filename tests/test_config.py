@@ -172,7 +172,7 @@ def test_every_numeric_field_has_a_range():
     ("diffusion.beta_end=0", "config key diffusion.beta_end: must be in (0, 1), got 0.0"),
     ("diffusion.beta_max=0.05", "config keys diffusion.beta_min / beta_max: beta_max (0.05) must be >= beta_min (0.1)"),
     ("sample.num_inference_steps=0", "config key sample.num_inference_steps: must be >= 1, got 0"),
-])  # fmt: skip
+])
 def test_values_out_of_range_are_errors(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, override.split(" "))
@@ -184,7 +184,7 @@ def test_values_out_of_range_are_errors(override, message):
     ("model.head_dim=-8", "config key model.head_dim: must be >= 1, got -8"),
     ("data.block_size=0", "config key data.block_size: must be >= 1, got 0"),
     ("train.min_lr_ratio=-0.1", "config key train.min_lr_ratio: must be in [0, 1], got -0.1"),
-])  # fmt: skip
+])
 def test_lm_values_out_of_range_are_errors(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["task=lm", override])
@@ -220,7 +220,7 @@ def test_model_section_defaults_are_the_model_signatures():
     # The LM section leaves out the generation settings and token ids (the export takes them from the tokenizer).
     lm_only = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "kwargs")
     for section, fn, exclude in ((UViTConfig, UViTModel.__init__, ()),
-                                 (LMModelConfig, CogformerConfig.__init__, lm_only)):  # fmt: skip
+                                 (LMModelConfig, CogformerConfig.__init__, lm_only)):
         # uvic.config writes the fields out (it does not import diffusers / transformers): the same names in the
         # same order, with the signature's defaults and types.
         params, hints = inspect.signature(fn).parameters, typing.get_type_hints(fn)
@@ -363,7 +363,7 @@ def test_the_old_lm_placement_key_loads_with_one_warning(tmp_path):
 
     with pytest.warns(FutureWarning, match=r"config section model: num_softmax_layers is the old name") as record:
         cfg = load_config(None, ["task=lm", "model.preset=600M", "model.num_softmax_layers=1",
-                                 "model.keep_softmax_last=0"])  # fmt: skip
+                                 "model.keep_softmax_last=0"])
     assert len(record) == 1 and (cfg.model.keep_softmax_first, cfg.model.keep_softmax_last) == (1, 0)
     old = yaml.safe_load(load_config(None, ["task=lm"]).to_yaml())  # a run config as the old version saved it
     del old["model"]["keep_softmax_first"], old["model"]["keep_softmax_last"]

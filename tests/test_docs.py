@@ -51,7 +51,7 @@ def test_cited_sections_exist():
     assert {"conventions.md", "attention.md", "kernel_math.md"} <= docs  # the patterns find the citations at all
     assert sum(doc == "conventions.md" for doc, _ in cited) >= 8
     headings = {doc: {line.lstrip("#").strip() for line in (ROOT / "docs" / doc).read_text().splitlines()
-                      if re.match(r"#{2,6} ", line)} for doc in docs}  # fmt: skip
+                      if re.match(r"#{2,6} ", line)} for doc in docs}
     missing = {f"{doc}: {section}": files for (doc, section), files in cited.items() if section not in headings[doc]}
     assert not missing, f"cited sections that the docs do not have: {missing}"
 
@@ -384,7 +384,7 @@ def test_the_repository_map_points_to_module_docstrings():
     assert len(paths) >= 15 and "uvic/schedulers/" in paths
     assert not [p for p in paths if not (ROOT / p).exists()], "paths in the repository map that do not exist"
     modules = [f for p in paths if p.endswith(("/", ".py")) and p != "tests/" for f in
-               ([ROOT / p] if p.endswith(".py") else (ROOT / p).rglob("*.py"))]  # fmt: skip
+               ([ROOT / p] if p.endswith(".py") else (ROOT / p).rglob("*.py"))]
     assert len(modules) > 50
     bare = [f.relative_to(ROOT).as_posix() for f in modules if not ast.get_docstring(ast.parse(f.read_text()))]
     assert not bare, f"modules without a docstring: {bare}"

@@ -64,7 +64,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if isinstance(name, ast.Constant) and isinstance(name.value, str):
                 targets.add(name.value)
             elif (isinstance(name, ast.JoinedStr) and isinstance(name.values[0], ast.FormattedValue)
-                  and ast.unparse(name.values[0].value) == "__name__"):  # fmt: skip
+                  and ast.unparse(name.values[0].value) == "__name__"):
                 # f"{__name__}.{...}": one of the package's own modules, any of them.
                 targets.update(m for m in modules if m.startswith(module + "."))
     owners = {_owner(t, modules) for t in targets if t == "uvic" or t.startswith("uvic.")}
@@ -78,7 +78,7 @@ CLASS_PATH = re.compile(r"^(uvic(?:\.\w+)+):\w+$")
 def _is_import_call(node: ast.AST) -> bool:
     """`importlib.import_module(...)`, `import_module(...)` or `__import__(...)`."""
     return isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "import_module",
-                                                                     "__import__")  # fmt: skip
+                                                                     "__import__")
 
 
 # The imports whose module is data, not code, by module: what each one may load. A new one must be added here with
@@ -102,7 +102,7 @@ def _dynamic_imports() -> set[str]:
                 name = node.args[0]
                 spelled = isinstance(name, ast.Constant) or (
                     isinstance(name, ast.JoinedStr) and isinstance(name.values[0], ast.FormattedValue)
-                    and ast.unparse(name.values[0].value) == "__name__")  # fmt: skip
+                    and ast.unparse(name.values[0].value) == "__name__")
                 if not spelled:
                     found.add(module)
     return found
@@ -200,13 +200,13 @@ def test_the_config_layer_names_nothing_above_it(graph):
 def test_models_schedulers_pipelines_never_import_training(graph):
     lower = ("uvic.models", "uvic.schedulers", "uvic.pipelines")
     upward = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith(lower)
-                    for t in ts if t == "uvic.training" or t.startswith("uvic.training."))  # fmt: skip
+                    for t in ts if t == "uvic.training" or t.startswith("uvic.training."))
     assert not upward
 
 
 def test_only_the_attention_op_imports_the_kernels(graph):
     importers = {m for m, ts in graph.items() if not m.startswith("uvic.kernels")
-                 and any(t == "uvic.kernels" or t.startswith("uvic.kernels.") for t in ts)}  # fmt: skip
+                 and any(t == "uvic.kernels" or t.startswith("uvic.kernels.") for t in ts)}
     assert importers == {"uvic.attention"}
 
 
@@ -216,7 +216,7 @@ KERNEL_TOOL_IMPORTS = {"uvic.kernels.aot": {"uvic.io"}}
 
 def test_the_kernel_package_imports_nothing_from_the_rest_of_uvic(graph):
     outside = {m: {t for t in ts if not t.startswith("uvic.kernels")} for m, ts in graph.items()
-               if m.startswith("uvic.kernels")}  # fmt: skip
+               if m.startswith("uvic.kernels")}
     assert {m: ts for m, ts in outside.items() if ts} == KERNEL_TOOL_IMPORTS
 
 

@@ -69,7 +69,7 @@ def test_atomic_write_replaces_only_on_success(tmp_path, monkeypatch):
 def _official_style_batch(path, data, protocol):
     with open(path, "wb") as f:
         pickle.dump({b"batch_label": b"training batch 1 of 5", b"labels": [3, 1], b"data": data,
-                     b"filenames": [b"a.png", b"b.png"]}, f, protocol=protocol)  # fmt: skip
+                     b"filenames": [b"a.png", b"b.png"]}, f, protocol=protocol)
 
 
 @pytest.mark.parametrize("protocol", [2, 4, 5])
@@ -87,7 +87,7 @@ def test_data_pickle_reads_plain_data_and_uint8_arrays(tmp_path, protocol):
     (np.array([None, 1], dtype=object), "refused"),
     (pickle.PickleBuffer, "refused global pickle.PickleBuffer"),
     (os.getcwd, "refused global posix.getcwd"),
-])  # fmt: skip
+])
 def test_data_pickle_refuses_everything_else(tmp_path, payload, refused):
     with open(tmp_path / "b", "wb") as f:
         pickle.dump({"data": payload}, f, protocol=2)

@@ -27,7 +27,7 @@ def test_make_demo_passes_args_to_train_as_overrides():
     assert argv == ["configs/demo_digits.yaml", "train.cpu_threads=1", "train.log_every=50", "--resume"]
     # What train.py makes of it: the resolved config (demo_digits.yaml says cpu_threads: 0), nothing trained.
     shown = subprocess.run([sys.executable, "train.py", *argv, "--dry-run"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout  # fmt: skip
+                           text=True, check=True).stdout
     assert "  cpu_threads: 1\n" in shown and "  log_every: 50\n" in shown
 
 

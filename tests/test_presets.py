@@ -23,10 +23,10 @@ _IMAGENET = {
                                "num_heads": 16, "num_classes": 1001},
     "imagenet512_uvit_huge": {"img_size": 64, "patch_size": 4, "in_chans": 4, "embed_dim": 1152, "depth": 28,
                               "num_heads": 16, "num_classes": 1001, "conv": False},
-}  # fmt: skip
+}
 _MSCOCO_SMALL = {"name": "uvit_t2i", "img_size": 32, "in_chans": 4, "patch_size": 2, "embed_dim": 512, "depth": 12,
                  "num_heads": 8, "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False, "clip_dim": 768,
-                 "num_clip_token": 77}  # fmt: skip
+                 "num_clip_token": 77}
 
 
 def _model_kwargs(nnet: dict) -> dict:

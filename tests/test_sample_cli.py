@@ -266,7 +266,7 @@ def test_a_grid_too_large_to_open_is_refused_before_sampling(pipe_dir, tmp_path,
     (2**64 - 1, 64, f"--seed {2**64 - 1} + --num-images 64 exceeds the largest seed, 2**64 - 1"),
     (2**64 - 4, 5, f"--seed {2**64 - 4} + --num-images 5 exceeds the largest seed, 2**64 - 1"),
     (-1, 4, "argument --seed: must be >= 0, got -1"),
-])  # fmt: skip
+])
 def test_seeds_past_the_generator_range_are_refused_before_sampling(pipe_dir, tmp_path, monkeypatch, capsys,
                                                                     no_sampling, seed, n, message):
     code, err = _sample_cli(monkeypatch, capsys, pipe_dir, "--out-dir", tmp_path / "o", "--seed", seed,
@@ -319,7 +319,7 @@ def test_the_out_dir_progress_bar_is_on_stderr_and_log_lines_stay_off_it(pipe_di
     r = subprocess.run([sys.executable, "sample.py", str(pipe_dir), "--out-dir", str(out), "--num-images", "5",
                         "--batch-size", "2", "--steps", "1"], cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0"},
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     updates = _bar_updates(r.stderr)
     _check_counts(updates, 5)
@@ -413,7 +413,7 @@ def test_prompts_make_an_out_dir_too(t2i_export, tmp_path, run_script, no_networ
     pipeline, _ = t2i_export
     out = tmp_path / "samples"
     code, _, err = run_script("sample.py", pipeline, "--out-dir", out, "--prompt", "a cat", "--prompt", "a dog",
-                              "--num-images", "3", "--steps", "1", "--quiet")  # fmt: skip
+                              "--num-images", "3", "--steps", "1", "--quiet")
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["000000.png", "000001.png", "000002.png", "captions.json"]
     assert json.loads((out / "captions.json").read_text()) == ["a cat", "a dog", "a cat"]
@@ -429,7 +429,7 @@ def test_features_with_prompts_are_refused(t2i_export, tmp_path, run_script, no_
     pipeline, _ = t2i_export
     target = tmp_path / ("samples" if mode == "--out-dir" else "g.png")
     code, _, err = run_script("sample.py", pipeline, mode, target, "--features", tmp_path / "feat", "--prompt",
-                              "a cat", "--steps", "1")  # fmt: skip
+                              "a cat", "--steps", "1")
     assert code == 2 and err.strip().splitlines()[-1] == (
         "sample.py: error: --features (random captions) and --prompt/--prompts-file both choose the captions; pass one")
     assert not list(tmp_path.rglob("*.png"))
@@ -468,7 +468,7 @@ def test_a_stock_diffusers_class_as_the_transformer_is_refused_before_loading(pi
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"sample.py: error: {broken / 'model_index.json'} names "
                                             "diffusers.UNet2DModel as the transformer; a UViCPipeline takes a "
-                                            "UViTModel")  # fmt: skip
+                                            "UViTModel")
 
 
 def test_a_component_of_another_class_is_refused_after_loading(pipe_dir, tmp_path, monkeypatch):
@@ -482,25 +482,25 @@ def test_a_component_of_another_class_is_refused_after_loading(pipe_dir, tmp_pat
     with pytest.raises(ValueError) as e:
         load_pretrained(broken)
     assert str(e.value) == (f"the transformer of the pipeline in {broken} is a UNet2DModel; a UViCPipeline takes a "
-                            "UViTModel")  # fmt: skip
+                            "UViTModel")
 
 
 def test_a_transformers_clip_as_the_text_encoder_is_refused(t2i_export, tmp_path, run_script, no_network):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     clip = CLIPTextModel(CLIPTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, max_position_embeddings=5))  # fmt: skip
+                                        num_attention_heads=2, max_position_embeddings=5))
     broken = _swap_component(t2i_export[0], tmp_path, "text_encoder", clip, "transformers")
     code, _, err = run_script("sample.py", broken, "--grid", tmp_path / "g.png", "--prompt", "a cat", "--steps", "1")
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"sample.py: error: {broken / 'model_index.json'} names "
                                             "transformers.CLIPTextModel as the text_encoder; a UViCText2ImagePipeline "
-                                            "takes a CLIPTextEncoder")  # fmt: skip
+                                            "takes a CLIPTextEncoder")
 
 
 @pytest.mark.parametrize("damage", ["empty dir", "truncated safetensors", "pickled .bin", "larger config"])
 def test_a_clip_dir_without_a_loadable_text_encoder_is_one_line(t2i_export, tmp_path, run_script, no_network,
-                                                                  damage):  # fmt: skip
+                                                                  damage):
     import json
     import shutil
 
@@ -523,7 +523,7 @@ def test_a_clip_dir_without_a_loadable_text_encoder_is_one_line(t2i_export, tmp_
         weights.unlink()
         torch.save({"x": _Payload(marker)}, clip / "diffusion_pytorch_model.bin")
         expected = (f"the CLIP text encoder {clip}: weights file {clip / 'diffusion_pytorch_model.bin'} holds objects "
-                    "other than tensors")  # fmt: skip
+                    "other than tensors")
     elif damage == "larger config":
         config = json.loads((clip / "config.json").read_text())
         (clip / "config.json").write_text(json.dumps({**config, "width": 1000000}))
@@ -531,7 +531,7 @@ def test_a_clip_dir_without_a_loadable_text_encoder_is_one_line(t2i_export, tmp_
     else:
         expected = f"cannot load the CLIP text encoder {clip}, a file in it is missing or damaged (OSError"
     code, _, err = run_script("sample.py", bare, "--grid", tmp_path / "g.png", "--prompt", "a cat", "--steps", "1",
-                              "--clip", clip)  # fmt: skip
+                              "--clip", clip)
     assert code == 2 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(f"sample.py: error: {expected}"), err.strip().splitlines()[-1]
     assert not (tmp_path / "MARKER").exists()

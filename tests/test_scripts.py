@@ -214,7 +214,7 @@ def test_two_processes_match_one_process(tmp_path, image_dir, tiny, run_script):
     (None, ["train.max_steps=0"], "config key train.max_steps: must be >= 1, got 0"),
     (None, ["train.betas=[0.9"], "override 'train.betas=[0.9' is not valid YAML: "),
     ("train:\n  lr: [1e-4\n", [], "config file {config} is not valid YAML: "),
-])  # fmt: skip
+])
 def test_bad_config_values_and_yaml_exit_with_one_line(tmp_path, config_text, overrides, message, run_script):
     # A YAML syntax error or a value out of range: one line and exit status 2, never a parser traceback or an
     # untrained model exported with exit 0.

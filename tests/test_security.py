@@ -56,7 +56,7 @@ def _rehash(ckpt):
     """Record the current SHA-256 of every file in `meta.json`, as the author of a hostile checkpoint would."""
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                      for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "meta.json"}  # fmt: skip
+                      for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "meta.json"}
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
 
@@ -104,7 +104,7 @@ def hostile_run(trained, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["training_state.pt", "optimizer.bin", "random_states_0.pt",
-                                  "custom_checkpoint_0.pkl", "random_states_0.pkl"])  # fmt: skip
+                                  "custom_checkpoint_0.pkl", "random_states_0.pkl"])
 def test_resume_never_unpickles(hostile_run, marker, name):
     run, ckpt, overrides = hostile_run
     if name.endswith(".pkl"):  # the files accelerate's load_state unpickles
@@ -181,7 +181,7 @@ def test_pickled_weights_in_a_pipeline_dir_are_refused(trained, tmp_path, marker
         load_pretrained(pipe)
     bin_file = pipe / "transformer" / "diffusion_pytorch_model.bin"
     assert _one_line(e.value).startswith(f"the transformer of {pipe}: weights file {bin_file} holds objects other "
-                                         "than tensors")  # fmt: skip
+                                         "than tensors")
 
 
 def test_a_run_is_readable_by_whoever_can_read_its_config(trained):
@@ -275,7 +275,7 @@ def test_fid_cli_hostile_weights_one_line(tmp_path, marker):
     torch.save({"fc.weight": Payload(marker)}, tmp_path / "w.pth")
     r = subprocess.run([sys.executable, "-m", "uvic.fid", "stats", str(folder), "--out", str(tmp_path / "o.npz"),
                         "--weights", str(tmp_path / "w.pth"), "--weights-sha256", "none", "--device", "cpu"],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: FID Inception weights {tmp_path / 'w.pth'} holds")
 
@@ -308,7 +308,7 @@ def test_cifar10_for_fid_refuses_a_payload(tmp_path, marker):
     folder = _hostile_cifar(tmp_path, marker)
     r = subprocess.run([sys.executable, "-m", "uvic.fid", "stats", f"cifar10-test:{tmp_path}", "--out",
                         str(tmp_path / "o.npz"), "--weights", str(tmp_path / "none.pth"), "--device", "cpu"],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (
         f"error: CIFAR-10 batch {folder / 'test_batch'} holds objects other than plain data (refused global "

@@ -58,10 +58,10 @@ def tiny_t2i_config(root, run_dir, vae_dir, *, model=None, data=None, train=None
     )
 
     model = {"img_size": 8, "patch_size": 2, "in_chans": 4, "embed_dim": 16, "depth": 2, "num_heads": 2,
-             "clip_dim": 16, "num_clip_token": 5, **(model or {})}  # fmt: skip
+             "clip_dim": 16, "num_clip_token": 5, **(model or {})}
     data = {"root": str(root), "num_workers": 0, "vae": str(vae_dir), **(data or {})}
     train = {"run_dir": str(run_dir), "max_steps": 1, "batch_size": 2, "warmup_steps": 0, "log_every": 1,
-             "sample_every": 0, "save_every": 1, "log_with": "none", **(train or {})}  # fmt: skip
+             "sample_every": 0, "save_every": 1, "log_with": "none", **(train or {})}
     sample = {"sampler": "uvit_dpm_solver", "num_inference_steps": 2, "num_images": 2, **(sample or {})}
     return Text2ImageRunConfig(
         model=UViTConfig(**model),
@@ -70,7 +70,7 @@ def tiny_t2i_config(root, run_dir, vae_dir, *, model=None, data=None, train=None
         data=Text2ImageDataConfig(**data),
         train=TrainConfig(**train),
         sample=SampleConfig(**sample),
-    )  # fmt: skip
+    )
 
 
 class SpyDenoiser(torch.nn.Module):

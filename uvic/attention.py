@@ -158,18 +158,18 @@ def attention_placement(
     last = check_softmax_count(keep_softmax_last, names[1])
     if not allow_overlap and first + last > num_layers:
         raise ValueError(f"{names[0]}={first} and {names[1]}={last} keep softmax in {first + last} layers, more than "
-                         f"the {num_layers} there are: the two ends would overlap")  # fmt: skip
+                         f"the {num_layers} there are: the two ends would overlap")
     kinds: list[AttentionKind] = [
         "softmax" if attention == "softmax" or i < first or i >= num_layers - last else "cog" for i in range(num_layers)
     ]
     if not allow_overlap and attention == "cog" and "cog" not in kinds and num_layers:
         warnings.warn(f"attention='cog' with {names[0]}={first} and {names[1]}={last} keeps all {num_layers} layers "
-                      "on softmax, so no layer runs Cog attention", stacklevel=2)  # fmt: skip
+                      "on softmax, so no layer runs Cog attention", stacklevel=2)
     return kinds
 
 
 def renamed_placement(count: object, first: object = None, last: object = None, *, old: str, where: str,
-                      stacklevel: int = 3, warn: bool = True) -> tuple[Any, Any]:  # fmt: skip
+                      stacklevel: int = 3, warn: bool = True) -> tuple[Any, Any]:
     """(keep_softmax_first, keep_softmax_last) of a placement written with an old name: the one count `count` of
     both ends (Cogformer's `num_softmax_layers`, the integrations' `keep_softmax` and `cog_keep_softmax`), where an
     end given apart (not None) wins; with one FutureWarning naming `where`, the old name and what to write instead.
@@ -182,11 +182,11 @@ def renamed_placement(count: object, first: object = None, last: object = None, 
         count = check_softmax_count(count, old)
         first, last = (count if first is None else first), (count if last is None else last)
     read = ", ".join(f"{name}={value}" for name, value in (("keep_softmax_first", first), ("keep_softmax_last", last))
-                     if value is not None) or "the preset's or default counts"  # fmt: skip
+                     if value is not None) or "the preset's or default counts"
     if warn:
         warnings.warn(f"{where}: {old} is the old name of the softmax placement, read as {read}; "
                       "write keep_softmax_first / keep_softmax_last (counts of layers at each end that keep "
-                      "softmax)", FutureWarning, stacklevel=stacklevel)  # fmt: skip
+                      "softmax)", FutureWarning, stacklevel=stacklevel)
     return first, last
 
 
@@ -299,7 +299,7 @@ def _window_problem(window) -> str | None:
     if window is None:
         return None
     ok = (isinstance(window, (tuple, list)) and len(window) == 2
-          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window))  # fmt: skip
+          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window))
     if not ok:
         return f"window must be None or (left, right) with ints >= -1 (-1 = unbounded), got {window!r}"
     return None
@@ -343,7 +343,7 @@ def _band_keep(rows: torch.Tensor, cols: torch.Tensor, d: int, band: tuple[int, 
 def _keep_mask(
     Lq: int, Lk: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device,
     window: tuple[int, int] | None = None,
-) -> torch.Tensor | None:  # fmt: skip
+) -> torch.Tensor | None:
     """Boolean keep-mask broadcastable to (B, 1, Lq, Lk) (True = the key takes part), or None when all keys do.
 
     `causal` keeps key j for query i when j <= i + Lk - Lq (bottom-right aligned, as FlashAttention-2); `window`
@@ -465,7 +465,7 @@ def attention_ref(
         ct = _compute_dtype(dtype)
         q, k, v = q.to(ct), k.to(ct), v.to(ct)
     attn = attention_weights(q, k, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
-                             softcap=softcap, attention=attention)  # fmt: skip
+                             softcap=softcap, attention=attention)
     _, v = _drop_padded_keys(k, v, key_padding_mask)
     return (attn @ v).to(dtype)
 
@@ -530,7 +530,7 @@ def _ragged(plan: list) -> bool:
 
 def _tiles(
     B: int, nh: int, Lq: int, Lk: int, tile_elements: int, band: tuple[int, int] = (-1, -1)
-) -> list[tuple[slice, slice, slice]]:  # fmt: skip
+) -> list[tuple[slice, slice, slice]]:
     """Split the (B, nh, Lq) rows into tiles of about `tile_elements` scores, as (batch items, heads, query rows).
 
     A tile holds several whole batch items when one fits (short sequences: few, large matmuls instead of a
@@ -587,7 +587,7 @@ def _tile_keys(rs: slice, Lq: int, Lk: int, band: tuple[int, int]) -> slice:
 
 def _tile_plan(
     B: int, nh: int, Lq: int, Lk: int, tile_elements: int, band: tuple[int, int], device: torch.device
-) -> list[tuple[slice, slice, slice, slice, tuple[torch.Tensor, bool, bool] | None]]:  # fmt: skip
+) -> list[tuple[slice, slice, slice, slice, tuple[torch.Tensor, bool, bool] | None]]:
     """The tiles of a call (`_tiles`) as (items, heads, query rows, keys (`_tile_keys`), band edges).
 
     The band edges of a tile are None when the band cuts none of its scores, else ([lo, hi], cut_lo, cut_hi) in
@@ -610,7 +610,7 @@ def _tile_plan(
         return plan
     bounds = torch.tensor(edges, dtype=torch.int64, device=device)  # (tiles, 2)
     return [(bs, hs, rs, ks, cut if cut is None else (bounds[i], *cut))
-            for i, (bs, hs, rs, ks, cut) in enumerate(plan)]  # fmt: skip
+            for i, (bs, hs, rs, ks, cut) in enumerate(plan)]
 
 
 def _tile_keep(bs: slice, hs: slice, ks: slice, kpm: torch.Tensor | None) -> torch.Tensor | None:
@@ -651,7 +651,7 @@ def _tile_mask(s: torch.Tensor, kpm: torch.Tensor | None, band) -> torch.Tensor 
     if band is not None:
         bounds, cut_lo, cut_hi = band
         diff = (torch.arange(s.shape[-1], device=s.device)[None, :]
-                - torch.arange(s.shape[-2], device=s.device)[:, None])  # c - r, (r, keys)  # fmt: skip
+                - torch.arange(s.shape[-2], device=s.device)[:, None])  # c - r, (r, keys)
         if cut_lo and cut_hi:
             cut = (diff >= bounds[0]) & (diff <= bounds[1])
         else:
@@ -662,7 +662,7 @@ def _tile_mask(s: torch.Tensor, kpm: torch.Tensor | None, band) -> torch.Tensor 
 
 def _tile_weights(
     s: torch.Tensor, keep: torch.Tensor | None, cog: bool, m: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(E, m): E = exp(score - m) over kept keys (0 elsewhere), m the row max of the score over kept keys (taken
     as given when `m` is passed: backward reuses the forward's). The score is |s| for Cog (m >= 0, so rows with no
     kept key have m = 0), s for softmax (m = the lowest float on rows with no kept key)."""
@@ -686,7 +686,7 @@ def _tile_weights(
 
 def _tile_forward_weights(
     p: torch.Tensor, scale: float, kpm: torch.Tensor | None, band, softcap: float | None, cog: bool
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The forward's element-wise tile math, in place: the products p = q k^T, (G, r, keys), whose scores are
     scale * p (the scale is applied here, in the fused pass, not by a pass over q), become the weights
     A = sign(p) * E / l (Cog; softmax: E / l), E = exp(score - m) over kept keys (`_tile_weights`), so that
@@ -704,7 +704,7 @@ def _tile_forward_weights(
 def _tile_backward_weights(
     p: torch.Tensor, g: torch.Tensor, rowstats: torch.Tensor, scale: float, kpm: torch.Tensor | None,
     band, softcap: float | None, cog: bool,
-) -> None:  # fmt: skip
+) -> None:
     """The backward's element-wise tile math, in place: the recomputed products p = q k^T (G, r, keys) become the
     weights A of `_tile_forward_weights` (from the forward's row max m and 1/l, so no reduction), and g = dO v^T
     (G, r, keys) becomes scale * dP, dP = A * (sign(s) * g - D) for the (capped) score s (softmax: A * (g - D)),
@@ -818,7 +818,7 @@ class _AttentionTorch(torch.autograd.Function):
             # The out / ml slices of a tile are contiguous, so their 3-d views are written in place.
             _flat_out(ml[bs, hs, rs]).copy_(_run_tile(
                 "forward", compiled, ragged, p, scale, _tile_keep(bs, hs, ks, key_padding_mask),
-                tile_band, softcap, cog))  # fmt: skip
+                tile_band, softcap, cog))
             torch.bmm(p, vt, out=_flat_out(out[bs, hs, rs]))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, ml, key_padding_mask)
@@ -858,7 +858,7 @@ class _AttentionTorch(torch.autograd.Function):
             p = torch.bmm(qt, kt.transpose(1, 2))  # (G, rows, keys)
             g = torch.bmm(dot, vt.transpose(1, 2))
             _run_tile("backward", compiled, ragged, p, g, _flat(rowstats[bs, hs, rs]).contiguous(), scale,
-                      _tile_keep(bs, hs, ks, key_padding_mask), tile_band, ctx.softcap, ctx.cog)  # fmt: skip
+                      _tile_keep(bs, hs, ks, key_padding_mask), tile_band, ctx.softcap, ctx.cog)
             # p is now A and g is scale * dP. Query blocks of one head accumulate dK, dV (zero-initialised).
             dkt, dvt = _flat_out(dk[bs, hs, ks]), _flat_out(dv[bs, hs, ks])
             if whole_heads:
@@ -908,10 +908,10 @@ def tiled_cog_attention(
         raise ValueError(f"tile_elements must be a positive int, got {tile_elements!r}")
     if q.numel() == 0 or k.shape[2] == 0:
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window,
-                             softcap=softcap)  # fmt: skip
+                             softcap=softcap)
     with _autocast_off(q.device.type):
         return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, tile_elements, compile, window,
-                                     softcap, True)  # fmt: skip
+                                     softcap, True)
 
 
 def _normal_window(window, Lq: int, Lk: int) -> tuple[int, int] | None:
@@ -930,7 +930,7 @@ def _normal_window(window, Lq: int, Lk: int) -> tuple[int, int] | None:
 
 def _attention(
     q, k, v, causal: bool, key_padding_mask, scale, window, softcap, backend: str, attention: str
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The dispatcher behind `cog_attention` and `softmax_attention` (arguments as theirs)."""
     scale, window, softcap = _checked_args(q, k, v, key_padding_mask, scale, backend, window, softcap)
     if q.numel() == 0 or k.shape[2] == 0:
@@ -954,7 +954,7 @@ def _attention(
             return fused_attention(q, k, v, cog=attention == "cog", **kw)
         # softmax with a softcap (which SDPA cannot apply) runs on the tiled backend's softmax mode.
         return _AttentionTorch.apply(q, k, v, causal, key_padding_mask, scale, TILE_ELEMENTS, None, window, softcap,
-                                     attention == "cog")  # fmt: skip
+                                     attention == "cog")
 
 
 def _sdpa(q, k, v, *, causal: bool, key_padding_mask, scale: float, window=None) -> torch.Tensor:

@@ -86,7 +86,7 @@ class AttentionProbe:
         Lk = k.shape[2]
         mask = kwargs.get("key_padding_mask")
         options = {"causal": kwargs.get("causal", False), "scale": kwargs.get("scale"),
-                   "window": kwargs.get("window"), "softcap": kwargs.get("softcap"), "attention": kind}  # fmt: skip
+                   "window": kwargs.get("window"), "softcap": kwargs.get("softcap"), "attention": kind}
         per_head = max(1, Lq * Lk)
         heads = max(1, min(nh, PROBE_CHUNK_SCORES // per_head))
         items = max(1, PROBE_CHUNK_SCORES // (per_head * nh)) if heads == nh else 1

@@ -365,7 +365,7 @@ class LMModelConfig(ModelSection):
         try:
             ends = renamed_placement(data.pop("num_softmax_layers", None), *(data.pop(k, None) for k in _ENDS),
                                      old="num_softmax_layers", where=f"config section {where}",
-                                     stacklevel=5)  # fmt: skip
+                                     stacklevel=5)
         except ValueError as e:
             raise ConfigError(f"config key {where}.{e}") from None
         return {**data, **{k: v for k, v in zip(_ENDS, ends) if v is not None}}

@@ -249,7 +249,7 @@ def _unwrap(obj: Any) -> Any:
 
 
 def load_data_pickle(path: str | os.PathLike, *, dtypes: tuple[str, ...] = ("u1",), encoding: str = "bytes",
-                     what: str = "file") -> Any:  # fmt: skip
+                     what: str = "file") -> Any:
     """Unpickle plain data and numpy arrays of `dtypes` (numpy `dtype.str` codes without the byte order, e.g. "u1"
     for uint8) from `path`; refuse anything else (a class, a function, `os.system`) before it is called.
 
@@ -336,7 +336,7 @@ class _TensorBudget(TorchFunctionMode):
     """Stops a model's construction (RuntimeError) once it has created more than `budget` tensors."""
 
     FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.tensor,
-                           torch.arange, torch.linspace, torch.eye})  # fmt: skip
+                           torch.arange, torch.linspace, torch.eye})
 
     def __init__(self, budget: int) -> None:
         super().__init__()
@@ -378,10 +378,10 @@ def check_weights_fit(build: Callable[[], torch.nn.Module], shapes: Mapping[str,
             model = build()
     except _TooManyTensors:
         raise DataError(f"{what}: its config describes a model of more than {budget} tensors, far more than the "
-                        f"{len(shapes)} its weights hold") from None  # fmt: skip
+                        f"{len(shapes)} its weights hold") from None
     except Exception as e:  # noqa: BLE001 - a config the model's constructor refuses, in whatever type it raises
         raise DataError(f"{what}: its config does not describe a model ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:300]})") from None  # fmt: skip
+                        f"{' '.join(str(e).split())[:300]})") from None
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():  # tied tensors: one object under several names
@@ -396,7 +396,7 @@ def check_weights_fit(build: Callable[[], torch.nn.Module], shapes: Mapping[str,
         for n in stored:
             if tuple(shapes[n]) != shape:
                 raise DataError(f"{what}: its config describes a model whose {n} has shape {shape}, but its weights "
-                                f"hold {tuple(shapes[n])}; the config does not belong to these weights")  # fmt: skip
+                                f"hold {tuple(shapes[n])}; the config does not belong to these weights")
     # Tensors under other names (an older layout the loader renames) balance out; a larger model does not.
     known = {n for aliases in names.values() for n in aliases}
     extra = sum(math.prod(shape) for n, shape in shapes.items() if n not in known)
@@ -432,7 +432,7 @@ def check_model_dir(model_class: type, folder: str | os.PathLike, what: str) -> 
         config = model_class.load_config(folder)
     except Exception as e:  # noqa: BLE001 - diffusers reports a missing or malformed config.json in several types
         raise DataError(f"{what}: cannot read {folder / 'config.json'} ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:300]})") from e  # fmt: skip
+                        f"{' '.join(str(e).split())[:300]})") from e
     if not isinstance(config, dict):  # diffusers would take a list for a model id and "could not connect"
         raise DataError(f"{what}: {folder / 'config.json'} holds a JSON {_json_kind(config)}, not an object of the "
                         f"model's settings")

@@ -63,7 +63,7 @@ _BASE_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-class": {"img_size": 8, "patch_size": 2, "in_chans": 3, "embed_dim": 32, "depth": 4, "num_heads": 2,
                    "num_classes": 11},
     "demo": {"img_size": 8, "patch_size": 4, "in_chans": 1, "embed_dim": 160, "depth": 6, "num_heads": 4},
-}  # fmt: skip
+}
 
 UVIT_PRESETS: dict[str, dict[str, Any]] = {
     f"{prefix}-{name}": {**kwargs, "attention": attention}
@@ -123,7 +123,7 @@ COGFORMER_PRESETS: dict[str, dict] = {
         "num_attention_heads": 28, "max_position_embeddings": 4096,
         "keep_softmax_first": 3, "keep_softmax_last": 3,
     },
-}  # fmt: skip
+}
 
 
 def cogformer_preset(name: str) -> dict[str, Any]:

@@ -113,4 +113,4 @@ RANGES: dict[str, tuple[Any, str]] = {
     # sample
     "sample.num_inference_steps": _AT_LEAST_1, "sample.guidance_scale": _AT_LEAST_0,
     "sample.num_images": _AT_LEAST_1, "sample.seed": _SEED, "sample.batch_size": _AT_LEAST_1,
-}  # fmt: skip
+}

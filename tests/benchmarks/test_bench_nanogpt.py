@@ -43,7 +43,7 @@ class GPT(torch.nn.Module):
 '''
 SMALL = ["--set", "model.hidden_size=16", "model.intermediate_size=32", "model.num_attention_heads=2",
          "data.block_size=8", "model.max_position_embeddings=8", "train.batch_size=2",
-         "--rounds", "2", "--repeat", "1", "--warmup", "1"]  # fmt: skip
+         "--rounds", "2", "--repeat", "1", "--warmup", "1"]
 
 
 def test_both_steps_are_timed_from_one_config(tmp_path, capsys):
@@ -54,7 +54,7 @@ def test_both_steps_are_timed_from_one_config(tmp_path, capsys):
     out = capsys.readouterr().out
     built = json.loads((tmp_path / "model.py.built.json").read_text())
     assert built == {"block_size": 8, "vocab_size": 65, "n_layer": 4, "n_head": 2, "n_embd": 16, "dropout": 0.0,
-                     "bias": False}  # fmt: skip
+                     "bias": False}
     assert json.loads((tmp_path / "model.py.optim.json").read_text()) == [0.1, 0.001, [0.9, 0.99], "cpu"]
     assert "uvic attention=softmax" in out and f"parameters: nanoGPT {65 * 16 * 2:,}  uvic " in out
     assert re.search(r"^ms/step: nanoGPT \d+\.\d\d  uvic \d+\.\d\d  time uvic/nanoGPT \d+\.\d{3}$", out, re.M), out
@@ -82,7 +82,7 @@ def test_score_is_the_lm_validation_loss_of_a_checkpoint(tmp_path, capsys):
     torch.manual_seed(0)
     model = module.GPT(module.GPTConfig(**args))
     torch.save({"model": {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}, "model_args": args,
-                "iter_num": 3}, tmp_path / "ckpt.pt")  # fmt: skip
+                "iter_num": 3}, tmp_path / "ckpt.pt")
     data = tmp_path / "data"
     data.mkdir()
     val = np.random.default_rng(0).integers(0, 5, size=40).astype(np.uint16)

@@ -48,13 +48,13 @@ def test_inputs_the_kernel_refuses_give_nan_without_timing():
 
     for provider in bt.ATTENTIONS:
         tflops = bt.bench(L=32, hd=72, nh=2, causal=False, mode="fwd", provider=provider, device="cpu", tokens=64,
-                          do_bench=refuse)  # fmt: skip
+                          do_bench=refuse)
         assert tflops != tflops  # NaN
 
 
 def test_time_ratios_are_the_inverse_tflops_ratios():
     table = bt.time_ratios({"L": [4096, 16384], "cog": [300.0, 320.0], "softmax": [330.0, 320.0],
-                            "sdpa-flash": [270.0, 400.0]})  # fmt: skip
+                            "sdpa-flash": [270.0, 400.0]})
     assert table["cog/softmax time"] == pytest.approx([1.1, 1.0])
     assert table["cog/sdpa-flash time"] == pytest.approx([0.9, 1.25])
     text = bt.format_table("attention-bf16-hd64-full-fwd+bwd", table).splitlines()

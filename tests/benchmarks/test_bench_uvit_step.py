@@ -19,10 +19,10 @@ def test_tiny_presets_print_every_row(capsys):
     out = capsys.readouterr().out
     assert out.startswith("device=cpu")
     for what in ("train tiny-cifar batch 2 fp32 eager", "train tiny-t2i batch 2 fp32 eager",
-                 "train tiny-class batch 2 fp32 eager"):  # fmt: skip
+                 "train tiny-class batch 2 fp32 eager"):
         assert re.search(rf"^{what}{NUMBER}+{NUMBER}+\s+ms/step{NUMBER}+\s+torch$", out, re.M), out
     assert re.search(rf"^sample tiny-cifar batch 2 1 steps fp32 eager{NUMBER}+{NUMBER}+\s+images/s{NUMBER}+\s+torch$",
-                     out, re.M), out  # fmt: skip
+                     out, re.M), out
 
 
 def test_interleaved_alternates_and_reports_the_median_ratio(monkeypatch):
@@ -40,9 +40,9 @@ def test_interleaved_alternates_and_reports_the_median_ratio(monkeypatch):
 
     uvic_costs = [3.0] * 2 + [8.0] + [3.0] * 4  # warm-up (1), then rounds of 2 calls: round 0 has one slow call
     secs, ratio = bus.interleaved({"U-ViT": call("U-ViT", 2.0), "U-ViC": call("U-ViC", uvic_costs)},
-                                  torch.device("cpu"), rounds=3, repeat=2, warmup=1)  # fmt: skip
+                                  torch.device("cpu"), rounds=3, repeat=2, warmup=1)
     assert order == ["U-ViT", "U-ViC"] + ["U-ViT"] * 2 + ["U-ViC"] * 2 + ["U-ViC"] * 2 + ["U-ViT"] * 2 + \
-        ["U-ViT"] * 2 + ["U-ViC"] * 2  # fmt: skip
+        ["U-ViT"] * 2 + ["U-ViC"] * 2
     assert secs == {"U-ViT": 2.0, "U-ViC": 3.0}  # the slow round (5.5 per call) is not the median
     assert ratio == 1.5
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                                reason="needs bash and coreutils' timeout")  # fmt: skip
+                                reason="needs bash and coreutils' timeout")
 
 
 def _run(tmp_path, fail_on=""):
@@ -24,12 +24,12 @@ def _run(tmp_path, fail_on=""):
     calls = tmp_path / "calls.txt"
     stub = tmp_path / "python"
     stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n'
-                    f'[ -n "{fail_on}" ] && [[ "$*" == *"{fail_on}"* ]] && exit 3\nexit 0\n')  # fmt: skip
+                    f'[ -n "{fail_on}" ] && [[ "$*" == *"{fail_on}"* ]] && exit 3\nexit 0\n')
     stub.chmod(0o755)
     env = {**os.environ, "PYTHON": str(stub)}
     env.pop("GPU_CHECK_FULL", None)
     res = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "logs")], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+                         text=True, timeout=120)
     return res.returncode, res.stdout, calls.read_text().splitlines()
 
 

@@ -93,7 +93,7 @@ def test_an_arm_with_the_baselines_config_is_a_warning(tmp_path, run_script):
     ([*ARMS, "--arm", "UVIC"], "duplicate arm name (letter case aside"),
     ([*ARMS, "--arm", "x", "train.seed=3"], "arm 'x': train.seed is set by the comparison for each run"),
     (["train.run_dir=/tmp/x", *ARMS], "the shared overrides: train.run_dir is set by the comparison"),
-])  # fmt: skip
+])
 def test_bad_arms_are_refused_before_anything_is_written(tmp_path, run_script, args, message):
     out = tmp_path / "cmp"
     for command in ("plan", "run"):
@@ -263,7 +263,7 @@ def test_an_out_that_cannot_be_passed_literally_is_refused(tmp_path, run_script)
     (lambda d: d["arms"][1].update(name="attempts.json"), "arm name 'attempts.json' must be"),
     (lambda d: d["arms"][1]["config"].pop("train"), "arm 'uvic''s config has no 'train' section"),
     (lambda d: d["arms"][0]["config"]["train"].update(max_steps="9"), "arm 'uvit''s config has train.max_steps '9'"),
-])  # fmt: skip
+])
 def test_a_damaged_plan_json_is_refused_by_report_in_one_line(tmp_path, run_script, edit, message):
     out = tmp_path / "cmp"
     assert run_script("compare.py", "plan", CONFIG, *ARMS, "--seeds", "0", "--out", out)[0] == 0

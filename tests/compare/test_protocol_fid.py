@@ -188,7 +188,7 @@ def test_the_fids_are_resumable_and_other_settings_are_refused(cmp, trained, run
     (["--gen-seeds", "2", "--fid", "train.eval_reference=missing.npz"], "train.eval_reference=missing.npz does not "
                                                                         "exist (arm 'a')"),
     (["--gen-seeds", "0"], "argument --gen-seeds: must be >= 1, got 0"),
-])  # fmt: skip
+])
 def test_bad_fid_settings_are_refused_before_anything_trains(tmp_path, run_script, extra, message):
     out = tmp_path / "cmp"
     code, stdout, err = run_script("compare.py", "run", CONFIG, "--arm", "a", "model.attention=softmax", "--arm", "b",
@@ -226,7 +226,7 @@ def test_two_processes_compute_the_fids_of_one(cmp, trained, run_script, tmp_pat
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                           "127.0.0.1", "--master_port", str(port), "compare.py", "report", str(cmp), "--gen-seeds",
                           "1", "--fid", *trained["fid"]], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})  # fmt: skip
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})
     assert two.returncode == 0, two.stderr[-3000:]
     for arm in ("uvit", "uvic"):
         for seed in (0, 1):

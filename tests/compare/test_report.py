@@ -301,7 +301,7 @@ def test_fids_of_two_protocols_are_never_paired(make_comparison):
 @pytest.mark.parametrize("damage, what", [
     (lambda out: (out / "report.html").mkdir(), "is a directory"),
     (lambda out: (out / "figures").write_text("not a folder"), "a file is in the way"),
-])  # fmt: skip
+])
 def test_local_damage_in_out_is_one_line_and_no_stale_report_stays(make_comparison, run_script, damage, what):
     plan = make_comparison(seeds=(0,))
     for arm in ("uvit", "uvic"):

@@ -20,7 +20,7 @@ def _cli(capsys, *args):
     ("stats", "--batch-size", "0", 1), ("stats", "--num-samples", "-1", 1), ("stats", "--num-workers", "-2", 0),
     ("score", "--isc-splits", "0", 1), ("score", "--kid-subsets", "0", 1), ("score", "--kid-subset-size", "-5", 1),
     ("score", "--expect-n", "0", 1),
-])  # fmt: skip
+])
 def test_counts_out_of_range_are_refused(tmp_path, capsys, command, flag, value, minimum):
     positional = ["src", "--out", tmp_path / "o.npz"] if command == "stats" else ["samples", "ref.npz"]
     code, err = _cli(capsys, command, *positional, flag, value)
@@ -33,7 +33,7 @@ def test_counts_out_of_range_are_refused(tmp_path, capsys, command, flag, value,
     ("1,0", "with finite LOW < HIGH (e.g. -1,1)"), ("0,0", "with finite LOW < HIGH (e.g. -1,1)"),
     ("nan,1", "with finite LOW < HIGH (e.g. -1,1)"), ("-1,inf", "with finite LOW < HIGH (e.g. -1,1)"),
     ("0", "(two numbers)"), ("a,b", "(two numbers)"),
-])  # fmt: skip
+])
 def test_an_empty_or_reversed_value_range_is_refused(tmp_path, capsys, command, value, problem):
     """A reversed range maps images to negative pixels and an empty one divides by zero: both scored silently."""
     positional = ["src", "--out", tmp_path / "o.npz"] if command == "stats" else ["samples", "ref.npz"]
@@ -201,7 +201,7 @@ def test_stats_of_float_images_with_a_spaced_negative_value_range(tmp_path, caps
     ("foo", "'foo' is not a torch device ("),
     ("cuda", "'cuda': this machine has no CUDA GPU that torch can use; use --device cpu, or leave --device out"),
     ("cuda:1", "'cuda:1': this machine has no CUDA GPU that torch can use"),
-])  # fmt: skip
+])
 def test_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch, device, problem):
     import torch
 

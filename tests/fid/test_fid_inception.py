@@ -13,7 +13,7 @@ from uvic.fid import InceptionExtractor
 @pytest.mark.parametrize("content, cause", [
     (b"\x00garbage that is not a checkpoint" * 100, "UnpicklingError"),
     ("state dict of another network", "RuntimeError"),
-])  # fmt: skip
+])
 def test_garbage_weights_with_the_sha_check_off_are_a_clear_error(tmp_path, content, cause):
     f = tmp_path / "weights.pth"
     if isinstance(content, bytes):
@@ -67,7 +67,7 @@ def test_make_test_weights_writes_the_harness_layout_labelled_not_for_reporting(
     assert printed == (f"wrote {out}: random-init FID-Inception weights (seed 0) for offline smoke tests. They are NOT "
                        "the FID Inception network: scores computed with them are not FIDs to report. Use them with "
                        f"--weights {out} --weights-sha256 none (train.py: train.eval_fid_weights={out} "
-                       "train.eval_fid_weights_sha256=none)\n")  # fmt: skip
+                       "train.eval_fid_weights_sha256=none)\n")
     written, fixture = torch.load(out, weights_only=True), torch.load(weights_file, weights_only=True)
     assert len(written) == 566 and written.keys() == fixture.keys()  # the tests' weights are these
     assert all(torch.equal(written[k], fixture[k]) for k in written)
@@ -82,7 +82,7 @@ def test_make_test_weights_writes_the_harness_layout_labelled_not_for_reporting(
 
 
 def test_the_checksum_error_names_the_option_of_the_tool(test_weights, tmp_path, capsys, image_dir, tiny_overrides,
-                                                          run_script):  # fmt: skip
+                                                          run_script):
     """The weights fail the default checksum: `python -m uvic.fid` names --weights-sha256, train.py its config key."""
     import numpy as np
 
@@ -99,7 +99,7 @@ def test_the_checksum_error_names_the_option_of_the_tool(test_weights, tmp_path,
     np.savez(ref, mu=np.zeros(64), sigma=np.eye(64), mode=np.str_("pytorch-fid"), n=np.int64(100))
     fid = {"train.eval_every": 2, "train.eval_reference": ref, "train.eval_fid_weights": out, "train.eval_fid_dims": 64}
     code, _, err = run_script("train.py", "configs/cifar10_uvic_s2.yaml", *tiny_overrides(tmp_path / "run", image_dir,
-                                                                                            **fid))  # fmt: skip
+                                                                                            **fid))
     line = err.strip().splitlines()[-1]
     assert code == 1 and "Traceback" not in err and line.startswith(f"error: SHA-256 of '{out}' is ")
     assert "pass train.eval_fid_weights_sha256=none only for weights you converted yourself" in line

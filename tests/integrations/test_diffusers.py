@@ -107,7 +107,7 @@ def paper_flux_layer(attn, x, context, rotary):
     q, k, v = qkv(attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, x)
     if context is not None:
         cq, ck, cv = qkv(attn.add_q_proj, attn.add_k_proj, attn.add_v_proj, attn.norm_added_q, attn.norm_added_k,
-                         context)  # fmt: skip
+                         context)
         q, k, v = torch.cat([cq, q], 1), torch.cat([ck, k], 1), torch.cat([cv, v], 1)
     q, k = apply_rotary_emb(q, rotary, sequence_dim=1), apply_rotary_emb(k, rotary, sequence_dim=1)
     out = merge(paper_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
@@ -125,10 +125,10 @@ def paper_flux_layer(attn, x, context, rotary):
 def tiny_dit():
     torch.manual_seed(0)
     model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-                                  num_layers=4, sample_size=8, patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+                                  num_layers=4, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
     g = torch.Generator().manual_seed(1)
     inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([3, 700]),
-              "class_labels": torch.tensor([1, 4])}  # fmt: skip
+              "class_labels": torch.tensor([1, 4])}
     return model.eval(), inputs, lambda out: out.sample
 
 
@@ -137,7 +137,7 @@ def tiny_unet():
     model = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64),
                                  layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=24,
-                                 attention_head_dim=8, norm_num_groups=8)  # fmt: skip
+                                 attention_head_dim=8, norm_num_groups=8)
     g = torch.Generator().manual_seed(1)
     text_kept = torch.ones(2, 7, dtype=torch.bool)
     text_kept[1, 4:] = False  # a padded caption: its last 3 tokens are masked in every cross-attention
@@ -150,11 +150,11 @@ def tiny_sd3():
     torch.manual_seed(0)
     model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
                                   num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=32,
-                                  pooled_projection_dim=12, out_channels=4, pos_embed_max_size=8)  # fmt: skip
+                                  pooled_projection_dim=12, out_channels=4, pos_embed_max_size=8)
     g = torch.Generator().manual_seed(1)
     inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([10.0, 500.0]),
               "encoder_hidden_states": torch.randn(2, 5, 24, generator=g),
-              "pooled_projections": torch.randn(2, 12, generator=g)}  # fmt: skip
+              "pooled_projections": torch.randn(2, 12, generator=g)}
     return model.eval(), inputs, lambda out: out.sample
 
 
@@ -162,13 +162,13 @@ def tiny_flux():
     torch.manual_seed(0)
     model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=16,
                                    num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12,
-                                   axes_dims_rope=(4, 6, 6))  # fmt: skip
+                                   axes_dims_rope=(4, 6, 6))
     g = torch.Generator().manual_seed(1)
     img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
     inputs = {"hidden_states": torch.randn(2, 16, 4, generator=g), "timestep": torch.tensor([0.1, 0.7]),
               "encoder_hidden_states": torch.randn(2, 5, 24, generator=g),
               "pooled_projections": torch.randn(2, 12, generator=g), "img_ids": img_ids.reshape(16, 3),
-              "txt_ids": torch.zeros(5, 3)}  # fmt: skip
+              "txt_ids": torch.zeros(5, 3)}
     return model.eval(), inputs, lambda out: out.sample
 
 
@@ -208,7 +208,7 @@ def layer_zoo():
         "cross": Attention(query_dim=16, cross_attention_dim=12, heads=2, dim_head=8, qk_norm="layer_norm",
                            cross_attention_norm="layer_norm"),
         "unscaled": Attention(query_dim=16, cross_attention_dim=12, heads=2, dim_head=8, scale_qk=False),
-    })  # fmt: skip
+    })
     g = torch.Generator().manual_seed(1)
     x, context = torch.randn(2, 6, 16, generator=g), torch.randn(2, 5, 12, generator=g)
     kept = torch.tensor([[True] * 5, [True, True, True, False, False]])
@@ -220,7 +220,7 @@ def layer_zoo():
                   ({"hidden_states": x, "encoder_hidden_states": context, "attention_mask": additive}, kept),
                   ({"hidden_states": x, "encoder_hidden_states": context, "attention_mask": kept}, kept)],
         "unscaled": [({"hidden_states": x, "encoder_hidden_states": context, "attention_mask": additive}, kept)],
-    }  # fmt: skip
+    }
     return zoo.eval(), inputs
 
 
@@ -232,7 +232,7 @@ def test_every_input_of_the_default_processors():
         for name, runs in inputs.items():  # the reference written out above is the stock layer in softmax mode
             for (kw, kept), want in zip(runs, stock[name]):
                 got = paper_layer(zoo[name], kw["hidden_states"], kw.get("encoder_hidden_states"), kept,
-                                  kw.get("temb"), cog=False, scale=zoo[name].scale)  # fmt: skip
+                                  kw.get("temb"), cog=False, scale=zoo[name].scale)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
         with pytest.warns(UserWarning, match="ModuleDict has 3 attention block"):
@@ -250,7 +250,7 @@ def test_every_input_of_the_default_processors():
             for (kw, kept), want in zip(runs, stock[name]):
                 got = zoo[name](**kw)
                 expect = paper_layer(zoo[name], kw["hidden_states"], kw.get("encoder_hidden_states"), kept,
-                                     kw.get("temb"), scale=zoo[name].scale)  # fmt: skip
+                                     kw.get("temb"), scale=zoo[name].scale)
                 assert got.shape == want.shape and not torch.allclose(got, want, atol=1e-3)
                 torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
 
@@ -264,7 +264,7 @@ def test_softmax_mode_reproduces_the_stock_model(kind):
             # every block kept: all in softmax mode
             assert apply_cog_attention(model, keep_softmax_first=100, keep_softmax_last=100) == []
         assert all(type(m.processor).__name__.startswith("KeptSoftmax") and m.processor.runs_softmax
-                   for m in attention_layers(model).values())  # fmt: skip
+                   for m in attention_layers(model).values())
         torch.testing.assert_close(sample(model(**inputs)), stock, rtol=0, atol=0)
 
 
@@ -286,13 +286,13 @@ def test_switched_layers_follow_the_paper_and_kept_layers_stay_stock(kind):
             if kind == "flux":
                 rotary = kw["image_rotary_emb"]
                 expect = paper_flux_layer(attn, x, context, rotary) if name in switched else \
-                    FluxAttnProcessor()(attn, x, context, None, rotary)  # fmt: skip
+                    FluxAttnProcessor()(attn, x, context, None, rotary)
             elif kind == "sd3":
                 expect = paper_joint_layer(attn, x, context) if name in switched else \
-                    JointAttnProcessor2_0()(attn, x, encoder_hidden_states=context)  # fmt: skip
+                    JointAttnProcessor2_0()(attn, x, encoder_hidden_states=context)
             else:
                 expect = paper_layer(attn, x, context, kept_keys(mask)) if name in switched else \
-                    AttnProcessor2_0()(attn, x, encoder_hidden_states=context, attention_mask=mask)  # fmt: skip
+                    AttnProcessor2_0()(attn, x, encoder_hidden_states=context, attention_mask=mask)
             for got, want in zip(outputs(out), outputs(expect), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         if kind == "unet":  # the padded caption reached the cross-attention as a mask
@@ -439,14 +439,14 @@ def test_a_damaged_saved_placement_is_one_error_naming_the_entry(tmp_path):
                        ({"keep_softmax": 1, "layers": [2]}, "must be a mapping"),
                        ({"keep_softmax": -1}, "keep_softmax must be an int >= 0, got -1"),
                        ({"keep_softmax": 0.5, "backend": "torch"}, "keep_softmax must be an int >= 0, got 0.5"),
-                       ({"keep_softmax": 1, "backend": "flash"}, "backend must be one of")]:  # fmt: skip
+                       ({"keep_softmax": 1, "backend": "flash"}, "backend must be one of")]:
         (tmp_path / "config.json").write_text(json.dumps({**saved, CONFIG_KEY: bad}))
         with pytest.raises(ValueError, match=r"^DiTTransformer2DModel config entry '_cog_attention'.*" + match):
             load(DiTTransformer2DModel, tmp_path)
     # In a pipeline, the component is named.
     model.register_to_config(**{CONFIG_KEY: [1]})
     pipe = DiTPipeline(transformer=model, vae=AutoencoderKL(block_out_channels=(8,), norm_num_groups=4),
-                       scheduler=DDIMScheduler())  # fmt: skip
+                       scheduler=DDIMScheduler())
     with pytest.raises(ValueError, match=r"^DiTTransformer2DModel \('transformer'\) config entry '_cog_attention' must"):
         restore_cog_attention(pipe)
 
@@ -494,7 +494,7 @@ def ip_adapter_state_dict(unet):
         ip_adapter[f"{2 * i + 1}.to_k_ip.weight"] = torch.randn(hidden[name], dim)
         ip_adapter[f"{2 * i + 1}.to_v_ip.weight"] = torch.randn(hidden[name], dim)
     image_proj = {"proj.weight": torch.randn(4 * dim, dim), "proj.bias": torch.zeros(4 * dim),
-                  "norm.weight": torch.ones(dim), "norm.bias": torch.zeros(dim)}  # fmt: skip
+                  "norm.weight": torch.ones(dim), "norm.bias": torch.zeros(dim)}
     return {"image_proj": image_proj, "ip_adapter": ip_adapter}
 
 
@@ -509,7 +509,7 @@ def test_ip_adapter_loading_keeps_self_attention_and_says_what_it_replaced():
     inputs["added_cond_kwargs"] = {"image_embeds": [torch.randn(2, 1, 24)]}
     replaced = "mid_block.attentions.0.transformer_blocks.0.attn2 (IPAdapterAttnProcessor2_0)"
     with pytest.warns(UserWarning, match=r"4 attention module\(s\) no longer run .*" + replaced.replace("(", r"\(")
-                      .replace(")", r"\)")):  # fmt: skip
+                      .replace(")", r"\)")):
         model(**inputs)
 
 
@@ -538,14 +538,14 @@ def test_a_model_with_too_few_blocks_says_that_nothing_was_switched():
     torch.manual_seed(0)
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
     with pytest.warns(UserWarning, match=r"AutoencoderKL has 2 attention block\(s\), and keep_softmax_first=1 and "
-                                         r"keep_softmax_last=1 keep all .*no layer runs Cog attention"):  # fmt: skip
+                                         r"keep_softmax_last=1 keep all .*no layer runs Cog attention"):
         assert apply_cog_attention(vae) == []
     assert all(type(m.processor).__name__ == "KeptSoftmaxAttnProcessor" and m.processor.runs_softmax
-               for m in attention_layers(vae).values())  # fmt: skip
+               for m in attention_layers(vae).values())
     assert apply_cog_attention(vae, keep_softmax_first=0, keep_softmax_last=0) == ["encoder.mid_block.attentions.0",
-                                                        "decoder.mid_block.attentions.0"]  # fmt: skip
+                                                        "decoder.mid_block.attentions.0"]
     assert all(type(m.processor).__name__ == "CogAttnProcessor" and not m.processor.runs_softmax
-               for m in attention_layers(vae).values())  # fmt: skip
+               for m in attention_layers(vae).values())
 
 
 def test_a_switched_model_pickles_and_copies_with_its_check():

@@ -52,7 +52,7 @@ def tiny_hunyuan():
     torch.manual_seed(0)
     model = HunyuanDiT2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8,
                               num_attention_heads=2, cross_attention_dim=8, cross_attention_dim_t5=8,
-                              pooled_projection_dim=4, hidden_size=16, text_len=4, text_len_t5=4)  # fmt: skip
+                              pooled_projection_dim=4, hidden_size=16, text_len=4, text_len_t5=4)
     g = torch.Generator().manual_seed(1)
     tokens = (8 // 2) ** 2
     inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([3.0, 700.0]),
@@ -62,7 +62,7 @@ def tiny_hunyuan():
               "image_meta_size": torch.tensor([[1024.0, 1024, 16, 16, 0, 0]] * 2),
               "style": torch.zeros(2, dtype=torch.long),
               "image_rotary_emb": (torch.randn(tokens, 8, generator=g), torch.randn(tokens, 8, generator=g))}
-    return model, inputs  # fmt: skip
+    return model, inputs
 
 
 def tiny_auraflow():
@@ -70,11 +70,11 @@ def tiny_auraflow():
     model = AuraFlowTransformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2,
                                        num_single_dit_layers=2, attention_head_dim=8, num_attention_heads=2,
                                        caption_projection_dim=16, joint_attention_dim=12, out_channels=4,
-                                       pos_embed_max_size=16)  # fmt: skip
+                                       pos_embed_max_size=16)
     g = torch.Generator().manual_seed(1)
     inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g),
               "encoder_hidden_states": torch.randn(2, 5, 12, generator=g), "timestep": torch.tensor([10, 500])}
-    return model, inputs  # fmt: skip
+    return model, inputs
 
 
 def tiny_cogvideox():
@@ -82,27 +82,27 @@ def tiny_cogvideox():
     model = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                         time_embed_dim=4, text_embed_dim=8, num_layers=3, sample_width=8,
                                         sample_height=8, sample_frames=1, patch_size=2, temporal_compression_ratio=1,
-                                        max_text_seq_length=5, use_rotary_positional_embeddings=True)  # fmt: skip
+                                        max_text_seq_length=5, use_rotary_positional_embeddings=True)
     g = torch.Generator().manual_seed(1)
     video_tokens = 2 * 4 * 4
     inputs = {"hidden_states": torch.randn(2, 2, 4, 8, 8, generator=g),
               "encoder_hidden_states": torch.randn(2, 5, 8, generator=g), "timestep": torch.tensor([10, 500]),
               "image_rotary_emb": (torch.randn(video_tokens, 8, generator=g),
                                    torch.randn(video_tokens, 8, generator=g))}
-    return model, inputs  # fmt: skip
+    return model, inputs
 
 
 def tiny_ltx():
     torch.manual_seed(0)
     model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-                                       cross_attention_dim=16, num_layers=3, caption_channels=12)  # fmt: skip
+                                       cross_attention_dim=16, num_layers=3, caption_channels=12)
     g = torch.Generator().manual_seed(1)
     text_kept = torch.ones(2, 6, dtype=torch.bool)
     text_kept[1, 4:] = False  # a padded caption: a key mask in every cross-attention
     inputs = {"hidden_states": torch.randn(2, 2 * 4 * 4, 4, generator=g),
               "encoder_hidden_states": torch.randn(2, 6, 12, generator=g), "timestep": torch.tensor([10, 500]),
               "encoder_attention_mask": text_kept, "num_frames": 2, "height": 4, "width": 4}
-    return model, inputs  # fmt: skip
+    return model, inputs
 
 
 def tiny_wan(image: bool = False):
@@ -112,13 +112,13 @@ def tiny_wan(image: bool = False):
     model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
                                   out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3,
                                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-                                  image_dim=8 if image else None, added_kv_proj_dim=24 if image else None)  # fmt: skip
+                                  image_dim=8 if image else None, added_kv_proj_dim=24 if image else None)
     g = torch.Generator().manual_seed(1)
     inputs = {"hidden_states": torch.randn(2, 4, 2, 8, 8, generator=g), "timestep": torch.tensor([10, 500]),
               "encoder_hidden_states": torch.randn(2, 512 if image else 6, 16, generator=g)}
     if image:
         inputs["encoder_hidden_states_image"] = torch.randn(2, 3, 8, generator=g)
-    return model, inputs  # fmt: skip
+    return model, inputs
 
 
 def tiny_simple_cross_unet():
@@ -128,13 +128,13 @@ def tiny_simple_cross_unet():
                                  down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
                                  up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
                                  mid_block_type="UNetMidBlock2DSimpleCrossAttn", cross_attention_dim=12,
-                                 attention_head_dim=8, norm_num_groups=8)  # fmt: skip
+                                 attention_head_dim=8, norm_num_groups=8)
     g = torch.Generator().manual_seed(1)
     text_kept = torch.ones(2, 5, dtype=torch.bool)
     text_kept[1, 3:] = False
     inputs = {"sample": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([10, 500]),
               "encoder_hidden_states": torch.randn(2, 5, 12, generator=g), "encoder_attention_mask": text_kept}
-    return model, inputs  # fmt: skip
+    return model, inputs
 
 
 MODELS = {"hunyuan": tiny_hunyuan, "auraflow": tiny_auraflow, "cogvideox": tiny_cogvideox, "ltx": tiny_ltx,
@@ -163,7 +163,7 @@ def test_kept_layers_are_the_stock_processor_exactly(kind):
             assert apply_cog_attention(model, keep_softmax_first=100, keep_softmax_last=100) == []
         layers = attention_layers(model)
         assert all(type(m.processor).__name__.startswith("KeptSoftmax") and m.processor.runs_softmax
-                   for m in layers.values())  # fmt: skip
+                   for m in layers.values())
         for name, (args, kw, want) in calls.items():
             for got, expect in zip(outputs(layers[name](*args, **kw)), outputs(want), strict=True):
                 torch.testing.assert_close(got, expect, rtol=0, atol=0)
@@ -198,7 +198,7 @@ def test_blocks_group_their_attention_layers():
     the first and last block."""
     model, _ = tiny_hunyuan()
     assert apply_cog_attention(model) == ["blocks.1.attn1", "blocks.1.attn2", "blocks.2.attn1",
-                                                          "blocks.2.attn2"]  # fmt: skip
+                                                          "blocks.2.attn2"]
     model, _ = tiny_simple_cross_unet()  # attention layers outside blocks: each one is a block, in down, mid, up order
     assert apply_cog_attention(model) == ["mid_block.attentions.0", "up_blocks.0.attentions.0"]
 
@@ -216,10 +216,10 @@ def test_sana_linear_attention_is_refused_with_the_reason():
     torch.manual_seed(0)
     model = SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2,
                                    attention_head_dim=4, num_cross_attention_heads=2, cross_attention_head_dim=4,
-                                   cross_attention_dim=8, caption_channels=8, sample_size=8)  # fmt: skip
+                                   cross_attention_dim=8, caption_channels=8, sample_size=8)
     before = {name: type(m.processor) for name, m in attention_layers(model).items()}
     with pytest.raises(ValueError, match=r"'transformer_blocks.0.attn1' uses SanaLinearAttnProcessor2_0: linear "
-                                         r"attention .*no signed-softmax counterpart"):  # fmt: skip
+                                         r"attention .*no signed-softmax counterpart"):
         apply_cog_attention(model)
     assert {name: type(m.processor) for name, m in attention_layers(model).items()} == before  # nothing changed
 

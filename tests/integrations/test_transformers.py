@@ -92,7 +92,7 @@ def record_attention(model):
         return record
 
     handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in model.named_modules()
-               if n.endswith("self_attn")]  # fmt: skip
+               if n.endswith("self_attn")]
     return calls, handles
 
 
@@ -130,7 +130,7 @@ def test_all_layers_kept_is_the_stock_model(family):
     with torch.no_grad():
         stock = model(ids, attention_mask=mask).logits
         with pytest.warns(UserWarning, match=r"keep_softmax_first=2 and keep_softmax_last=2 keep every layer of its "
-                                             r"stacks \(4 layers\)"):  # fmt: skip
+                                             r"stacks \(4 layers\)"):
             assert apply_cog_attention(model, keep_softmax_first=2, keep_softmax_last=2) == []
         real = mask.bool()
         torch.testing.assert_close(model(ids, attention_mask=mask).logits[real], stock[real], rtol=1e-5, atol=1e-5)
@@ -162,7 +162,7 @@ def test_generate_gives_the_same_tokens_with_and_without_the_cache(family):
     with torch.no_grad():
         out = model(ids, attention_mask=mask, use_cache=True)
         step = model(with_cache[:, 9:10], attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1),
-                     past_key_values=out.past_key_values).logits[:, -1]  # fmt: skip
+                     past_key_values=out.past_key_values).logits[:, -1]
         full = model(with_cache[:, :10], attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1)).logits[:, -1]
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
@@ -174,7 +174,7 @@ def test_a_static_cache_gives_the_dynamic_cache_tokens_and_logits(family):
     apply_cog_attention(model)
     ids, mask = batch()
     kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
-          "return_dict_in_generate": True, "output_scores": True}  # fmt: skip
+          "return_dict_in_generate": True, "output_scores": True}
     static = model.generate(ids, cache_implementation="static", **kw)
     dynamic = model.generate(ids, **kw)
     assert type(static.past_key_values).__name__ == "StaticCache"
@@ -186,7 +186,7 @@ def test_a_static_cache_gives_the_dynamic_cache_tokens_and_logits(family):
 
     with torch.no_grad():
         cached = model(ids, attention_mask=mask, past_key_values=StaticCache(config=model.config, max_cache_len=32),
-                       use_cache=True).logits  # fmt: skip
+                       use_cache=True).logits
         full = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(cached[1, 3:], full[1, 3:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cached[0], full[0], rtol=1e-5, atol=1e-5)
@@ -300,7 +300,7 @@ def test_a_cog_config_running_another_implementation_warns(tmp_path):
     apply_cog_attention(model)
     model.save_pretrained(tmp_path)
     with pytest.warns(UserWarning, match=r"Llama model .*records Cog attention \(cog_keep_softmax_first=1, "
-                                         r"cog_keep_softmax_last=1\), but it runs 'sdpa' attention"):  # fmt: skip
+                                         r"cog_keep_softmax_last=1\), but it runs 'sdpa' attention"):
         AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -368,7 +368,7 @@ def test_other_4d_masks_are_refused_with_the_layer_named():
     block[:, :, 5:, :5] = False  # two documents in each row
     for bad in (bidirectional, block):
         with pytest.raises(ValueError, match=r"^LlamaAttention \(layer 0\): Cog attention takes a 4-D mask only when "
-                                             r"it is the layer's causal pattern"):  # fmt: skip
+                                             r"it is the layer's causal pattern"):
             model(ids, attention_mask=bad)
     biased = four_d(mask, additive=True) + 0.5 * torch.ones(9, 9).triu(1).T  # a bias on the kept scores
     with pytest.raises(ValueError, match=r"^LlamaAttention \(layer 0\): the 4-D float attention mask holds values"):
@@ -393,7 +393,7 @@ def test_static_cache_generation_compiles_to_one_graph():
     config = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
     config._compile_all_devices = True  # transformers compiles on CPU only when asked
     kw = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
-          "cache_implementation": "static"}  # fmt: skip
+          "cache_implementation": "static"}
     torch._dynamo.reset()
     counters.clear()
     compiled = model.generate(ids, compile_config=config, **kw)
@@ -437,7 +437,7 @@ AttentionMaskInterface.register("formula", formula_mask)
 def tiny_vit():
     torch.manual_seed(0)
     config = ViTConfig(image_size=8, patch_size=2, num_channels=3, hidden_size=16, num_hidden_layers=3,
-                       num_attention_heads=2, intermediate_size=32)  # fmt: skip
+                       num_attention_heads=2, intermediate_size=32)
     pixels = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     return ViTModel(config), {"pixel_values": pixels}, lambda out: out.last_hidden_state
 
@@ -448,7 +448,7 @@ def tiny_clip():
                                      "num_hidden_layers": 3, "num_attention_heads": 2, "max_position_embeddings": 16},
                         vision_config={"image_size": 8, "patch_size": 2, "hidden_size": 16, "intermediate_size": 32,
                                        "num_hidden_layers": 3, "num_attention_heads": 2},
-                        projection_dim=8)  # fmt: skip
+                        projection_dim=8)
     ids, mask = batch()
     pixels = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "attention_mask": mask.flip(-1), "pixel_values": pixels}  # right-padded captions
@@ -461,7 +461,7 @@ def tiny_whisper():
     config = WhisperConfig(vocab_size=64, num_mel_bins=8, encoder_layers=3, decoder_layers=3, d_model=16,
                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
                            decoder_ffn_dim=32, max_source_positions=8, max_target_positions=16, pad_token_id=0,
-                           decoder_start_token_id=1)  # fmt: skip
+                           decoder_start_token_id=1)
     g = torch.Generator().manual_seed(1)
     inputs = {"input_features": torch.randn(2, 8, 16, generator=g),
               "decoder_input_ids": torch.randint(1, 64, (2, 7), generator=g)}
@@ -480,7 +480,7 @@ def tiny_windowed(family):
         model = MistralForCausalLM(MistralConfig(**kw))
     elif family == "gemma2":
         model = Gemma2ForCausalLM(Gemma2Config(**kw, head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
-                                               final_logit_softcapping=None))  # fmt: skip
+                                               final_logit_softcapping=None))
     else:
         model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, head_dim=8, query_pre_attn_scalar=8,
                                                    layer_types=["sliding_attention"] * 3 + ["full_attention"]))
@@ -493,7 +493,7 @@ def tiny_windowed(family):
 def tiny_bert():
     torch.manual_seed(0)
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                        intermediate_size=64, pad_token_id=0)  # fmt: skip
+                        intermediate_size=64, pad_token_id=0)
     ids, mask = batch()
     ids, mask = ids.flip(-1), mask.flip(-1)  # right-padded: a key padding mask in bidirectional attention
     return BertModel(config), {"input_ids": ids, "attention_mask": mask}, lambda out: out.last_hidden_state[mask.bool()]

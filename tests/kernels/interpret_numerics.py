@@ -191,7 +191,7 @@ def test_no_kept_key_gives_exact_zeros():
     kpm = torch.ones(2, 20, dtype=torch.bool)
     kpm[1] = False
     out, dq, dk, dv = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, torch.float32,
-                           key_padding_mask=kpm)  # fmt: skip
+                           key_padding_mask=kpm)
     for t in (out, dq, dk, dv):
         assert torch.equal(t[1], torch.zeros_like(t[1]))
     assert out[0].abs().sum() > 0
@@ -210,9 +210,9 @@ def test_dispatcher_triton_backend_matches_reference(op):
     q, k, v, do = _inputs(2, 2, 37, 37, 32, torch.float32, seed=7)
     kpm = _mask("partial", 2, 37)
     ref = _run(lambda *a, **kw: op(*a, backend="reference", **kw), q, k, v, do, torch.float32, causal=True,
-               key_padding_mask=kpm)  # fmt: skip
+               key_padding_mask=kpm)
     tri = _run(lambda *a, **kw: op(*a, backend="triton", **kw), q, k, v, do, torch.float32, causal=True,
-               key_padding_mask=kpm)  # fmt: skip
+               key_padding_mask=kpm)
     for a, b in zip(tri, ref):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
@@ -276,7 +276,7 @@ def test_packed_qkv_beyond_32_bit_offsets(tmp_path):
 
 @pytest.mark.parametrize("cog,dtype,sign_ptx", [(cog, dtype, False) for cog in (True, False)
                                                 for dtype in (torch.float32, torch.bfloat16)]
-                         + [(True, torch.bfloat16, True)])  # fmt: skip
+                         + [(True, torch.bfloat16, True)])
 def test_masked_keys_are_never_read(monkeypatch, cog, dtype, sign_ptx):
     """NaN / Inf in the k and v rows of keys that key_padding_mask removes reach no output and no gradient: out,
     dq and the dk/dv of kept keys are bitwise those of the same inputs with finite rows there, and the removed
@@ -307,7 +307,7 @@ def test_masked_keys_are_never_read(monkeypatch, cog, dtype, sign_ptx):
 
 # (dtype, sign_ptx): every dtype with the clamp, the 16-bit ones also with `min.xorsign.abs` (sm_86+'s form)
 SIGN_FORMS = [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
-              (torch.float16, True)]  # fmt: skip
+              (torch.float16, True)]
 
 
 @pytest.mark.parametrize("dtype,sign_ptx", SIGN_FORMS)
@@ -328,7 +328,7 @@ def test_sign_of_zero_scores_and_masked_entries(monkeypatch, scale, dtype, sign_
     v = torch.randn(1, 1, 6, hd, generator=g, dtype=torch.float64).to(dtype).double()
     do = torch.randn(1, 1, 2, hd, generator=g, dtype=torch.float64).to(dtype).double()
     out, dq, dk, dv = _run(lambda *a, **kw: fused_attention(*a, **kw), q, k, v, do, dtype, scale=scale,
-                           key_padding_mask=kpm)  # fmt: skip
+                           key_padding_mask=kpm)
     # Closed form for query 0: scores p = scale * (2, -3, 0, 0, -, 0); keys 2, 3, 5 count only in the denominator.
     p = scale * torch.tensor([2.0, -3.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     kept = [0, 1, 2, 3, 5]
@@ -519,7 +519,7 @@ CHUNKED_CASES = [
 def test_chunked_head_dims_match_reference(B, nh, Lq, Lk, hd, dtype, causal, window, softcap, mask, cog, layout):
     q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=hd)
     _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, layout=layout, window=window,
-           softcap=softcap)  # fmt: skip
+           softcap=softcap)
 
 
 @pytest.mark.parametrize("case", [c for c in CHUNKED_CASES if c[5] != torch.float32 and c[10]])
@@ -528,7 +528,7 @@ def test_chunked_head_dims_with_sign_ptx(monkeypatch, case):
     emu = _use_sign_ptx(monkeypatch)
     q, k, v, do = _inputs(B, nh, Lq, Lk, hd, dtype, seed=hd)
     _check(q, k, v, do, dtype, causal=causal, kpm=_mask(mask, B, Lk), cog=cog, layout=layout, window=window,
-           softcap=softcap)  # fmt: skip
+           softcap=softcap)
     assert emu.calls > 0
 
 
@@ -550,7 +550,7 @@ def test_chunked_cases_cover_the_chunk_shapes_and_stride_units():
 
 
 @pytest.mark.parametrize("hd,arch,dtype", [(72, 80, torch.bfloat16), (72, 90, torch.bfloat16),
-                                            (136, 90, torch.bfloat16), (248, 80, torch.float32)])  # fmt: skip
+                                            (136, 90, torch.bfloat16), (248, 80, torch.float32)])
 def test_chunked_head_dims_with_gpu_tiles(monkeypatch, hd, arch, dtype):
     """The kernels at head dims 72 and 136 with every tile the autotuner may pick for them (those of head dims 128
     and 256, `configs.table_head_dim`; the interpreter ignores warps and stages): bf16, causal with Lq != Lk, key
@@ -571,7 +571,7 @@ def test_chunked_head_dims_with_gpu_tiles(monkeypatch, hd, arch, dtype):
 
 @pytest.mark.parametrize("hd,width,dtype", [(24, 32, torch.float16), (72, 128, torch.bfloat16),
                                             (96, 128, torch.float16), (136, 256, torch.float16),
-                                            (232, 256, torch.bfloat16)])  # fmt: skip
+                                            (232, 256, torch.bfloat16)])
 def test_chunked_head_dims_equal_zero_padded_power_of_two(hd, width, dtype):
     """A chunked head dim gives what the one-chunk kernel of a power-of-two head dim gives on the same inputs padded
     with zero columns (and the scale of the true head dim), for 16-bit inputs: the split changes which columns a

@@ -63,7 +63,7 @@ class Emulator:
         dtype = _TYPES[m.group(1)]
         if constraints != "=r,r,r" or pack != 2 or not is_pure:
             raise AssertionError(f"{asm!r}: constraints {constraints!r}, pack {pack}, pure {is_pure}; a GPU compile "
-                                 "needs '=r,r,r' (one 32-bit register per pair), pack 2 and a pure op")  # fmt: skip
+                                 "needs '=r,r,r' (one 32-bit register per pair), pack 2 and a pure op")
         if len(values) != 2 or len(types) != 1:
             raise AssertionError(f"{asm!r} takes two operands and gives one result")
         for v in values:

@@ -51,7 +51,7 @@ def _same_launch(a, b, inputs):
     # the inputs themselves reach the kernels in both (they are not copied when no copy is needed)
     ptrs = {t.data_ptr() for t in inputs}
     assert {t.data_ptr() for t in args_a if isinstance(t, torch.Tensor)} & ptrs == {
-        t.data_ptr() for t in args_b if isinstance(t, torch.Tensor)} & ptrs  # fmt: skip
+        t.data_ptr() for t in args_b if isinstance(t, torch.Tensor)} & ptrs
 
 
 CASES = {
@@ -133,7 +133,7 @@ def test_forward_sign_ptx_follows_the_compute_capability():
     from uvic.kernels.configs import config_arch, forward_sign_ptx
 
     for capability, ptx in ((80, False), (86, True), (87, True), (89, True), (90, True), (100, True), (103, True),
-                            (110, False), (120, False), (121, False)):  # fmt: skip
+                            (110, False), (120, False), (121, False)):
         assert forward_sign_ptx(capability, "bf16") is forward_sign_ptx(capability, "fp16") is ptx, capability
         assert forward_sign_ptx(capability, "fp32") is False, capability
     assert config_arch(8, 6, 101376, False) == config_arch(12, 0, 101376, False) == (80, None)  # the sm_80 table

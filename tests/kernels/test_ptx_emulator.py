@@ -21,7 +21,7 @@ def _values(dtype) -> torch.Tensor:
     x = torch.randn(4000, generator=g) * torch.exp2(torch.randint(-30, 30, (4000,), generator=g).float())
     fi = torch.finfo(dtype)
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), fi.max, -fi.max, fi.smallest_normal,
-                            fi.smallest_normal / 4, -fi.smallest_normal / 4, 1.0, -1.0])  # fmt: skip
+                            fi.smallest_normal / 4, -fi.smallest_normal / 4, 1.0, -1.0])
     return torch.cat([x, special]).to(dtype)
 
 

@@ -137,7 +137,7 @@ def test_known_spills_are_other_targets_only():
     sm_80 or sm_90 compile, which must be spill-free), and a result counts as known only there, up to the listed
     bytes: the same spill on sm_80, or more bytes, fails the check."""
     others = {(s.gpu, s.dtype, s.head_dim, s.window and s.softcap, s.config): s for s in all_specs()
-              if s.target is not None}  # fmt: skip
+              if s.target is not None}
     assert OTHER_TARGET_SPILLS and set(OTHER_TARGET_SPILLS) <= set(others)
     key, limit = next(iter(OTHER_TARGET_SPILLS.items()))
     spec = others[key]
@@ -161,7 +161,7 @@ def test_head_dim_chunks():
     assert {hd: head_dim_chunks(hd) for hd in (8, 24, 40, 72, 80, 96, 104, 160, 232, 248)} == {
         8: (16,), 24: (32,), 40: (32, 16), 72: (64, 16), 80: (64, 16), 96: (64, 32), 104: (64, 32, 16),
         160: (128, 32), 232: (128, 64, 32, 16), 248: (256,),
-    }  # fmt: skip
+    }
     assert all(head_dim_chunks(hd) == (hd,) for hd in TABLE_HEAD_DIMS)
 
 
@@ -169,7 +169,7 @@ def test_table_head_dim_and_stride_unit():
     """A head dim takes the tiles of the narrowest table head dim that holds its padded width; the launcher's
     stride unit is 8 exactly for the strides of contiguous head dims that are odd multiples of 8."""
     assert [table_head_dim(hd) for hd in (8, 16, 24, 40, 64, 72, 120, 128, 136, 248, 256)] == [
-        16, 16, 32, 64, 64, 128, 128, 128, 256, 256, 256]  # fmt: skip
+        16, 16, 32, 64, 64, 128, 128, 128, 256, 256, 256]
     for bad in (0, 12, 264):
         with pytest.raises(ValueError, match="head dim"):
             table_head_dim(bad)
@@ -221,7 +221,7 @@ def test_parse_sass_counts_base_opcodes():
     """
     assert parse_sass(text) == {"FSETP": 1, "FSEL": 2, "LOP3": 1, "HGMMA": 1}
     assert parse_sass(text, modifiers=True) == {"FSETP.NEU.AND": 1, "FSEL": 2, "LOP3.LUT": 1,
-                                                "HGMMA.64x64x16.F32.BF16": 1}  # fmt: skip
+                                                "HGMMA.64x64x16.F32.BF16": 1}
 
 
 # Hand-written `cuobjdump -sass` text: a forward branch over everything, an outer loop (head 0x0030) around an

@@ -97,7 +97,7 @@ def test_removed_keys_are_never_read_on_gpu(cog, causal):
     kw = {"causal": causal, "key_padding_mask": kpm, "cog": cog}
     clean = _grads(lambda *a: fused_attention(*a, **kw), q, k, v, do, torch.bfloat16)
     dirty = _grads(lambda *a: fused_attention(*a, **kw), q, k.masked_fill(drop, float("nan")),
-                   v.masked_fill(drop, float("inf")), do, torch.bfloat16)  # fmt: skip
+                   v.masked_fill(drop, float("inf")), do, torch.bfloat16)
     for c, d in zip(clean, dirty):
         assert torch.equal(c, d)
     assert torch.equal(dirty[2][drop], torch.zeros_like(dirty[2][drop]))
@@ -203,16 +203,16 @@ def test_windows_and_softcaps_match_reference_on_gpu(L, window, softcap, causal,
     kpm[1, : L // 3] = False
     kw = {"causal": causal, "key_padding_mask": kpm, "window": window, "softcap": softcap}
     fused_ok = unsupported_reason(q.to(dtype), k.to(dtype), v.to(dtype), kpm, backend="triton", window=window,
-                                  softcap=softcap) is None  # fmt: skip
+                                  softcap=softcap) is None
     if dtype != torch.float32 and hd in (64, 128):
         assert fused_ok, "fp16/bf16 at hd 64/128 must stay inside the banded kernel's envelope"
     g_max = (do.abs() @ v.abs().transpose(-2, -1)).max().item() * hd**-0.5
     term = {"dq": g_max * k.abs().max().item(), "dk": g_max * q.abs().max().item()}
     for cog in (True, False):
         exact = _grads(lambda *a: attention_ref(*a, attention="cog" if cog else "softmax", **kw), q, k, v, do,
-                       torch.float64)  # fmt: skip
+                       torch.float64)
         plain = _grads(lambda *a: attention_ref(*a, attention="cog" if cog else "softmax", upcast=False, **kw), q, k,
-                       v, do, dtype)  # fmt: skip
+                       v, do, dtype)
         op = cog_attention if cog else softmax_attention
         fused = _grads(lambda *a: op(*a, backend="triton" if fused_ok else "auto", **kw), q, k, v, do, dtype)
         for name, f, p, e in zip(("out", "dq", "dk", "dv"), fused, plain, exact):
@@ -237,7 +237,7 @@ def _assert_within_rule(fused, plain, exact, dtype, what=""):
     "hd,dtype",
     [(72, torch.bfloat16), (72, torch.float16), (72, torch.float32), (96, torch.bfloat16), (160, torch.float16),
      (40, torch.bfloat16), (136, torch.float16), (232, torch.bfloat16)],
-)  # fmt: skip
+)
 def test_chunked_head_dims_match_reference_on_gpu(hd, dtype):
     """Forward and gradients, causal with key padding (a batch item with half its keys removed), both modes, against
     the float64 formula; the call runs the fused kernel (inside its envelope)."""

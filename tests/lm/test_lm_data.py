@@ -103,7 +103,7 @@ def test_a_bin_read_as_text_says_which_format_reads_it(tmp_path):
     write_token_bin(np.array([0xFFFF, 1]), tmp_path / "ids.bin")  # 0xff is no UTF-8 byte
     with pytest.raises(DataError, match=r"is not UTF-8 text .*; .*ids.bin is named like a .bin of token ids, which "
                                         r"the format 'text' \(data.format\) does not read: use format 'bin', or "
-                                        r"'auto'"):  # fmt: skip
+                                        r"'auto'"):
         load_tokens(tmp_path / "ids.bin", fmt="text")
 
 

@@ -52,7 +52,7 @@ def official_checkpoint(attn_type: str, seed: int = 0) -> dict:
     cfg = {
         "vocab_size": V, "n_layers": NL, "max_seq_length": MAX_SEQ, "dim": D, "n_heads": NH, "head_dim": HD,
         "hidden_dim": FF, "norm_eps": 1e-6, "attn_type": attn_type, "shared_expert_recipe": 1,
-    }  # fmt: skip
+    }
     return {"model_cfg": cfg, "model": state}
 
 

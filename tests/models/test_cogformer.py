@@ -79,7 +79,7 @@ def test_generate_logs_no_deprecation_warning():
     library.addHandler(handler)
     try:
         out = model.generate(torch.randint(0, 257, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=256,
-                             return_dict_in_generate=True)  # fmt: skip
+                             return_dict_in_generate=True)
     finally:
         library.removeHandler(handler)
     assert [r.getMessage() for r in records if "deprecated" in r.getMessage()] == []
@@ -187,7 +187,7 @@ def test_placement_ends(ends, expected):
     ({"num_softmax_layers": 2, "keep_softmax_first": 0}, (0, 2)),
     ({"num_softmax_layers": 0}, (0, 0)),
     ({"num_softmax_layers": 2, "keep_softmax_first": None, "keep_softmax_last": None}, (2, 2)),
-])  # fmt: skip
+])
 def test_the_old_num_softmax_layers_sets_both_ends_with_one_warning(kwargs, ends):
     """The old count k = num_softmax_layers is both ends, an end given apart wins (None: k), as before the rename."""
     with pytest.warns(FutureWarning, match=r"^CogformerConfig: num_softmax_layers is the old name") as record:
@@ -207,7 +207,7 @@ def test_a_config_saved_with_num_softmax_layers_loads_identically(tmp_path, old_
     assert (saved["keep_softmax_first"], saved["keep_softmax_last"]) == (2, 2) and "num_softmax_layers" not in saved
     del saved["keep_softmax_first"], saved["keep_softmax_last"]
     saved = {**saved, "num_softmax_layers": 2, **({"keep_softmax_first": None, "keep_softmax_last": None}
-                                                  if old_ends == "null" else {})}  # fmt: skip
+                                                  if old_ends == "null" else {})}
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.warns(FutureWarning, match="num_softmax_layers is the old name") as record:
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -47,7 +47,7 @@ def cogformer_dir(tmp_path_factory):
     ({"embed_dim": 1000000}, "its config describes a model whose pos_embed has shape (1, 17, 1000000), but its "
                              "weights hold (1, 17, 16)"),
     ([1, 2], "config.json holds a JSON list, not an object of the model's settings"),
-])  # fmt: skip
+])
 def test_uvit_from_pretrained_checks_its_config_first(uvit_dir, tmp_path, edit, problem):
     edited = _edited(uvit_dir, tmp_path, edit)
     with pytest.raises(ValueError) as e:
@@ -67,7 +67,7 @@ def test_uvit_from_pretrained_still_loads_a_good_dir(uvit_dir):
     ({"vocab_size": 1000000000}, "its config describes a model whose model.embed_tokens.weight has shape "
                                  "(1000000000, 64), but its weights hold (257, 64)"),
     ([1], "config.json holds a JSON list, not an object of the model's settings"),
-])  # fmt: skip
+])
 def test_cogformer_from_pretrained_checks_its_config_first(cogformer_dir, tmp_path, edit, problem):
     edited = _edited(cogformer_dir, tmp_path, edit)
     with pytest.raises(ValueError) as e:

@@ -28,7 +28,7 @@ from uvic.models import UVIT_PRESETS, UViTModel, build_preset, uvit_from_officia
 
 def _closed_form_params(img_size, patch_size, in_chans, embed_dim, depth, mlp_ratio=4.0, qkv_bias=False,
                         mlp_time_embed=False, num_classes=-1, clip_dim=None, num_clip_token=77, conv=True,
-                        skip=True, **_):  # fmt: skip
+                        skip=True, **_):
     """Parameter count from the architecture (docs/conventions.md, "Token order"), not from the module."""
     D, h, n = embed_dim, int(embed_dim * mlp_ratio), depth // 2
     block = 4 * D + 3 * D * D + (3 * D if qkv_bias else 0) + D * D + D + D * h + h + h * D + D
@@ -60,7 +60,7 @@ def _official_keys(depth: int, text: bool, label: bool = False) -> list[str]:
         keys += [f"out_blocks.{i}.{k}" for k in _BLOCK_KEYS]
         keys += [f"out_blocks.{i}.skip_linear.weight", f"out_blocks.{i}.skip_linear.bias"]
     return keys + ["norm.weight", "norm.bias", "decoder_pred.weight", "decoder_pred.bias", "final_layer.weight",
-                   "final_layer.bias"]  # fmt: skip
+                   "final_layer.bias"]
 
 
 def _official_shapes(key, D, C, p, n_tokens, clip_dim=None, hidden=None):
@@ -73,7 +73,7 @@ def _official_shapes(key, D, C, p, n_tokens, clip_dim=None, hidden=None):
         "mlp.fc2.weight": (D, hidden), "mlp.fc2.bias": (D,), "skip_linear.weight": (D, 2 * D),
         "skip_linear.bias": (D,), "decoder_pred.weight": (p * p * C, D), "decoder_pred.bias": (p * p * C,),
         "final_layer.weight": (C, C, 3, 3), "final_layer.bias": (C,),
-    }  # fmt: skip
+    }
     for suffix, shape in table.items():
         if key == suffix or key.endswith("." + suffix):
             return shape
@@ -183,7 +183,7 @@ def test_small_presets_exact_parameter_counts(prefix, name, expected):
     "name, millions",
     [("m4-imagenet64", 131), ("l4-imagenet64", 287), ("l2-imagenet256", 287), ("h2-imagenet256", 501),
      ("l4-imagenet512", 287), ("h4-imagenet512", 501)],
-)  # fmt: skip
+)
 def test_large_presets_match_paper_table(name, millions):
     with torch.device("meta"):
         model = build_preset(f"uvic-{name}")
@@ -203,7 +203,7 @@ def test_every_preset_matches_closed_form_count(name):
     "name, depth, text, C, n_tokens, n_keys",
     [("s2-cifar10", 12, False, 3, 257, 164), ("s2-mscoco", 12, True, 4, 334, 166),
      ("s2-deep-mscoco", 16, True, 4, 334, 214)],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("prefix", ["uvit", "uvic"])
 def test_official_state_dict_keys_and_shapes(prefix, name, depth, text, C, n_tokens, n_keys):
     with torch.device("meta"):
@@ -230,7 +230,7 @@ def test_class_conditional_keys():
               "out_blocks.0", "out_blocks.1", "out_blocks.2", "out_blocks.3", "out_blocks.4"]),
         (16, [f"in_blocks.{i}" for i in range(1, 8)] + ["mid_block"] + [f"out_blocks.{i}" for i in range(7)]),
     ],
-)  # fmt: skip
+)
 def test_which_blocks_are_cog(depth, expected):
     with torch.device("meta"):
         uvic = build_preset("uvic-s2-mscoco", depth=depth)
@@ -260,7 +260,7 @@ def test_placement_picks_the_cog_blocks(first, last, cog):
     reference with exactly those blocks on Cog."""
     cfg = dict(UVIT_PRESETS["uvic-tiny-t2i"])
     model = build_preset("uvic-tiny-t2i", keep_softmax_first=first, keep_softmax_last=last,
-                         attention_backend="reference")  # fmt: skip
+                         attention_backend="reference")
     model = _randomize(model).double()
     assert model.cog_block_names() == [name for name, c in zip(_TINY_BLOCKS, cog) if c]
     assert (model.config.keep_softmax_first, model.config.keep_softmax_last) == (first, last)
@@ -525,7 +525,7 @@ def test_torch_compile_cpu():
     compiled = torch.compile(model)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, t, class_labels=y).sample, model(x, t, class_labels=y).sample,
-                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+                                   rtol=1e-4, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -563,7 +563,7 @@ def test_bad_inputs_raise_clear_errors():
     "kwargs, match",
     [({"attention": "linear"}, "attention must be"), ({"attention_backend": "flash"}, "attention_backend"),
      ({"img_size": 30, "patch_size": 4}, "divisible"), ({"num_classes": 10, "clip_dim": 8}, "not both")],
-)  # fmt: skip
+)
 def test_bad_config_raises(kwargs, match):
     base = {"img_size": 8, "patch_size": 2, "embed_dim": 16, "depth": 2, "num_heads": 2}
     with pytest.raises(ValueError, match=match):
@@ -588,7 +588,7 @@ def test_unknown_preset():
 # A tiny version of CogAttn U-ViC/configs/mscoco_uvit_small_np_0_last.py's nnet section.
 _TINY_OFFICIAL_T2I = {"name": "uvit_t2i_np", "img_size": 8, "in_chans": 4, "patch_size": 2, "embed_dim": 32,
                       "depth": 4, "num_heads": 2, "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False,
-                      "clip_dim": 16, "num_clip_token": 5, "np": True}  # fmt: skip
+                      "clip_dim": 16, "num_clip_token": 5, "np": True}
 
 
 def _synthetic_official_checkpoint(path, cfg):
@@ -597,7 +597,7 @@ def _synthetic_official_checkpoint(path, cfg):
     n_tokens = 1 + cfg["num_clip_token"] + (cfg["img_size"] // p) ** 2
     g = torch.Generator().manual_seed(7)
     sd = {k: torch.randn(_official_shapes(k, D, C, p, n_tokens, clip_dim=cfg["clip_dim"]), generator=g) * 0.2
-          for k in _official_keys(cfg["depth"], text=True)}  # fmt: skip
+          for k in _official_keys(cfg["depth"], text=True)}
     torch.save(sd, path)
     return sd
 
@@ -620,7 +620,7 @@ def test_uvit_from_official_loads_synthetic_checkpoint(tmp_path):
 
 def test_uvit_from_official_names_and_defaults():
     cifar = {"name": "uvit", "img_size": 32, "patch_size": 2, "embed_dim": 512, "depth": 12, "num_heads": 8,
-             "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False, "num_classes": -1}  # fmt: skip
+             "mlp_ratio": 4, "qkv_bias": False, "mlp_time_embed": False, "num_classes": -1}
     with torch.device("meta"):
         m = uvit_from_official(cifar)
         assert sum(p.numel() for p in m.parameters()) == 44_255_328
@@ -640,7 +640,7 @@ def test_uvit_from_official_names_and_defaults():
      ({"num_classes": 10}, ValueError, "no class conditioning"),
      ({"depth": 6}, ValueError, "does not match"),
      ({"embed_dim": 64}, ValueError, "does not match")],
-)  # fmt: skip
+)
 def test_uvit_from_official_errors(tmp_path, change, error, match):
     path = tmp_path / "nnet_ema.pth"
     _synthetic_official_checkpoint(path, _TINY_OFFICIAL_T2I)

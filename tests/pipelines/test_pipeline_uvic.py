@@ -168,7 +168,7 @@ def test_transformer_gets_999t_from_the_continuous_schedulers():
         (DDPMScheduler(num_train_timesteps=1000), [667, 334, 1]),
         (DPMSolverMultistepScheduler(num_train_timesteps=1000), [1000, 667, 334]),  # "linspace": 999, 666, 333
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("num_classes", [-1, 3])
 def test_transformer_gets_t_plus_1_from_discrete_schedulers(scheduler, expected, num_classes):
     # U-ViT's discrete models are trained on n = diffusers t + 1 (docs/conventions.md, "Timesteps"), as the loss feeds them.

@@ -17,7 +17,7 @@ from uvic.schedulers import UViTDPMSolverScheduler, schedule_of
 
 K = 10  # real classes; id K is the null class
 TINY = {"img_size": 8, "patch_size": 2, "in_chans": 4, "embed_dim": 32, "depth": 4, "num_heads": 2,
-        "num_classes": K + 1, "attention": "softmax", "attention_backend": "torch"}  # fmt: skip
+        "num_classes": K + 1, "attention": "softmax", "attention_backend": "torch"}
 
 
 def _pipe(**kwargs):

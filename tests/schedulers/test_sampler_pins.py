@@ -37,7 +37,7 @@ def _run(sampler: str, diffusion: DiffusionConfig, steps: int, dtype: torch.dtyp
     for t in sched.timesteps:
         x = sched.step(_eps(x, float(t) / len(sched)), t, x, generator=g).prev_sample
     return {"timesteps": [float(v).hex() for v in sched.timesteps.tolist()],
-            "sample": [float(v).hex() for v in x.flatten().tolist()]}  # fmt: skip
+            "sample": [float(v).hex() for v in x.flatten().tolist()]}
 
 
 # (name, sampler, schedule, steps, dtype): the official MS-COCO sampler, the official CIFAR-10 FID sampler (fewer

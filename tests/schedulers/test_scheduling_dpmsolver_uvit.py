@@ -306,7 +306,7 @@ def test_vpsde_monitor_grid():
     lams = np.linspace(ns.lam(1.0), ns.lam(1e-4), 18)
     assert sched.timesteps[0].item() == 1.0
     np.testing.assert_allclose(sched.timesteps[::3][:17].double().numpy(), [ns.inv_lam(v) for v in lams[:17]],
-                               rtol=1e-6)  # fmt: skip
+                               rtol=1e-6)
     last = ns.inv_lam(0.5 * (lams[16] + lams[17]))
     assert sched.timesteps[-1].item() == pytest.approx(last, rel=1e-6) and abs(last - 1.87e-4) < 5e-7
 
@@ -314,7 +314,7 @@ def test_vpsde_monitor_grid():
 @pytest.mark.parametrize(
     "algorithm_type,skip_type",
     [("dpmsolver", None), ("dpmsolver++", None), ("dpmsolver", "time_uniform"), ("dpmsolver++", "time_uniform")],
-)  # fmt: skip
+)
 def test_vpsde_converges_to_the_exact_flow(algorithm_type, skip_type):
     """Gaussian data: the probability-flow ODE maps x_T affinely to x_eps; every solver variant converges to it
     as NFE grows, the logSNR-spaced ones at (at least) second order."""
@@ -381,7 +381,7 @@ def test_vpsde_config_and_selection():
     # The discrete scheduler from a stock discrete one keeps the betas and the official solver.
     d = convert_scheduler(
         __import__("diffusers").DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
-        "uvit_dpm_solver")  # fmt: skip
+        "uvit_dpm_solver")
     assert isinstance(d, UViTDPMSolverScheduler) and d.config.algorithm_type == "dpmsolver++"
     assert (d.config.beta_schedule, d.config.beta_start, d.config.beta_end) == ("scaled_linear", 0.00085, 0.012)
     assert DiffusionConfig().schedule == "vpsde"

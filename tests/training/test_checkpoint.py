@@ -274,7 +274,7 @@ def _raised_while_handling(inner, outer):
      "write failed (RuntimeError: basic_ios::clear: iostream error;"),
     (_raised_while_handling(OSError(errno.EROFS, "Read-only file system"), RuntimeError("serializer failed")),
      "read-only file system (Read-only file system)"),
-])  # fmt: skip
+])
 def test_failed_checkpoint_write_removes_the_partial_checkpoint(tmp_path, image_dir, tiny_overrides, monkeypatch,
                                                                 reference_run, failure, reason):
     run = tmp_path / "run"
@@ -482,7 +482,7 @@ def test_every_piece_of_training_state_round_trips_through_data_only_files(tmp_p
     for name in ("optimizer.bin", "training_state.pt", "random_states_0.pt"):
         torch.load(ckpt / name, weights_only=True)
     expected = (torch.rand(3), np.random.rand(3), random.random(), state.objects["rng"].rand(4),
-                {k: v.clone() for k, v in state.model.state_dict().items()})  # fmt: skip
+                {k: v.clone() for k, v in state.model.state_dict().items()})
 
     accelerator2, state2 = build()  # fresh objects, other global generator states
     random.seed(99)

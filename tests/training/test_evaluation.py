@@ -82,7 +82,7 @@ def _overrides(run_dir, data, **extra):
         "train.eval_every": 2, "train.eval_num_images": 3, "train.eval_reference": str(data["ref"]),
         "train.eval_fid_weights": str(data["weights"]), "train.eval_fid_weights_sha256": "none",
         "train.eval_fid_dims": DIMS, "sample.num_images": 2, "sample.num_inference_steps": 2, "sample.batch_size": 2,
-    }  # fmt: skip
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -204,7 +204,7 @@ def test_a_kill_during_an_evaluation_is_redone_on_resume(fid_run, data, defaults
     # images: a resume may not change what FID is measured with, docs/training.md.)
     log = open(tmp_path / "first.log", "w")
     first = subprocess.Popen([sys.executable, "-c", _SLOW_EVALUATION, defaults, *_overrides(run, data)], cwd=ROOT,
-                             env=ENV, stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+                             env=ENV, stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.time() + 400
         while not (run / "checkpoints" / "step_000000002").is_dir() and time.time() < deadline:
@@ -253,7 +253,7 @@ def test_two_processes_give_the_fid_of_one(fid_run, tmp_path):
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                           "127.0.0.1", "--master_port", str(port), str(script), ckpt, str(tmp_path / "two")],
                          cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+                         timeout=600)
     assert two.returncode == 0, two.stderr
     fid2 = json.loads(two.stdout.strip().splitlines()[-1])
     assert fid2 == pytest.approx(fid1, rel=1e-6)
@@ -298,7 +298,7 @@ def test_text_to_image_evaluation_uses_the_validation_captions(data, make_tiny_c
         train={"eval_every": 1, "eval_num_images": 2, "eval_reference": str(ref),
                "eval_fid_weights": str(data["weights"]), "eval_fid_weights_sha256": "none", "eval_fid_dims": DIMS},
         sample={"batch_size": 2},
-    )  # fmt: skip
+    )
     train(cfg)
     (record,) = _evaluations(tmp_path / "run")
     pipe = load_pipeline(tmp_path / "run" / "checkpoints" / "step_000000001")
@@ -351,7 +351,7 @@ _OUTSIDE = "../../other/checkpoints/step_000000002"
     (lambda r: r.update(checkpoint=_OUTSIDE), f"'checkpoint' is \"{_OUTSIDE}\", which is not a path inside the run "
                                               "dir"),
     (lambda r: r.update(checkpoint="/etc"), "'checkpoint' is \"/etc\", which is not a path inside the run dir"),
-])  # fmt: skip
+])
 def test_a_bad_evaluation_record_stops_the_run_at_start_up(fid_run, data, defaults, tmp_path, run_script, edit,
                                                            problem):
     """A well-formed line with a missing or wrongly typed field, a NaN FID, a fractional step or a checkpoint
@@ -570,7 +570,7 @@ def test_export_best_refuses_a_best_json_that_eval_jsonl_does_not_back(fid_run, 
     said = f"error: {run / 'best.json'} names {best['checkpoint']} (step {best['step']}, FID {best['fid']:.4f}), but "
     why = {"hand-written": "eval.jsonl holds no such evaluation", "not the lowest": "that is not the lowest FID of "
            "eval.jsonl", "no eval.jsonl": "eval.jsonl holds no such evaluation (it holds none)",
-           "checkpoint removed": "that checkpoint no longer exists"}[case]  # fmt: skip
+           "checkpoint removed": "that checkpoint no longer exists"}[case]
     assert code == 1 and line.startswith(said + why), line
     assert line.endswith("export a checkpoint by its path, or resume the run, which writes best.json again from "
                          "eval.jsonl")

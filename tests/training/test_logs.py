@@ -20,7 +20,7 @@ def test_a_partial_last_line_is_skipped_and_cut_off(tmp_path):
     assert read_metrics(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
     append_metrics(path, {"step": 3, "loss": 0.25})
     assert path.read_text().splitlines() == ['{"step": 1, "loss": 1.0}', '{"step": 2, "loss": 0.5}',
-                                             '{"step": 3, "loss": 0.25}']  # fmt: skip
+                                             '{"step": 3, "loss": 0.25}']
     # A partial line that is the whole file.
     _write(path, [], '{"st')
     append_metrics(path, {"step": 1})
@@ -57,7 +57,7 @@ def test_training_and_validation_lines_of_one_step_are_both_kept(tmp_path):
     path = tmp_path / "metrics.jsonl"
     _write(path, [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.5, "lr": 0.1},
                   {"step": 2, "val_loss": 1.9, "val_ppl": 6.7}, {"step": 3, "loss": 1.2, "lr": 0.1},
-                  {"step": 2, "loss": 1.4, "lr": 0.1}], "")  # fmt: skip
+                  {"step": 2, "loss": 1.4, "lr": 0.1}], "")
     assert read_metrics(path) == [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.4, "lr": 0.1},
                                   {"step": 2, "val_loss": 1.9, "val_ppl": 6.7}, {"step": 3, "loss": 1.2, "lr": 0.1}]
     assert metrics_of_kind(path, "val") == [{"step": 2, "val_loss": 1.9, "val_ppl": 6.7}]
@@ -83,7 +83,7 @@ def test_training_and_validation_lines_of_one_step_are_both_kept(tmp_path):
     (b'{"step": 2, "attn_neg_share": {"1": "x"}}', "'attn_neg_share' is {\"1\": \"x\"}, not a number"),
     (b"[2, 0.1]", "expected a JSON object, got list"),
     (b'\xff{"step": 2}', "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
-])  # fmt: skip
+])
 def test_a_wrongly_typed_line_names_the_file_and_line_wherever_it_is_read(tmp_path, line, problem):
     """A line that parses but is not a record as the run writes it (a step that is not an integer, a value that is
     not a number) was read as a wrong step or crashed the plot; every reader now refuses it, naming the line."""

@@ -24,7 +24,7 @@ _UVIT = {"img_size": 8, "patch_size": 2, "in_chans": 3, "embed_dim": 16, "depth"
     {}, {"depth": 5}, {"num_classes": 11}, {"clip_dim": 12, "num_clip_token": 5}, {"mlp_time_embed": True},
     {"qkv_bias": True}, {"conv": False, "skip": False}, {"mlp_ratio": 2.5, "in_chans": 4, "patch_size": 4},
     {"attention": "softmax"},
-])  # fmt: skip
+])
 def test_the_uvit_count_is_the_built_models(extra):
     kwargs = {**_UVIT, **extra}
     model = UViTModel(**kwargs)
@@ -92,7 +92,7 @@ def no_blocks(monkeypatch):
     ("configs/cifar10_uvic_s2.yaml", ["data.image_size=100000"], "GiB for a batch of images of data.image_size"),
     ("configs/cifar10_uvic_s2.yaml", ["model.depth=100000", "model.embed_dim=4096"], "21,814,884,130,912 parameters"),
     ("configs/lm_tiny.yaml", ["model.vocab_size=1000000000"], "128,000,213,568 parameters"),
-])  # fmt: skip
+])
 def test_a_run_that_cannot_fit_exits_2_in_one_line_building_nothing(tmp_path, run_script, no_blocks, config,
                                                                      overrides, parts):
     import time

@@ -12,7 +12,7 @@ from uvic.errors import ConfigError
 
 _HEADS = "config section model: embed_dim=16 is not divisible by num_heads=3"
 _NO_REFERENCE = ("train.eval_every needs train.eval_reference (FID statistics .npz, an image folder or a dataset spec "
-                 "such as cifar10-train:DIR)")  # fmt: skip
+                 "such as cifar10-train:DIR)")
 _TRACKER = "is not a tracker uvic starts; use one of ['tensorboard', 'wandb'], a list of them, or 'none'"
 
 
@@ -30,7 +30,7 @@ _TRACKER = "is not a tracker uvic starts; use one of ['tensorboard', 'wandb'], a
                                                    "patch_size=4"),
     ({"train.batch_size": 3, "train.grad_accum_steps": 2}, "config key train.batch_size: 3 must be divisible by "
                                                            "processes x train.grad_accum_steps = 1 x 2"),
-])  # fmt: skip
+])
 def test_image_run_config_errors_exit_2_and_write_nothing(tmp_path, image_dir, tiny_overrides, run_script, extra,
                                                           message):
     run = tmp_path / "run"
@@ -60,7 +60,7 @@ def test_fid_on_a_language_model_exits_2_and_writes_nothing(tmp_path, run_script
                                                              "model has none"),
     ({"sample.guidance_scale": 1.4}, "sample.guidance_scale=1.4 needs a null class, and the model has none: set "
                                      "sample.guidance_scale=1, or data.p_uncond > 0 to train one"),
-])  # fmt: skip
+])
 def test_class_conditional_mismatches_exit_2_and_write_nothing(tmp_path, run_script, extra, message):
     config = tmp_path / "class_cond.yaml"
     config.write_text("task: class_cond\n")
@@ -69,7 +69,7 @@ def test_class_conditional_mismatches_exit_2_and_write_nothing(tmp_path, run_scr
         "model.img_size": 8, "model.patch_size": 2, "model.embed_dim": 16, "model.depth": 2, "model.num_heads": 2,
         "data.root": str(tmp_path / "imagenet"), "data.image_size": 8, "data.num_classes": 3,
         "train.run_dir": str(run), "train.log_with": "none", **extra,
-    }  # fmt: skip
+    }
     code, _, err = run_script("train.py", config, *(f"{k}={v}" for k, v in overrides.items()))
     assert code == 2 and "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1].startswith(f"train.py: error: {message}")
@@ -141,7 +141,7 @@ def cog_run(tmp_path, image_dir, tiny_overrides, run_script):
     ("train.seed=7", "train.seed", "7", "1234"),
     ("train.lr=0.01", "train.lr", "0.01", "0.001"),
     ("sample.sampler=ddim", "sample.sampler", "'ddim'", "'uvit_dpm_solver'"),
-])  # fmt: skip
+])
 def test_a_resume_that_changes_what_the_run_is_exits_2_and_writes_nothing(cog_run, run_script, change, key, new,
                                                                           old):
     run, overrides = cog_run

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("value, names", [
     ("none", []), ("tensorboard", ["tensorboard"]), ("wandb", ["wandb"]),
     (("tensorboard", "wandb"), ["tensorboard", "wandb"]), (("wandb", "wandb"), ["wandb"]),
-])  # fmt: skip
+])
 def test_tracker_names(value, names):
     if "wandb" in names:
         pytest.importorskip("wandb")
@@ -31,7 +31,7 @@ def test_tracker_names(value, names):
     # Not "['none'] not in ['none', ...]": 'none' is a valid value, only not inside a list of trackers.
     (("none", "tensorboard"), "['none', 'tensorboard'] lists 'none' with other trackers; 'none' alone means no "
                               "tracker, else list trackers of ['tensorboard', 'wandb']"),
-])  # fmt: skip
+])
 def test_unknown_trackers_are_refused(value, message):
     with pytest.raises(ConfigError) as e:
         tracker_names(value)

@@ -36,7 +36,7 @@ def _digits(run_dir, **extra):
             "train.batch_size": 8, "train.max_steps": 4, "train.warmup_steps": 1, "train.lr": 1e-3,
             "train.ema_decay": 0.9, "train.log_every": 1, "train.sample_every": 0, "train.save_every": 2,
             "train.log_with": "none", "train.cpu_threads": 1, "train.val_every": 2, "train.val_batch_size": 16,
-            "train.val_timesteps": 3}  # fmt: skip
+            "train.val_timesteps": 3}
     base.update(extra)
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
 

@@ -158,7 +158,7 @@ METRICS: tuple[Metric, ...] = (
            "FID while training (train.eval_every), the lowest evaluation", ("evals", "fid")),
     Metric(protocol_fid.METRIC, True, lambda run: mean_or_none(protocol_fid.read_fids(run.path)),
            "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings"),
-)  # fmt: skip
+)
 
 CURVES: tuple[Curve, ...] = (
     Curve("train_loss", "training loss", lambda run: series(run.train, "loss"), True, log_scale=True),
@@ -172,4 +172,4 @@ PER_BLOCK: tuple[PerBlock, ...] = (
              lambda run: last_per_block(run.val, ATTN_NEG_SHARE),
              "each block's share of negative attention weight at the last validation, on the fixed probe batch "
              "(train.val_probe_examples; softmax blocks: 0)"),
-)  # fmt: skip
+)

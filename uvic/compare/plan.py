@@ -127,7 +127,7 @@ class Plan:
         return {"version": PLAN_VERSION, "config": self.config, "overrides": list(self.overrides),
                 "arms": [{"name": a.name, "overrides": list(a.overrides), "config": self.configs[a.name]}
                          for a in self.arms],
-                "seeds": list(self.seeds)}  # fmt: skip
+                "seeds": list(self.seeds)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], out: Path) -> Plan:

@@ -264,7 +264,7 @@ def extract_features(
         "preprocessing": "center_crop_arr (BOX halvings, BICUBIC short side, central crop), x / 127.5 - 1; "
                          "moments[:, 0] as is, moments[:, 1] flipped left-right (U-ViT extract_imagenet_feature.py)",
         "models": models_info or {},
-    }  # fmt: skip
+    }
     if process_index == 0:
         _prepare_output(out_dir, meta, rel, labels, wnids, moments_shape)
     wait_for_everyone()

@@ -141,7 +141,7 @@ def find_images(root: str | Path, *, recursive: bool = True) -> list[Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"image folder not found: {root}")
     files = [p for p in (root.rglob("*") if recursive else root.iterdir())
-             if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]  # fmt: skip
+             if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
     if not files:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) {'under' if recursive else 'in'} {root}")
     return sorted(files, key=lambda p: (p.parent.as_posix(), _natural_key(p)))

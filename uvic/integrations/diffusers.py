@@ -58,7 +58,7 @@ __all__ = ["CONFIG_KEY", "CogAddedKVAttnProcessor", "CogAttnProcessor", "CogAura
            "KeptSoftmaxAuraFlowAttnProcessor", "KeptSoftmaxCogVideoXAttnProcessor", "KeptSoftmaxFluxAttnProcessor",
            "KeptSoftmaxHunyuanAttnProcessor", "KeptSoftmaxJointAttnProcessor", "KeptSoftmaxLTXAttnProcessor",
            "KeptSoftmaxWanAttnProcessor", "apply_cog_attention", "key_padding_mask_from", "load",
-           "restore_cog_attention"]  # fmt: skip
+           "restore_cog_attention"]
 
 # The model-config entry that records the placement: {"keep_softmax_first": int, "keep_softmax_last": int,
 # "backend": str} (saved before the rename: {"keep_softmax": int, "backend": str}). A private ("_") key, so diffusers
@@ -112,11 +112,11 @@ class _ProcessorCheck:
                           f"{', '.join(replaced[:4])}{', ...' if len(replaced) > 4 else ''}. Something replaced "
                           "them after apply_cog_attention (load_ip_adapter's cross-attention processors, "
                           "custom-diffusion load_attn_procs, set_attn_processor); call apply_cog_attention again "
-                          "if their processors have Cog counterparts", stacklevel=2)  # fmt: skip
+                          "if their processors have Cog counterparts", stacklevel=2)
 
 
 def apply_cog_attention(model: torch.nn.Module, *, keep_softmax_first: int = 1, keep_softmax_last: int = 1,
-                        backend: Backend = "auto", keep_softmax: int | None = None) -> list[str]:  # fmt: skip
+                        backend: Backend = "auto", keep_softmax: int | None = None) -> list[str]:
     """Switch a diffusers model to Cog attention in the paper's placement: every attention block on Cog except the
     first `keep_softmax_first` and the last `keep_softmax_last` blocks in forward order, which keep softmax (the
     stock computation).
@@ -143,7 +143,7 @@ def apply_cog_attention(model: torch.nn.Module, *, keep_softmax_first: int = 1, 
     """
     if keep_softmax is not None:
         keep_softmax_first, keep_softmax_last = renamed_placement(keep_softmax, old="keep_softmax",
-                                                                  where="apply_cog_attention")  # fmt: skip
+                                                                  where="apply_cog_attention")
     check_softmax_count(keep_softmax_first, "keep_softmax_first")
     check_softmax_count(keep_softmax_last, "keep_softmax_last")
     if backend not in BACKENDS:
@@ -155,15 +155,15 @@ def apply_cog_attention(model: torch.nn.Module, *, keep_softmax_first: int = 1, 
         processor = type(module.processor)
         if processor in REFUSED:
             raise ValueError(f"attention module {name!r} uses {processor.__name__}: {REFUSED[processor]}, so Cog "
-                             "attention does not apply to it")  # fmt: skip
+                             "attention does not apply to it")
         if processor not in _FAMILY:
             known = ", ".join(sorted({c.__name__ for stock, _, _ in FAMILIES for c in stock}))
             raise ValueError(f"attention module {name!r} uses {processor.__name__}, which uvic cannot switch to "
-                             f"Cog attention (supported processors: {known})")  # fmt: skip
+                             f"Cog attention (supported processors: {known})")
     blocks = list(dict.fromkeys(block for _, _, block in layers))
     # A model with no more blocks than the two ends keeps them all (warned below).
     kinds = dict(zip(blocks, attention_placement(len(blocks), keep_softmax_first, keep_softmax_last,
-                                                 allow_overlap=True)))  # fmt: skip
+                                                 allow_overlap=True)))
     switched, placed = [], {}
     for name, module, block in layers:
         old = module.processor
@@ -180,7 +180,7 @@ def apply_cog_attention(model: torch.nn.Module, *, keep_softmax_first: int = 1, 
         warnings.warn(f"{type(model).__name__} has {len(blocks)} attention block(s), and keep_softmax_first="
                       f"{keep_softmax_first} and keep_softmax_last={keep_softmax_last} keep all of them on softmax, "
                       "so no layer runs Cog attention (use smaller counts; 0 and 0 switch every block)",
-                      stacklevel=2)  # fmt: skip
+                      stacklevel=2)
     if hasattr(model, "register_to_config"):
         model.register_to_config(**{CONFIG_KEY: {"keep_softmax_first": keep_softmax_first,
                                                  "keep_softmax_last": keep_softmax_last, "backend": backend}})
@@ -211,14 +211,14 @@ def restore_cog_attention(model: torch.nn.Module) -> list[str] | None:
         recorded = [(key, placement) for key, placement in found if placement is not None]
         if not recorded:
             warnings.warn(f"{type(model).__name__}: no component records a Cog placement in its config (saved "
-                          "without apply_cog_attention?); it runs its stock attention", stacklevel=2)  # fmt: skip
+                          "without apply_cog_attention?); it runs its stock attention", stacklevel=2)
             return None
         return [f"{key}.{name}" for key, placement in recorded
-                for name in apply_cog_attention(components[key], **placement)]  # fmt: skip
+                for name in apply_cog_attention(components[key], **placement)]
     placement = _recorded_placement(model)
     if placement is None:
         warnings.warn(f"{type(model).__name__}: its config records no Cog placement (saved without "
-                      "apply_cog_attention?); it runs its stock attention", stacklevel=2)  # fmt: skip
+                      "apply_cog_attention?); it runs its stock attention", stacklevel=2)
         return None
     return apply_cog_attention(model, **placement)
 
@@ -235,14 +235,14 @@ def _recorded_placement(model: torch.nn.Module, component: str | None = None, wa
     if not isinstance(placement, Mapping) or not set(placement) <= {*_RECORD_KEYS, "keep_softmax"}:
         raise ValueError(f"{where} must be a mapping {{'keep_softmax_first': int, 'keep_softmax_last': int, "
                          f"'backend': str}} (what apply_cog_attention saves), got "
-                         f"{reprlib.repr(placement)}")  # fmt: skip
+                         f"{reprlib.repr(placement)}")
     if placement.get("backend", "auto") not in BACKENDS:
         raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {reprlib.repr(placement['backend'])}")
     placement = dict(placement)
     if "keep_softmax" in placement:  # saved before the rename: one count for both ends
         count = check_softmax_count(placement.pop("keep_softmax"), f"{where}: keep_softmax")
         ends = renamed_placement(count, placement.get("keep_softmax_first"), placement.get("keep_softmax_last"),
-                                 old="keep_softmax", where=where, stacklevel=4, warn=warn)  # fmt: skip
+                                 old="keep_softmax", where=where, stacklevel=4, warn=warn)
         placement.update(zip(("keep_softmax_first", "keep_softmax_last"), ends))
     for key in ("keep_softmax_first", "keep_softmax_last"):
         if key in placement:

@@ -53,7 +53,7 @@ from uvic.attention import (
 
 
 __all__ = ["CONFIG_FIELDS", "DEFAULT_KEEP_SOFTMAX", "apply_cog_attention", "cog_attention_forward", "cog_mask",
-           "layer_uses_cog"]  # fmt: skip
+           "layer_uses_cog"]
 
 IMPLEMENTATION = "cog"
 # The model-config fields of the placement: keep_softmax_first, keep_softmax_last.
@@ -108,7 +108,7 @@ def cog_mask(
     where = "attention mask" if config is None else f"{type(config).__name__.removesuffix('Config')} attention mask"
     device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
     if (isinstance(q_offset, torch.Tensor) and q_length == 1 and kv_offset == 0
-            and mask_function is causal_mask_function):  # fmt: skip
+            and mask_function is causal_mask_function):
         # A decoding step on a StaticCache (whose layers give their offset as a tensor): all kv_length slots, the
         # unfilled ones off, so the shape is the same at every step and no value is read.
         kpm = (torch.arange(kv_length, device=device) < q_offset + q_length)[None].expand(batch_size, -1)
@@ -123,7 +123,7 @@ def cog_mask(
             raise ValueError(f"{where}: Cog attention needs causal keys that end at the current token, or a cache "
                              f"whose keys start at position 0 (a DynamicCache or a StaticCache); got {kv_length} keys "
                              f"at offset {kv_offset} for the {q_length} queries at {q_offset} (a static "
-                             "sliding-window cache)")  # fmt: skip
+                             "sliding-window cache)")
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         # Any other pattern is accepted only if it is the causal one or the causal one cut by the sliding window.
         i = torch.arange(q_length, device=device)[None, :, None] + q_offset
@@ -136,7 +136,7 @@ def cog_mask(
             raise ValueError(f"{where}: Cog attention supports causal masks (with the config's sliding window, if "
                              "any) or bidirectional ones, with key padding; this model asks for another pattern "
                              f"({getattr(mask_function, '__name__', mask_function)}: packed sequences, a block "
-                             "mask or a bidirectional window)")  # fmt: skip
+                             "mask or a bidirectional window)")
     if filled < kv_length:  # a static cache: the first `filled` positions (transformers pads a short mask with 0)
         if attention_mask is None:
             return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
@@ -194,7 +194,7 @@ def cog_attention_forward(
                                                                     or attention_mask.dtype != torch.bool):
         raise ValueError(f"{where}: Cog attention takes causal or bidirectional attention with a 2-D key padding "
                          f"mask or a 4-D mask of that pattern; got a {attention_mask.dim()}-D {attention_mask.dtype} "
-                         "mask")  # fmt: skip
+                         "mask")
     if place is None:
         if not isinstance(getattr(module, "layer_idx", None), int):
             raise ValueError(f"{where}: no layer index to place Cog attention by; call apply_cog_attention(model)")
@@ -215,12 +215,12 @@ def cog_attention_forward(
         value = value.repeat_interleave(groups, dim=1)
     op = attention_op("cog" if layer_uses_cog(module.config, *place) else "softmax")
     out = op(query, key, value, causal=causal, key_padding_mask=attention_mask, scale=scaling, window=window,
-             softcap=kwargs.get("softcap"), backend=getattr(module.config, "cog_backend", "auto"))  # fmt: skip
+             softcap=kwargs.get("softcap"), backend=getattr(module.config, "cog_backend", "auto"))
     return out.transpose(1, 2).contiguous(), None
 
 
 def _key_padding_of(mask: torch.Tensor, batch_size: int, kv_length: int, causal: bool,
-                    window: tuple[int, int] | None, where: str) -> torch.Tensor | None:  # fmt: skip
+                    window: tuple[int, int] | None, where: str) -> torch.Tensor | None:
     """The (B, Lk) key padding mask (None: every key) that, with the op's bottom-right aligned causal band (or
     none) and `window`, keeps exactly what the 4-D `mask` keeps; a ValueError naming `where` for any other mask.
 
@@ -231,11 +231,11 @@ def _key_padding_of(mask: torch.Tensor, batch_size: int, kv_length: int, causal:
     b, _, q_length, k_length = mask.shape
     if b not in (1, batch_size) or k_length != kv_length:
         raise ValueError(f"{where}: a 4-D attention mask of shape {tuple(mask.shape)} does not fit {batch_size} "
-                         f"sequences of {kv_length} keys")  # fmt: skip
+                         f"sequences of {kv_length} keys")
     keep = kept_by_mask(mask)
     if keep is None:
         raise ValueError(f"{where}: the 4-D float attention mask holds values other than 0 and -inf (a bias on "
-                         "the scores); Cog attention takes only masks that remove keys")  # fmt: skip
+                         "the scores); Cog attention takes only masks that remove keys")
     # The keys any query keeps; in a causal pattern the last query keeps every key that is not padding.
     kpm = keep.any(dim=2)[:, 0]  # (b, Lk)
     i = torch.arange(q_length, device=mask.device)[:, None] + (kv_length - q_length)
@@ -247,7 +247,7 @@ def _key_padding_of(mask: torch.Tensor, batch_size: int, kv_length: int, causal:
         pattern = "causal" + (f" (window {window[0] + 1})" if window else "") if causal else "bidirectional"
         raise ValueError(f"{where}: Cog attention takes a 4-D mask only when it is the layer's {pattern} pattern "
                          f"with key padding (the same for every head); this one keeps other keys (a custom or "
-                         f"block mask)")  # fmt: skip
+                         f"block mask)")
     if bool(kpm.all()):
         return None
     return kpm.expand(batch_size, -1)
@@ -299,7 +299,7 @@ def _after_build(model: PreTrainedModel) -> None:
                 delattr(sub, OLD_CONFIG_FIELD)
                 ends = renamed_placement(old, *(getattr(sub, f, None) for f in CONFIG_FIELDS), old=OLD_CONFIG_FIELD,
                                          where=f"{type(sub).__name__} {str(config.name_or_path)!r}", stacklevel=5,
-                                         warn=not warned)  # fmt: skip
+                                         warn=not warned)
                 warned = True
                 for f, value in zip(CONFIG_FIELDS, ends):
                     setattr(sub, f, value)
@@ -308,7 +308,7 @@ def _after_build(model: PreTrainedModel) -> None:
                     check_softmax_count(getattr(sub, f), f)
         except ValueError as e:
             raise ValueError(f"{type(sub).__name__} {str(config.name_or_path)!r}: {e} (the config records "
-                             "apply_cog_attention's placement there)") from None  # fmt: skip
+                             "apply_cog_attention's placement there)") from None
         if hasattr(sub, "cog_backend"):
             check_backend(getattr(sub, "cog_backend"), f"{type(sub).__name__} {str(config.name_or_path)!r}: cog_backend")
     if config._attn_implementation == IMPLEMENTATION:
@@ -321,7 +321,7 @@ def _after_build(model: PreTrainedModel) -> None:
         warnings.warn(f"{name} model {str(config.name_or_path)!r}: its config records Cog attention "
                       f"({recorded}), but it runs "
                       f"{config._attn_implementation!r} attention; load it with attn_implementation='cog' or call "
-                      "uvic.integrations.transformers.apply_cog_attention", stacklevel=3)  # fmt: skip
+                      "uvic.integrations.transformers.apply_cog_attention", stacklevel=3)
 
 
 def check_backend(backend: object, where: str) -> None:
@@ -349,7 +349,7 @@ if not getattr(PreTrainedModel.post_init, "uvic_cog_check", False):
 
 def apply_cog_attention(model: PreTrainedModel, *, keep_softmax_first: int = DEFAULT_KEEP_SOFTMAX,
                         keep_softmax_last: int = DEFAULT_KEEP_SOFTMAX, backend: Backend = "auto",
-                        keep_softmax: int | None = None) -> list[str]:  # fmt: skip
+                        keep_softmax: int | None = None) -> list[str]:
     """Switch a transformers model to Cog attention in the paper's placement: in each stack of layers, the first
     `keep_softmax_first` and the last `keep_softmax_last` layers keep softmax, every layer between runs Cog.
 
@@ -373,7 +373,7 @@ def apply_cog_attention(model: PreTrainedModel, *, keep_softmax_first: int = DEF
     """
     if keep_softmax is not None:
         keep_softmax_first, keep_softmax_last = renamed_placement(keep_softmax, old="keep_softmax",
-                                                                  where="apply_cog_attention")  # fmt: skip
+                                                                  where="apply_cog_attention")
     check_softmax_count(keep_softmax_first, "keep_softmax_first")
     check_softmax_count(keep_softmax_last, "keep_softmax_last")
     check_backend(backend, "backend")
@@ -384,11 +384,11 @@ def apply_cog_attention(model: PreTrainedModel, *, keep_softmax_first: int = DEF
     if biased:
         raise ValueError(f"{type(model).__name__}: {biased[0]} adds a learned relative-position bias to the attention "
                          "scores; Cog attention takes only masks that remove keys, not a bias, so it does not "
-                         "apply")  # fmt: skip
+                         "apply")
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} does not dispatch its attention through transformers' "
-                         "AttentionInterface, so it cannot run Cog attention")  # fmt: skip
+                         "AttentionInterface, so it cannot run Cog attention")
     for config in _configs(model.config):
         if hasattr(config, OLD_CONFIG_FIELD):
             delattr(config, OLD_CONFIG_FIELD)
@@ -405,5 +405,5 @@ def apply_cog_attention(model: PreTrainedModel, *, keep_softmax_first: int = DEF
         warnings.warn(f"{type(model).__name__}: keep_softmax_first={keep_softmax_first} and keep_softmax_last="
                       f"{keep_softmax_last} keep every layer of its stacks "
                       f"({', '.join(sorted({str(n) for *_, n in layers}))} layers) on softmax, so no layer runs "
-                      "Cog attention (use smaller counts; 0 and 0 switch every layer)", stacklevel=2)  # fmt: skip
+                      "Cog attention (use smaller counts; 0 and 0 switch every layer)", stacklevel=2)
     return switched

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = run_probes(model, tokenizer, args.out, tasks, ns, args.prompt, title=title, ref_n=args.ref_n)
     for row in rows:
         logger.info("%-12s n=%4d  rel_linf=%.4f  rel_head_linf=%.4f", row["task"], row["n"], row["rel_linf"],
-                    row["rel_head_linf"])  # fmt: skip
+                    row["rel_head_linf"])
     logger.info("wrote %s and %s", Path(args.out) / "probes.csv", Path(args.out) / "probes.png")
 
 

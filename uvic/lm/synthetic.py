@@ -69,7 +69,7 @@ def mqar(rng: np.random.Generator, length: int, vocab_size: int, num_kv_pairs: i
 
 
 def induction(rng: np.random.Generator, length: int, vocab_size: int, num_kv_pairs: int = 0
-              ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+              ) -> tuple[np.ndarray, np.ndarray]:
     """One copy sequence (see the module docstring); `num_kv_pairs` is unused.
 
     Returns:
@@ -125,7 +125,7 @@ class SyntheticDataset(Dataset):
     """
 
     def __init__(self, task: str, split: str, num_sequences: int, block_size: int, vocab_size: int,
-                 num_kv_pairs: int) -> None:  # fmt: skip
+                 num_kv_pairs: int) -> None:
         if (why := synthetic_problem(task, block_size, vocab_size, num_kv_pairs)) is not None:
             raise ValueError(why)
         if split not in SPLITS:

@@ -45,7 +45,7 @@ def _renamed_placement(init):
         if "num_softmax_layers" in kwargs:
             first, last = renamed_placement(kwargs.pop("num_softmax_layers"), kwargs.pop("keep_softmax_first", None),
                                             kwargs.pop("keep_softmax_last", None), old="num_softmax_layers",
-                                            where=type(self).__name__)  # fmt: skip
+                                            where=type(self).__name__)
             kwargs.update(keep_softmax_first=first, keep_softmax_last=last)
         return init(self, *args, **kwargs)
 

@@ -226,7 +226,7 @@ class CLIPTextEncoder(ModelMixin, ConfigMixin):
             encoder = cls.from_pretrained(spec)
         except Exception as e:  # noqa: BLE001 - diffusers / safetensors / torch report a damaged file in many types
             raise ValueError(f"cannot load {what}, a file in it is missing or damaged "
-                             f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e  # fmt: skip
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
         return encoder.eval()
 
     def load_text_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

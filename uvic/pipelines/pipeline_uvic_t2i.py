@@ -190,7 +190,7 @@ class UViCText2ImagePipeline(ExportedPipelineMixin, DiffusionPipeline):
         # 3. Denoising loop; guidance on epsilon, before the solver turns it into a data prediction.
         context = torch.cat([cond, uncond]) if guided else cond
         latents = denoise(self, latents, num_inference_steps, guidance_scale, generator, device,
-                          encoder_hidden_states=context)  # fmt: skip
+                          encoder_hidden_states=context)
 
         # 4. Decode z / scaling_factor with the VAE; [-1, 1] -> [0, 1] in float32.
         if output_type == "latent":

@@ -104,7 +104,7 @@ def load_pretrained(
     # The component classes `cls.__init__` takes (diffusers reads the same annotations).
     components = {component: wanted for component, types in cls._get_signature_types().items()
                   if (wanted := tuple(t for t in types if isinstance(t, type)
-                                      and issubclass(t, (torch.nn.Module, SchedulerMixin))))}  # fmt: skip
+                                      and issubclass(t, (torch.nn.Module, SchedulerMixin))))}
     # Before diffusers builds anything: each component is of a class the pipeline takes, and fits its weights.
     for component, wanted in components.items():
         if isinstance(index.get(component), list) and index[component] != [None, None]:
@@ -120,7 +120,7 @@ def load_pretrained(
         value = getattr(pipe, component, None)
         if value is not None and not isinstance(value, wanted):
             raise ValueError(f"the {component} of the pipeline in {path} is a {type(value).__name__}; a {cls.__name__} "
-                             f"takes a {_names(wanted)}")  # fmt: skip
+                             f"takes a {_names(wanted)}")
     if sampler is not None:
         pipe.scheduler = convert_scheduler(pipe.scheduler, sampler)
     return attach_text_encoder(pipe, text_encoder)
@@ -139,14 +139,14 @@ def _component_class(path: Path, component: str, entry: list, cls: type, wanted:
     library, class_name = entry
     if library.split(".")[0] not in ("diffusers", "transformers", "uvic"):
         raise ValueError(f"{where} {library}.{class_name} as the {component}; a {cls.__name__} takes a "
-                         f"{_names(wanted)}")  # fmt: skip
+                         f"{_names(wanted)}")
     try:
         named = getattr(importlib.import_module(library), class_name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{where} {library}.{class_name} as the {component}, which does not exist ({e})") from e
     if not (isinstance(named, type) and issubclass(named, wanted)):
         raise ValueError(f"{where} {library}.{class_name} as the {component}; a {cls.__name__} takes a "
-                         f"{_names(wanted)}")  # fmt: skip
+                         f"{_names(wanted)}")
     return named
 
 
@@ -387,7 +387,7 @@ def sample_to_folder(
                 prompts=None if prompts is None else [prompts[i] for i in chunk],
                 prompt_embeds=None if prompt_embeds is None else prompt_embeds[np.asarray(chunk)],
                 negative_prompt_embeds=negative_prompt_embeds, guidance_scale=guidance_scale, progress=bar,
-            )  # fmt: skip
+            )
             for i, img in zip(chunk, images):
                 # On disk before the rename, so a power cut or a full disk never leaves a short file.
                 with atomic_write(out_dir / f"{i:06d}.png") as f:
@@ -494,7 +494,7 @@ def decoded_shape(img_size: int, in_chans: int, vae: Any | None) -> tuple[int, i
 
 
 def grid_shape(n: int, h: int, w: int, c: int, nrow: int | None = None, pad: int = 2, scale: int = 1
-               ) -> tuple[int, int, int]:  # fmt: skip
+               ) -> tuple[int, int, int]:
     """(height, width, channels) of `save_grid`'s grid of n images of (h, w, c) pixels."""
     nrow = nrow or int(np.ceil(np.sqrt(n)))
     rows = int(np.ceil(n / nrow))

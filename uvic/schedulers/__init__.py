@@ -52,7 +52,7 @@ _EXPORTS = {
     "UViTDPMSolverScheduler": "scheduling_dpmsolver_uvit", "VPSDEDPMSolverFastScheduler": "scheduling_dpmsolver_uvit",
     "VPSDEDPMSolverScheduler": "scheduling_vpsde", "VPSDEEulerMaruyamaScheduler": "scheduling_vpsde",
     "network_timestep": "timesteps", "network_timestep_for": "timesteps", "schedule_of": "timesteps",
-}  # fmt: skip
+}
 
 
 def __getattr__(name: str) -> Any:

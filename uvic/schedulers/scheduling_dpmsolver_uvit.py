@@ -138,7 +138,7 @@ class _SingleStepDPMSolver:
         raise NotImplementedError
 
     def _add_step(self, order: int, s: float, t: float, lam_s: float, h: float, r1: float | None,
-                  r2: float | None) -> None:  # fmt: skip
+                  r2: float | None) -> None:
         times = [s]
         # Intermediate stages at lambda_s + r * h, mapped back to time as the official solver does.
         for r in (r1, r2)[: order - 1]:

@@ -117,7 +117,7 @@ def unverifiable_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in root.iterdir()
-                  if (m := _NAME.match(p.name)) and not (p / META).is_file())  # fmt: skip
+                  if (m := _NAME.match(p.name)) and not (p / META).is_file())
 
 
 def passed_over(run_dir: str | Path, chosen: Path | None) -> list[Path]:
@@ -194,7 +194,7 @@ def read_checkpoint(path: str | Path, read: Callable[[Path], T], attempts: int =
 
 def _file_hashes(ckpt: Path) -> dict[str, str]:
     return {p.relative_to(ckpt).as_posix(): sha256_file(p)
-            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != META}  # fmt: skip
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != META}
 
 
 def _problem(path: Path) -> tuple[int | None, str | None]:
@@ -356,7 +356,7 @@ def _save_state(accelerator: Accelerator, state: TrainingState, out: Path) -> No
         torch.save({"accelerator_step": int(accelerator.step),
                     "scaler": None if scaler is None else scaler.state_dict(),
                     "objects": {name: obj.state_dict() for name, obj in state.objects.items()}},
-                   out / TRAINING_STATE)  # fmt: skip
+                   out / TRAINING_STATE)
     torch.save(_rng_states(), out / f"random_states_{accelerator.process_index}.pt")
 
 
@@ -377,7 +377,7 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     random.setstate((int(version), tuple(int(v) for v in internal), gauss_next))
     numpy_state = states["numpy"]
     np.random.set_state(("MT19937", numpy_state["key"].numpy().astype(np.uint32), int(numpy_state["pos"]),
-                         int(numpy_state["has_gauss"]), float(numpy_state["cached_gaussian"])))  # fmt: skip
+                         int(numpy_state["has_gauss"]), float(numpy_state["cached_gaussian"])))
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"][: torch.cuda.device_count()])

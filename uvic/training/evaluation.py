@@ -92,7 +92,7 @@ def _problem(record: Any, run_dir: Path) -> str | None:
             return f"{key!r} is {json.dumps(value)}, not {text}"
     rel = PurePosixPath(record["checkpoint"])
     inside = (str(rel) not in ("", ".") and not rel.is_absolute() and ".." not in rel.parts
-              and run_dir.resolve() in (run_dir / rel).resolve().parents)  # fmt: skip
+              and run_dir.resolve() in (run_dir / rel).resolve().parents)
     if not inside:
         return f"'checkpoint' is {json.dumps(record['checkpoint'])}, which is not a path inside the run dir"
     return None
@@ -379,7 +379,7 @@ class Evaluator:
         sha_kw = {} if sha == "" else {"sha256": None if sha.lower() == "none" else sha}
         self.extractor = load_extractor(weights=tc.eval_fid_weights or None, dims=self.dims, mode=self.mode,
                                         device=state.device, sha256_option="train.eval_fid_weights_sha256=none",
-                                        **sha_kw)  # fmt: skip
+                                        **sha_kw)
         self.dims = self.extractor.dims
         self.mode = self.extractor.mode  # a feature classifier's own ("classifier"); else train.eval_fid_mode
         self.title = "FID" if self.mode != "classifier" else self.extractor.title
@@ -400,7 +400,7 @@ class Evaluator:
         key = hashlib.sha256(json.dumps({
             "reference": ref, "files": _fingerprint(ref), "dims": self.dims, "mode": self.mode,
             "weights_sha256": self.extractor.weights_sha256,
-        }).encode()).hexdigest()  # fmt: skip
+        }).encode()).hexdigest()
         cache = Path(tc.run_dir) / REFERENCE_CACHE
         try:
             stats = load_stats(cache) if is_stats_file(cache) else None
@@ -492,7 +492,7 @@ class Evaluator:
         stem = "fid" if getattr(self, "title", "FID") == "FID" else "fd"
         desc = f"{stem}{n}" if step is None else f"{stem}{n} at step {step}"
         with tqdm(total=per, unit="img", desc=desc, leave=False,
-                  disable=not self.state.is_local_main_process) as bar:  # fmt: skip
+                  disable=not self.state.is_local_main_process) as bar:
             for k in range(first, first + per, s.batch_size):
                 idx = list(range(k, min(k + s.batch_size, first + per)))
                 images = generate(pipe, [seed0 + i for i in idx], batch_size=s.batch_size,

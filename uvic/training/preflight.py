@@ -75,7 +75,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "train.cpu_threads", "train.gradient_checkpointing", "train.val_batch_size",  # speed and memory, same numbers
     "data.num_workers", "data.download",
     "sample.num_images", "sample.batch_size",  # the grid's size; images do not depend on the batch
-)  # fmt: skip
+)
 
 
 def may_change_on_resume(key: str) -> bool:

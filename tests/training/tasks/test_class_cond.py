@@ -33,7 +33,7 @@ def _pixels(run_dir, root, **extra):
         "train.lr": 1e-3, "train.ema_decay": 0.9, "train.log_every": 1, "train.sample_every": 0,
         "train.save_every": 2, "train.log_with": "none", "train.cpu_threads": 1,
         "sample.num_images": 3, "sample.num_inference_steps": 2, "sample.guidance_scale": 1.0,
-    }  # fmt: skip
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -109,7 +109,7 @@ def test_the_small_class_conditional_config_trains_on_a_few_classes(tmp_path, ru
         "train.py", "configs/class_cond_small.yaml", f"data.root={root}", "data.num_classes=3",
         "model.preset=uvic-tiny-class", "data.image_size=8", "data.num_workers=0", f"train.run_dir={run}",
         "train.max_steps=2", "train.batch_size=4", "train.log_with=none", "train.sample_every=0", "train.cpu_threads=1",
-        "sample.num_inference_steps=2")  # fmt: skip
+        "sample.num_inference_steps=2")
     assert code == 0, err[-3000:]
     pipe = UViCPipeline.from_pretrained(run / "pipeline")
     assert pipe.transformer.config.num_classes == 4 and pipe.config.null_class and pipe.num_labels == 3

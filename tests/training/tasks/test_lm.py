@@ -37,7 +37,7 @@ def small_text(path):
 def _overrides(run, text, **extra):
     base = {"data.path": str(text), "data.block_size": 32, "train.run_dir": str(run), "train.batch_size": 8,
             "train.max_steps": 6, "train.warmup_steps": 2, "train.save_every": 3, "train.log_every": 1,
-            "train.sample_every": 0, "train.log_with": "none", "train.cpu_threads": 1}  # fmt: skip
+            "train.sample_every": 0, "train.log_with": "none", "train.cpu_threads": 1}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -117,7 +117,7 @@ def test_lm_model_config_fields_are_cogformer_kwargs():
     # Architecture kwargs not in the dataclass are only token ids / cache / tying flags.
     assert params - fields - {"self", "kwargs"} == {
         "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
-    }  # fmt: skip
+    }
     with torch.device("meta"):
         model = build_model(LMModelConfig())
     assert model.config.hidden_size == 768 and model.config.attention_types()[:2] == ["softmax", "cog"]

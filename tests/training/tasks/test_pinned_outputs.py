@@ -35,7 +35,7 @@ def _overrides(run_dir, **extra):
             "model.num_heads": 2, "model.attention_backend": "torch", "train.run_dir": str(run_dir),
             "train.log_with": "none", "train.eval_every": 2, "train.eval_num_images": 5, "train.eval_fid_dims": 64,
             "train.eval_fid_weights_sha256": "none", "sample.num_images": 5, "sample.num_inference_steps": 2,
-            "sample.batch_size": 2}  # fmt: skip
+            "sample.batch_size": 2}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -71,11 +71,11 @@ def _config(case: str, tmp: Path, weights: Path, make_tiny_coco):
                               train={"eval_every": 2, "eval_num_images": 5, "eval_fid_dims": 64,
                                      "eval_reference": str(_images(tmp / "ref", 3, 16)),
                                      "eval_fid_weights": str(weights), "eval_fid_weights_sha256": "none"},
-                              sample={"num_images": 5, "batch_size": 2, "guidance_scale": 2.0})  # fmt: skip
+                              sample={"num_images": 5, "batch_size": 2, "guidance_scale": 2.0})
         return cfg
     root = make_imagenet(tmp / "imagenet")
     common = {"task": "class_cond", "data.root": str(root), "data.image_size": 8, "data.num_classes": 3,
-              "data.num_workers": 0, "model.num_classes": 3, "sample.guidance_scale": 1.0}  # fmt: skip
+              "data.num_workers": 0, "model.num_classes": 3, "sample.guidance_scale": 1.0}
     if case == "class_cond_pixels":
         return load_config(None, _overrides(tmp / "run", **fid, **common, **{
             "train.eval_reference": str(_images(tmp / "ref", 3, 8))}))

@@ -102,7 +102,7 @@ def test_text2image_task_in_the_training_loop(tmp_path, make_tiny_coco):
         train={"max_steps": 3, "batch_size": 4, "betas": (0.9, 0.9), "warmup_steps": 2, "sample_every": 3,
                "save_every": 3},
         sample={"num_inference_steps": 3, "num_images": 4},
-    )  # fmt: skip
+    )
     train(cfg)
     run = tmp_path / "run"
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -98,4 +98,4 @@ __all__ = [
     "KeptSoftmaxAuraFlowAttnProcessor", "KeptSoftmaxCogVideoXAttnProcessor", "KeptSoftmaxFluxAttnProcessor",
     "KeptSoftmaxHunyuanAttnProcessor", "KeptSoftmaxJointAttnProcessor", "KeptSoftmaxLTXAttnProcessor",
     "KeptSoftmaxWanAttnProcessor",
-]  # fmt: skip
+]

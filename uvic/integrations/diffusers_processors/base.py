@@ -40,11 +40,11 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, where: str = "att
         attention_mask = attention_mask[:, None, None] if attention_mask.dim() == 2 else attention_mask[:, None]
     if attention_mask.dim() != 4:
         raise ValueError(f"{where}: expected a (B, heads, Lq, Lk) mask, got shape {tuple(attention_mask.shape)}; "
-                         f"{supported}")  # fmt: skip
+                         f"{supported}")
     keep = kept_by_mask(attention_mask, REMOVED_KEY_BIAS)
     if keep is None:
         raise ValueError(f"{where}: the additive attention mask has entries other than 0 and "
-                         f"<= {REMOVED_KEY_BIAS:g} (a bias, not a key mask); {supported}")  # fmt: skip
+                         f"<= {REMOVED_KEY_BIAS:g} (a bias, not a key mask); {supported}")
     if not (keep == keep[:, :1, :1, :]).all():
         raise ValueError(f"{where}: the attention mask differs between queries or heads; {supported}")
     kpm = keep[:, 0, 0, :]
@@ -119,7 +119,7 @@ class Dispatch(Attend):
         """q (B, Lq, nh, hd), k and v (B, Lk, nh, hd) -> (B, Lq, nh, hd)."""
         if self.attention == "softmax":
             return dispatch_attention_fn(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False,
-                                         backend=self._attention_backend, parallel_config=parallel_config)  # fmt: skip
+                                         backend=self._attention_backend, parallel_config=parallel_config)
         return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
 
 
@@ -163,4 +163,4 @@ def kept_softmax(cog: type) -> type:
     name = cog.__name__.replace("Cog", "KeptSoftmax", 1)
     doc = f"`{cog.__name__}` on a layer kept on softmax: exactly the stock processor's computation."
     return type(name, (cog,), {"attention": "softmax", "__doc__": doc, "__module__": cog.__module__,
-                               "__qualname__": name})  # fmt: skip
+                               "__qualname__": name})

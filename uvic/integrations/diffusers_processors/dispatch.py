@@ -38,7 +38,7 @@ class CogFluxAttnProcessor(Dispatch):
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
             if with_context and attn.added_kv_proj_dim is not None:
                 c_qkv = (attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states),
-                         attn.add_v_proj(encoder_hidden_states))  # fmt: skip
+                         attn.add_v_proj(encoder_hidden_states))
         split = lambda t: t.unflatten(-1, (-1, attn.head_dim))  # noqa: E731  (B, L, nh, hd)
         query, key, value = attn.norm_q(split(query)), attn.norm_k(split(key)), split(value)
         if with_context and attn.added_kv_proj_dim is not None:

@@ -55,7 +55,7 @@ def _attn_processor_call(
     elif attn.norm_cross:
         encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
     query, key, value = qkv_heads(attn, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, hidden_states,
-                                  encoder_hidden_states)  # fmt: skip
+                                  encoder_hidden_states)
     if image_rotary_emb is not None:
         query = apply_rotary_emb(query, image_rotary_emb)
         if not attn.is_cross_attention:
@@ -87,7 +87,7 @@ class CogAttnProcessor(LayerScale, Attend):
         """hidden_states (B, L, C) or (B, C, H, W); encoder_hidden_states (B, Lk, C_cross) or None; attention_mask
         as diffusers passes it. Returns a tensor of hidden_states' shape."""
         return _attn_processor_call(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb,
-                                    self.scale_for(attn))  # fmt: skip
+                                    self.scale_for(attn))
 
 
 class CogHunyuanAttnProcessor(Attend):
@@ -106,7 +106,7 @@ class CogHunyuanAttnProcessor(Attend):
         """hidden_states (B, L, C) or (B, C, H, W); encoder_hidden_states (B, Lk, C_cross) or None. Returns a
         tensor of hidden_states' shape."""
         return _attn_processor_call(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb, None,
-                                    image_rotary_emb)  # fmt: skip
+                                    image_rotary_emb)
 
 
 class CogAddedKVAttnProcessor(LayerScale, Attend):
@@ -164,11 +164,11 @@ class CogJointAttnProcessor(Attend):
         the context when it was given."""
         n_image = hidden_states.shape[1]
         query, key, value = qkv_heads(attn, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, hidden_states,
-                                      hidden_states)  # fmt: skip
+                                      hidden_states)
         if encoder_hidden_states is not None:
             c_query, c_key, c_value = qkv_heads(attn, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj,
                                                 attn.norm_added_q, attn.norm_added_k, encoder_hidden_states,
-                                                encoder_hidden_states)  # fmt: skip
+                                                encoder_hidden_states)
             query = torch.cat([query, c_query], dim=2)
             key = torch.cat([key, c_key], dim=2)
             value = torch.cat([value, c_value], dim=2)
@@ -200,7 +200,7 @@ class CogAuraFlowAttnProcessor(Attend):
             key = attn.norm_k(key)
         if encoder_hidden_states is not None:
             c_query, c_key, c_value = (split_blhd(f(encoder_hidden_states), attn.heads)
-                                       for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))  # fmt: skip
+                                       for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
             if attn.norm_added_q is not None:
                 c_query = attn.norm_added_q(c_query)
             if attn.norm_added_k is not None:
@@ -236,7 +236,7 @@ class CogCogVideoXAttnProcessor(Attend):
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         attention_mask = prepare_mask(attn, attention_mask, hidden_states)
         query, key, value = qkv_heads(attn, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, hidden_states,
-                                      hidden_states)  # fmt: skip
+                                      hidden_states)
         if image_rotary_emb is not None:
             query = torch.cat([query[:, :, :n_text], apply_rotary_emb(query[:, :, n_text:], image_rotary_emb)], 2)
             if not attn.is_cross_attention:
