@@ -14,6 +14,7 @@ from scipy import stats
 from synthetic_runs import MAX_STEPS, write_run
 
 from uvic.compare.report import build_report, write_report
+from uvic.errors import StorageError
 
 
 STEPS = range(1, MAX_STEPS + 1)
@@ -363,3 +364,18 @@ def test_report_baseline_and_every_pair_from_the_same_runs(make_comparison, run_
     assert "| pair | n | difference (95% interval) | relative | p | verdict |" in md and "| cog_all - uvit | 3 |" in md
     code, _, err = run_script("compare.py", "report", plan.out, "--baseline", "nope")
     assert code == 2 and "--baseline 'nope' is not an arm of this comparison (uvit, uvic, cog_all)" in err
+
+
+def test_a_figures_folder_that_is_a_symlink_out_of_the_comparison_is_refused_and_nothing_outside_is_touched(
+        make_comparison, tmp_path):
+    plan = make_comparison()
+    _full(plan)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "precious.png").write_bytes(b"not a figure of this report")
+    (plan.out / "figures").symlink_to(outside)
+    with pytest.raises(StorageError, match="figures is a symlink"):
+        write_report(plan.out)
+    assert [p.name for p in outside.iterdir()] == ["precious.png"]  # nothing drawn there, nothing removed
+    assert (outside / "precious.png").read_bytes() == b"not a figure of this report"
+    assert not (plan.out / "report.json").exists()

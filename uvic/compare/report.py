@@ -39,6 +39,7 @@ import base64
 import html
 import json
 import math
+import os
 import re
 import statistics
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
 from uvic.compare.protocol_fid import read_fids, read_record, record_exclusions
 from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state
 from uvic.compare.stats import fid_spreads, paired_by_seed
-from uvic.errors import storage_errors
+from uvic.errors import StorageError, storage_errors
 from uvic.io import atomic_write
 
 
@@ -226,6 +227,7 @@ def write_report(out: str | Path, baseline: str | None = None, all_pairs: bool =
     written: list[str] = []
     try:
         with storage_errors(f"cannot write the report into {out}"):
+            _check_own_folder(out, FIGURES)
             data = _with_pairs(_report_data(g), all_pairs)
             blocks = _document(g, data, _draw(g, data, out / FIGURES))
             texts = {"report.json": json.dumps(data, indent=1, allow_nan=False), "report.md": to_markdown(blocks, out),
@@ -241,6 +243,22 @@ def write_report(out: str | Path, baseline: str | None = None, all_pairs: bool =
 
 
 REPORT_FILES = ("report.json", "report.md", "report.html")
+
+
+def _check_own_folder(out: Path, name: str) -> None:
+    """Refuse a folder of the report (`figures`) that is a symlink or resolves outside `out`: its figures would be
+    drawn, and stale ones removed, wherever it points.
+
+    Raises:
+        StorageError: naming the folder and where it points.
+    """
+    folder = out / name
+    if folder.is_symlink():
+        raise StorageError(f"{folder}: {name} is a symlink (to {os.readlink(folder)}); the report writes only inside "
+                           f"{out}: remove it")
+    if folder.exists() and not folder.resolve().is_relative_to(out.resolve()):
+        raise StorageError(f"{folder} lies outside {out} (in {folder.resolve()}); the report writes only inside it: "
+                           f"remove it")
 
 
 def _withdraw_stale(out: Path, keep: list[str]) -> None:
