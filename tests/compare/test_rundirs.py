@@ -163,3 +163,12 @@ def test_a_record_that_resolves_outside_the_run_dir_is_a_mismatch(make_compariso
     (aa.out / "b").rmdir()
     (aa.out / "b").symlink_to(aa.out / "a")
     assert run_state(aa, aa.run("b", 0), {}).detail.startswith(f"{aa.out / 'b'} is a symlink (to ")
+
+
+def test_an_attempts_json_entry_that_is_not_a_record_is_ignored(make_comparison):
+    plan = make_comparison(seeds=(0,))
+    write_run(plan, "uvic", 0, losses={10: 1.0}, finished=False)
+    (plan.out / "attempts.json").write_text(json.dumps({"uvic/seed_0": "boom", "uvit/seed_0": [1]}))
+    assert read_attempts(plan.out) == {}
+    state = run_state(plan, plan.run("uvic", 0), read_attempts(plan.out))
+    assert (state.state, state.detail) == ("unfinished", f"last checkpoint at step 5 of {MAX_STEPS}")

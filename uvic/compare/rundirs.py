@@ -166,7 +166,15 @@ def read_attempts(out: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    return _attempt_records(data)
+
+
+def _attempt_records(data: Any) -> dict[str, Any]:
+    """The entries of attempts.json's `data` that are attempt records (mappings); a hand-edited entry that is not
+    one (a string, a list) is ignored, as a damaged attempts.json is, rather than failing the report."""
+    if not isinstance(data, dict):
+        return {}
+    return {key: entry for key, entry in data.items() if isinstance(entry, dict)}
 
 
 def record_attempt(out: str | Path, run: Run, exit_code: int, error: str, log: str) -> None:
