@@ -244,7 +244,7 @@ def test_out_reaches_train_py_literally(tmp_path, run_script, monkeypatch, out_n
 def test_arm_names_are_portable_file_names():
     from uvic.compare.plan import check_arm_name
 
-    for bad in ["-x", ".x", "", "a/b", "a\\b", "a" * 101, "FIGURES", "report.md", 3, None]:
+    for bad in ["-x", ".x", "", "a/b", "a\\b", "a" * 101, "FIGURES", "report.md", 3, None, "a\n"]:
         with pytest.raises(ConfigError, match="must be letters"):
             check_arm_name(bad)
     for good in ["a", "a..b", "uvit_s2-1.0", "a" * 100, "plan"]:

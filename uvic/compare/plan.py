@@ -207,7 +207,7 @@ def check_arm_name(name: Any, where: str = "") -> None:
     Raises:
         ConfigError: naming the arm (and `where` it was read, e.g. plan.json).
     """
-    ok = (isinstance(name, str) and bool(_ARM_NAME.match(name)) and len(name) <= MAX_ARM_NAME
+    ok = (isinstance(name, str) and bool(_ARM_NAME.fullmatch(name)) and len(name) <= MAX_ARM_NAME
           and name.lower() not in _RESERVED_NAMES)
     if not ok:
         hint = " (it looks like an override: write --arm NAME KEY=VALUE ...)" if "=" in str(name) else ""
