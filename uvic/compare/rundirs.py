@@ -103,12 +103,12 @@ def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
 
 
 def _foreign_record(run_dir: Path, max_steps: int) -> str | None:
-    """Why a record of `run_dir` (`RECORDS`, the last checkpoint's files, the last sample grid) is not the run's
-    own file (a symlink, or a path that resolves outside the run dir), or None."""
+    """Why a record of `run_dir` (`RECORDS`, every file of the last checkpoint and of the export, the last sample
+    grid) is not the run's own file (a symlink, or a path that resolves outside the run dir), or None."""
     root = run_dir.resolve()
     last = checkpoint_dir(run_dir, max_steps)
     paths = [*(run_dir / name for name in RECORDS), last, last / "config.yaml", last / "meta.json",
-             sample_path(run_dir, max_steps, ".png")]
+             sample_path(run_dir, max_steps, ".png"), *_weight_files(run_dir, last)]
     for path in paths:
         name = path.relative_to(run_dir)
         if path.is_symlink():
@@ -116,6 +116,16 @@ def _foreign_record(run_dir: Path, max_steps: int) -> str | None:
         if path.exists() and not path.resolve().is_relative_to(root):
             return f"its {name} lies outside it (in {path.resolve()}): a run's records must be its own files"
     return None
+
+
+def _weight_files(run_dir: Path, last: Path) -> list[Path]:
+    """Everything inside the last checkpoint and the export `pipeline/` (the weights the protocol FID and sample.py
+    load), sorted; nothing below a folder that is itself a symlink (that folder is named instead)."""
+    out = []
+    for folder in (last, run_dir / "pipeline"):
+        if folder.is_dir() and not folder.is_symlink():
+            out += sorted(folder.rglob("*"))  # rglob does not descend into symlinked folders
+    return out
 
 
 def _checkpoint_mismatch(plan: Plan, run: Run) -> str | None:
