@@ -379,3 +379,19 @@ def test_a_figures_folder_that_is_a_symlink_out_of_the_comparison_is_refused_and
     assert [p.name for p in outside.iterdir()] == ["precious.png"]  # nothing drawn there, nothing removed
     assert (outside / "precious.png").read_bytes() == b"not a figure of this report"
     assert not (plan.out / "report.json").exists()
+
+
+def test_a_record_hard_linked_between_two_runs_makes_both_a_mismatch(make_comparison):
+    """A hard link passes every symlink check, and uvic's metrics.jsonl linked to uvit's reports a difference of 0."""
+    plan = make_comparison()
+    _full(plan)
+    ours = plan.run("uvic", 0).run_dir / "metrics.jsonl"
+    ours.unlink()
+    ours.hardlink_to(plan.run("uvit", 0).run_dir / "metrics.jsonl")
+    data = build_report(plan.out)
+    why = "its metrics.jsonl is the same file as that of {} (a hard link): a run's records must be its own files"
+    assert data["runs"]["uvic"]["0"] == {"state": "mismatch", "detail": why.format("uvit seed 0")}
+    assert data["runs"]["uvit"]["0"] == {"state": "mismatch", "detail": why.format("uvic seed 0")}
+    assert data["metrics"]["val_loss"]["values"] == {"uvit": {"1": pytest.approx(0.56), "2": pytest.approx(0.57)},
+                                                     "uvic": {"1": pytest.approx(0.54), "2": pytest.approx(0.55)}}
+    assert [s["state"] for arm in ("uvit", "uvic") for s in data["runs"][arm].values()].count("finished") == 4

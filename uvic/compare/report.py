@@ -52,7 +52,7 @@ from uvic.compare.plan import Plan, load_plan, rebase, shell_command
 from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
 from uvic.compare.protocol_fid import read_fids, read_record, record_exclusions
-from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state
+from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state, shared_records
 from uvic.compare.stats import fid_spreads, paired_by_seed
 from uvic.errors import StorageError, storage_errors
 from uvic.io import atomic_write
@@ -80,6 +80,11 @@ def _gather(out: Path, baseline: str | None = None) -> _Gathered:
     for run in plan.runs:
         key = (run.arm, run.seed)
         states[key] = run_state(plan, run, attempts)
+    finished = [run for run in plan.runs if states[run.arm, run.seed].state == "finished"]
+    for key, why in shared_records(plan, finished).items():  # one file counted for two runs: neither counts
+        states[key] = RunState("mismatch", why)
+    for run in plan.runs:
+        key = (run.arm, run.seed)
         if states[key].state == "finished":
             try:
                 logs[key] = read_logs(run.run_dir)

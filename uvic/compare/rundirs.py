@@ -118,6 +118,28 @@ def _foreign_record(run_dir: Path, max_steps: int) -> str | None:
     return None
 
 
+def shared_records(plan: Plan, runs: list[Run]) -> dict[tuple[str, int], str]:
+    """{(arm, seed): why} of the `runs` that share a record file (`RECORDS`, the files of the last checkpoint and of
+    the export) with another of them: one file under two names (a hard link, or a folder mounted twice) passes every
+    symlink check, and would report one run's numbers as another's. Both runs are named."""
+    owner: dict[tuple[int, int], tuple[Run, str]] = {}
+    out: dict[tuple[str, int], str] = {}
+    for run in runs:
+        run_dir = run.run_dir
+        last = checkpoint_dir(run_dir, plan.configs[run.arm]["train"]["max_steps"])
+        for path in [*(run_dir / name for name in RECORDS if name != "checkpoints"), *_weight_files(run_dir, last)]:
+            if not path.is_file():
+                continue
+            st = path.stat()
+            name = path.relative_to(run_dir).as_posix()
+            other = owner.setdefault((st.st_dev, st.st_ino), (run, name))
+            if other[0] != run:
+                for a, b in ((run, other[0]), (other[0], run)):
+                    out.setdefault((a.arm, a.seed), f"its {name} is the same file as that of {b.label} (a hard link): "
+                                                    f"a run's records must be its own files")
+    return out
+
+
 def _weight_files(run_dir: Path, last: Path) -> list[Path]:
     """Everything inside the last checkpoint and the export `pipeline/` (the weights the protocol FID and sample.py
     load), sorted; nothing below a folder that is itself a symlink (that folder is named instead)."""
