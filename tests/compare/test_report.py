@@ -395,3 +395,19 @@ def test_a_record_hard_linked_between_two_runs_makes_both_a_mismatch(make_compar
     assert data["metrics"]["val_loss"]["values"] == {"uvit": {"1": pytest.approx(0.56), "2": pytest.approx(0.57)},
                                                      "uvic": {"1": pytest.approx(0.54), "2": pytest.approx(0.55)}}
     assert [s["state"] for arm in ("uvit", "uvic") for s in data["runs"][arm].values()].count("finished") == 4
+
+
+def test_a_curve_mean_over_fewer_validations_than_the_schedule_is_left_out(make_comparison):
+    """With its step-50 validation line deleted, a run's val_loss_mean would be its step-100 value alone, paired with
+    the other runs' means over steps 50 and 100."""
+    plan = make_comparison(seeds=(0, 1), overrides=["train.val_every=50"])
+    for arm in ("uvit", "uvic"):
+        for seed in (0, 1):
+            write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, val={50: 2.0 + seed, 100: 1.0 + seed})
+    write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0}, val={100: 1.0})
+    data = build_report(plan.out)
+    mean = data["metrics"]["val_loss_mean"]
+    assert mean["excluded"] == {"uvit": {}, "uvic": {"0": "metrics.jsonl has no val_loss at step 50 (train.val_every "
+                                                          "= 50): the mean is over every validation"}}
+    assert mean["values"] == {"uvit": {"0": 1.5, "1": 2.5}, "uvic": {"1": 2.5}}  # (2 + 1) / 2, (3 + 2) / 2
+    assert data["metrics"]["val_loss"]["values"]["uvic"] == {"0": 1.0, "1": 2.0}  # the last step is there

@@ -197,7 +197,8 @@ def _exclude(g: _Gathered, metric: Metric, values: dict[str, dict[int, float]]) 
     out: dict[str, dict[str, str]] = {arm: {} for arm in g.plan.arm_names}
     for arm, seed in finished:
         value = values.get(arm, {}).get(seed)
-        why = reasons.get((arm, seed)) or exclusion(metric, g.logs[arm, seed], value, max_steps[arm, seed])
+        every = g.plan.configs[arm]["train"].get(metric.every, 0) if metric.every else 0
+        why = reasons.get((arm, seed)) or exclusion(metric, g.logs[arm, seed], value, max_steps[arm, seed], every)
         if why is not None:
             out[arm][str(seed)] = why
             values.get(arm, {}).pop(seed, None)
