@@ -411,3 +411,23 @@ def test_a_curve_mean_over_fewer_validations_than_the_schedule_is_left_out(make_
                                                           "= 50): the mean is over every validation"}}
     assert mean["values"] == {"uvit": {"0": 1.5, "1": 2.5}, "uvic": {"1": 2.5}}  # (2 + 1) / 2, (3 + 2) / 2
     assert data["metrics"]["val_loss"]["values"]["uvic"] == {"0": 1.0, "1": 2.0}  # the last step is there
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy and matplotlib, on 1e308
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_mean_over_training_that_overflows_is_left_out_and_the_report_is_written(make_comparison):
+    """Finite values whose mean is not finite (the area under 0.9 and 1e308 over 50 steps is inf) are a value of no
+    run: left out and named, never a null among the values that the tables cannot read."""
+    plan = make_comparison(seeds=(0, 1))
+    for arm in ("uvit", "uvic"):
+        for seed in (0, 1):
+            write_run(plan, arm, seed, losses={MAX_STEPS: 1.0},
+                      val={50: 0.9, MAX_STEPS: 1e308 if (arm, seed) == ("uvic", 0) else 0.5})
+    data = write_report(plan.out)
+    assert json.loads((plan.out / "report.json").read_text()) == data
+    mean = data["metrics"]["val_loss_mean"]
+    assert mean["excluded"] == {"uvit": {}, "uvic": {"0": "metrics.jsonl: val_loss_mean of its val_loss is not a "
+                                                          "finite number (the values overflow)"}}
+    assert mean["values"] == {"uvit": {"0": pytest.approx(0.7), "1": pytest.approx(0.7)},
+                              "uvic": {"1": pytest.approx(0.7)}}
+    assert data["metrics"]["val_loss"]["values"]["uvic"] == {"0": 1e308, "1": 0.5}  # shown as it is

@@ -84,7 +84,7 @@ def exclusion(metric: Metric, run: RunLogs, value: float | None, max_steps: int,
     if value is None:
         bad = next((r for r in reversed(records) if finite(r[key]) is None), None)
         return (f"{file}: {key} is {bad[key]!r} at step {bad['step']}" if bad is not None
-                else f"{file}: no finite {key}")
+                else f"{file}: {metric.name} of its {key} is not a finite number (the values overflow)")
     if records[-1]["step"] != max_steps:
         return f"{file} has no {key} at step {max_steps}, the last step (its last is at step {records[-1]['step']})"
     if metric.every is not None:

@@ -52,7 +52,16 @@ from uvic.compare.plan import Plan, load_plan, rebase, shell_command
 from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
 from uvic.compare.protocol_fid import read_fids, read_record, record_exclusions
-from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state, shared_records
+from uvic.compare.rundirs import (
+    RunLogs,
+    RunState,
+    final_samples,
+    finite,
+    read_attempts,
+    read_logs,
+    run_state,
+    shared_records,
+)
 from uvic.compare.stats import fid_spreads, paired_by_seed
 from uvic.errors import StorageError, storage_errors
 from uvic.io import atomic_write
@@ -97,7 +106,7 @@ def _values(g: _Gathered, metric: Metric) -> dict[str, dict[int, float]]:
     """{arm: {seed: value}} of `metric` over the finished runs that have it."""
     out: dict[str, dict[int, float]] = {}
     for (arm, seed), run in g.logs.items():
-        value = metric.read(run)
+        value = finite(metric.read(run))  # a mean of finite values can overflow: no value (`excluded` says why)
         if value is not None:
             out.setdefault(arm, {})[seed] = value
     return out
