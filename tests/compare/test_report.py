@@ -389,7 +389,8 @@ def test_a_record_hard_linked_between_two_runs_makes_both_a_mismatch(make_compar
     ours.unlink()
     ours.hardlink_to(plan.run("uvit", 0).run_dir / "metrics.jsonl")
     data = build_report(plan.out)
-    why = "its metrics.jsonl is the same file as that of {} (a hard link): a run's records must be its own files"
+    why = ("its metrics.jsonl is the same file as that of {} (a hard link or a folder mounted twice): a run's records "
+           "must be its own files")
     assert data["runs"]["uvic"]["0"] == {"state": "mismatch", "detail": why.format("uvit seed 0")}
     assert data["runs"]["uvit"]["0"] == {"state": "mismatch", "detail": why.format("uvic seed 0")}
     assert data["metrics"]["val_loss"]["values"] == {"uvit": {"1": pytest.approx(0.56), "2": pytest.approx(0.57)},

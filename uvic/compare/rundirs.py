@@ -135,8 +135,8 @@ def shared_records(plan: Plan, runs: list[Run]) -> dict[tuple[str, int], str]:
             other = owner.setdefault((st.st_dev, st.st_ino), (run, name))
             if other[0] != run:
                 for a, b in ((run, other[0]), (other[0], run)):
-                    out.setdefault((a.arm, a.seed), f"its {name} is the same file as that of {b.label} (a hard link): "
-                                                    f"a run's records must be its own files")
+                    out.setdefault((a.arm, a.seed), f"its {name} is the same file as that of {b.label} (a hard link "
+                                                    f"or a folder mounted twice): a run's records must be its own files")
     return out
 
 
