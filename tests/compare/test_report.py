@@ -432,3 +432,12 @@ def test_a_mean_over_training_that_overflows_is_left_out_and_the_report_is_writt
     assert mean["values"] == {"uvit": {"0": pytest.approx(0.7), "1": pytest.approx(0.7)},
                               "uvic": {"1": pytest.approx(0.7)}}
     assert data["metrics"]["val_loss"]["values"]["uvic"] == {"0": 1e308, "1": 0.5}  # shown as it is
+
+
+def test_a_value_logged_after_the_last_step_is_left_out_as_such(make_comparison):
+    """A line after train.max_steps (another run's, or a longer run's) is named as what it is, not as a missing step."""
+    plan = make_comparison(seeds=(0,))
+    write_run(plan, "uvit", 0, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.5})
+    write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.5, 150: 9.0})
+    assert build_report(plan.out)["metrics"]["val_loss"]["excluded"]["uvic"] == {
+        "0": f"metrics.jsonl has val_loss at step 150, after the last step {MAX_STEPS}: not a record of this run"}

@@ -85,6 +85,9 @@ def exclusion(metric: Metric, run: RunLogs, value: float | None, max_steps: int,
         bad = next((r for r in reversed(records) if finite(r[key]) is None), None)
         return (f"{file}: {key} is {bad[key]!r} at step {bad['step']}" if bad is not None
                 else f"{file}: {metric.name} of its {key} is not a finite number (the values overflow)")
+    if records[-1]["step"] > max_steps:
+        return (f"{file} has {key} at step {records[-1]['step']}, after the last step {max_steps}: not a record of "
+                f"this run")
     if records[-1]["step"] != max_steps:
         return f"{file} has no {key} at step {max_steps}, the last step (its last is at step {records[-1]['step']})"
     if metric.every is not None:
