@@ -384,3 +384,19 @@ def test_a_run_log_that_is_a_symlink_out_of_the_comparison_is_refused_before_any
                                           r"writes its logs only inside --out; remove it"):
         pending_runs(plan)
     assert outside.read_text() == "kept"
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_kept(tmp_path):
+    """OUT/.lock as a symlink: the lock's PID was written through it, over whatever file it named outside --out."""
+    from uvic.compare.run import lock_comparison
+    from uvic.errors import StorageError
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    outside = tmp_path / "precious.txt"
+    outside.write_text("kept\n")
+    (out / ".lock").symlink_to(outside)
+    with pytest.raises(StorageError, match=r"cmp/\.lock is a symlink \(to .*precious.txt\): a lock must be the "
+                                           r"folder's own file; remove it"):
+        lock_comparison(out)
+    assert outside.read_text() == "kept\n" and (out / ".lock").is_symlink()
