@@ -244,7 +244,7 @@ def test_out_reaches_train_py_literally(tmp_path, run_script, monkeypatch, out_n
 def test_arm_names_are_portable_file_names():
     from uvic.compare.plan import check_arm_name
 
-    for bad in ["-x", ".x", "", "a/b", "a\\b", "a" * 101, "FIGURES", "report.md", 3, None]:
+    for bad in ["-x", ".x", "", "a/b", "a\\b", "a" * 101, "FIGURES", "report.md", 3, None, "a\n"]:
         with pytest.raises(ConfigError, match="must be letters"):
             check_arm_name(bad)
     for good in ["a", "a..b", "uvit_s2-1.0", "a" * 100, "plan"]:
@@ -295,3 +295,14 @@ def test_a_comparison_grows_by_arms_and_seeds(tmp_path, run_script):
     assert f"--out {out}: the comparison grows by arms ['cog_all'] and seeds [1]" in err
     assert len(stdout.splitlines()) == 6
     assert load_plan(out).arm_names == ["uvit", "uvic", "cog_all"] and load_plan(out).seeds == (0, 1)
+
+
+@pytest.mark.parametrize("seeds", [[0.7, 1], [True, 2], ["0", "1"], [0, None]])
+def test_plan_json_seeds_must_be_integers(make_comparison, seeds):
+    """A hand-edited seed 0.7 or true read as seed 0 or 1 would report another seed's run dir as this one."""
+    plan = make_comparison(seeds=(0, 1))
+    data = json.loads((plan.out / "plan.json").read_text())
+    data["seeds"] = seeds
+    (plan.out / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"plan.json is not a comparison plan \(ValueError: seeds: .* is not an integer\)"):
+        load_plan(plan.out)

@@ -14,6 +14,7 @@ from scipy import stats
 from synthetic_runs import MAX_STEPS, write_run
 
 from uvic.compare.report import build_report, write_report
+from uvic.errors import StorageError
 
 
 STEPS = range(1, MAX_STEPS + 1)
@@ -363,3 +364,80 @@ def test_report_baseline_and_every_pair_from_the_same_runs(make_comparison, run_
     assert "| pair | n | difference (95% interval) | relative | p | verdict |" in md and "| cog_all - uvit | 3 |" in md
     code, _, err = run_script("compare.py", "report", plan.out, "--baseline", "nope")
     assert code == 2 and "--baseline 'nope' is not an arm of this comparison (uvit, uvic, cog_all)" in err
+
+
+def test_a_figures_folder_that_is_a_symlink_out_of_the_comparison_is_refused_and_nothing_outside_is_touched(
+        make_comparison, tmp_path):
+    plan = make_comparison()
+    _full(plan)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "precious.png").write_bytes(b"not a figure of this report")
+    (plan.out / "figures").symlink_to(outside)
+    with pytest.raises(StorageError, match="figures is a symlink"):
+        write_report(plan.out)
+    assert [p.name for p in outside.iterdir()] == ["precious.png"]  # nothing drawn there, nothing removed
+    assert (outside / "precious.png").read_bytes() == b"not a figure of this report"
+    assert not (plan.out / "report.json").exists()
+
+
+def test_a_record_hard_linked_between_two_runs_makes_both_a_mismatch(make_comparison):
+    """A hard link passes every symlink check, and uvic's metrics.jsonl linked to uvit's reports a difference of 0."""
+    plan = make_comparison()
+    _full(plan)
+    ours = plan.run("uvic", 0).run_dir / "metrics.jsonl"
+    ours.unlink()
+    ours.hardlink_to(plan.run("uvit", 0).run_dir / "metrics.jsonl")
+    data = build_report(plan.out)
+    why = ("its metrics.jsonl is the same file as that of {} (a hard link or a folder mounted twice): a run's records "
+           "must be its own files")
+    assert data["runs"]["uvic"]["0"] == {"state": "mismatch", "detail": why.format("uvit seed 0")}
+    assert data["runs"]["uvit"]["0"] == {"state": "mismatch", "detail": why.format("uvic seed 0")}
+    assert data["metrics"]["val_loss"]["values"] == {"uvit": {"1": pytest.approx(0.56), "2": pytest.approx(0.57)},
+                                                     "uvic": {"1": pytest.approx(0.54), "2": pytest.approx(0.55)}}
+    assert [s["state"] for arm in ("uvit", "uvic") for s in data["runs"][arm].values()].count("finished") == 4
+
+
+def test_a_curve_mean_over_fewer_validations_than_the_schedule_is_left_out(make_comparison):
+    """With its step-50 validation line deleted, a run's val_loss_mean would be its step-100 value alone, paired with
+    the other runs' means over steps 50 and 100."""
+    plan = make_comparison(seeds=(0, 1), overrides=["train.val_every=50"])
+    for arm in ("uvit", "uvic"):
+        for seed in (0, 1):
+            write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, val={50: 2.0 + seed, 100: 1.0 + seed})
+    write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0}, val={100: 1.0})
+    data = build_report(plan.out)
+    mean = data["metrics"]["val_loss_mean"]
+    assert mean["excluded"] == {"uvit": {}, "uvic": {"0": "metrics.jsonl has no val_loss at step 50 (train.val_every "
+                                                          "= 50): the mean is over every validation"}}
+    assert mean["values"] == {"uvit": {"0": 1.5, "1": 2.5}, "uvic": {"1": 2.5}}  # (2 + 1) / 2, (3 + 2) / 2
+    assert data["metrics"]["val_loss"]["values"]["uvic"] == {"0": 1.0, "1": 2.0}  # the last step is there
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy and matplotlib, on 1e308
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_mean_over_training_that_overflows_is_left_out_and_the_report_is_written(make_comparison):
+    """Finite values whose mean is not finite (the area under 0.9 and 1e308 over 50 steps is inf) are a value of no
+    run: left out and named, never a null among the values that the tables cannot read."""
+    plan = make_comparison(seeds=(0, 1))
+    for arm in ("uvit", "uvic"):
+        for seed in (0, 1):
+            write_run(plan, arm, seed, losses={MAX_STEPS: 1.0},
+                      val={50: 0.9, MAX_STEPS: 1e308 if (arm, seed) == ("uvic", 0) else 0.5})
+    data = write_report(plan.out)
+    assert json.loads((plan.out / "report.json").read_text()) == data
+    mean = data["metrics"]["val_loss_mean"]
+    assert mean["excluded"] == {"uvit": {}, "uvic": {"0": "metrics.jsonl: val_loss_mean of its val_loss is not a "
+                                                          "finite number (the values overflow)"}}
+    assert mean["values"] == {"uvit": {"0": pytest.approx(0.7), "1": pytest.approx(0.7)},
+                              "uvic": {"1": pytest.approx(0.7)}}
+    assert data["metrics"]["val_loss"]["values"]["uvic"] == {"0": 1e308, "1": 0.5}  # shown as it is
+
+
+def test_a_value_logged_after_the_last_step_is_left_out_as_such(make_comparison):
+    """A line after train.max_steps (another run's, or a longer run's) is named as what it is, not as a missing step."""
+    plan = make_comparison(seeds=(0,))
+    write_run(plan, "uvit", 0, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.5})
+    write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0}, val={MAX_STEPS: 0.5, 150: 9.0})
+    assert build_report(plan.out)["metrics"]["val_loss"]["excluded"]["uvic"] == {
+        "0": f"metrics.jsonl has val_loss at step 150, after the last step {MAX_STEPS}: not a record of this run"}

@@ -22,6 +22,7 @@ from synthetic_runs import CONFIG
 from uvic.compare.plan import Arm, make_plan, write_plan
 from uvic.compare.run import pending_runs, run_plan
 from uvic.compare.rundirs import read_attempts
+from uvic.errors import ConfigError
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -369,3 +370,33 @@ def test_a_comparison_run_twice_gives_identical_reports_even_beside_a_cpu_load(t
     assert values["uvit"]["0"] != values["uvic"]["0"]  # two models: the equality below is not of constants
     assert loaded["metrics"] == quiet["metrics"]
     assert loaded.get("per_block") == quiet.get("per_block")
+
+
+def test_a_run_log_that_is_a_symlink_out_of_the_comparison_is_refused_before_anything_is_written(
+        make_comparison, tmp_path):
+    """`compare.py run` appends each run's output to OUT/<arm>/seed_<seed>.log: a symlink there would be followed."""
+    plan = make_comparison(seeds=(0,))
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("kept")
+    plan.run("uvic", 0).log_path.parent.mkdir(parents=True)
+    plan.run("uvic", 0).log_path.symlink_to(outside)
+    with pytest.raises(ConfigError, match=r"uvic/seed_0.log is a symlink \(to .*elsewhere.txt\): the comparison "
+                                          r"writes its logs only inside --out; remove it"):
+        pending_runs(plan)
+    assert outside.read_text() == "kept"
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_kept(tmp_path):
+    """OUT/.lock as a symlink: the lock's PID was written through it, over whatever file it named outside --out."""
+    from uvic.compare.run import lock_comparison
+    from uvic.errors import StorageError
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    outside = tmp_path / "precious.txt"
+    outside.write_text("kept\n")
+    (out / ".lock").symlink_to(outside)
+    with pytest.raises(StorageError, match=r"cmp/\.lock is a symlink \(to .*precious.txt\): a lock must be the "
+                                           r"folder's own file; remove it"):
+        lock_comparison(out)
+    assert outside.read_text() == "kept\n" and (out / ".lock").is_symlink()

@@ -163,3 +163,28 @@ def test_a_record_that_resolves_outside_the_run_dir_is_a_mismatch(make_compariso
     (aa.out / "b").rmdir()
     (aa.out / "b").symlink_to(aa.out / "a")
     assert run_state(aa, aa.run("b", 0), {}).detail.startswith(f"{aa.out / 'b'} is a symlink (to ")
+
+
+def test_an_attempts_json_entry_that_is_not_a_record_is_ignored(make_comparison):
+    plan = make_comparison(seeds=(0,))
+    write_run(plan, "uvic", 0, losses={10: 1.0}, finished=False)
+    (plan.out / "attempts.json").write_text(json.dumps({"uvic/seed_0": "boom", "uvit/seed_0": [1]}))
+    assert read_attempts(plan.out) == {}
+    state = run_state(plan, plan.run("uvic", 0), read_attempts(plan.out))
+    assert (state.state, state.detail) == ("unfinished", f"last checkpoint at step 5 of {MAX_STEPS}")
+
+
+@pytest.mark.parametrize("inside", [f"checkpoints/step_{MAX_STEPS:09d}/model.safetensors", "pipeline/unet/weights.bin"])
+def test_weights_in_the_last_checkpoint_or_the_export_linked_to_another_arm_are_a_mismatch(make_comparison, inside):
+    """The protocol FID samples the last checkpoint's weights: another arm's linked in would be scored as this one's."""
+    plan = make_comparison(seeds=(0,))
+    theirs = write_run(plan, "uvit", 0, losses={MAX_STEPS: 1.0}) / inside
+    ours = write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0}) / inside
+    theirs.parent.mkdir(parents=True, exist_ok=True)
+    theirs.write_bytes(b"softmax weights")
+    ours.parent.mkdir(parents=True, exist_ok=True)
+    ours.symlink_to(theirs)
+    state = run_state(plan, plan.run("uvic", 0), {})
+    assert (state.state, state.detail) == ("mismatch", f"its {inside} is a symlink (to {theirs}): a run's records "
+                                                       f"must be its own files")
+    assert run_state(plan, plan.run("uvit", 0), {}).state == "finished"

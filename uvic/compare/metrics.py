@@ -37,6 +37,9 @@ class Metric:
     # Where `read` takes its value: (the RunLogs list, "train" | "val" | "evals", and the record key), so that a
     # run left out can be told why (`exclusion`); None: `read` says it itself (the protocol FID).
     source: tuple[str, str] | None = None
+    # For a value over every record of the source (a mean over training): the train-config key of the schedule the
+    # run logs it on (e.g. "val_every"), so that a run missing one of those records is left out (`missing_step`).
+    every: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class PerBlock:
 FILES = {"train": "metrics.jsonl", "val": "metrics.jsonl", "evals": "eval.jsonl"}
 
 
-def exclusion(metric: Metric, run: RunLogs, value: float | None, max_steps: int) -> str | None:
+def exclusion(metric: Metric, run: RunLogs, value: float | None, max_steps: int, every: int = 0) -> str | None:
     """Why a finished run's `value` of `metric` (`metric.read(run)`) is left out of the pairing, naming the file and
     what is wrong or which step is missing; None when it is counted. A value read from a run's records is counted
     only if the last record that has it is at `max_steps`, the run's last step (where train.py logs, validates and
@@ -81,9 +84,26 @@ def exclusion(metric: Metric, run: RunLogs, value: float | None, max_steps: int)
     if value is None:
         bad = next((r for r in reversed(records) if finite(r[key]) is None), None)
         return (f"{file}: {key} is {bad[key]!r} at step {bad['step']}" if bad is not None
-                else f"{file}: no finite {key}")
+                else f"{file}: {metric.name} of its {key} is not a finite number (the values overflow)")
+    if records[-1]["step"] > max_steps:
+        return (f"{file} has {key} at step {records[-1]['step']}, after the last step {max_steps}: not a record of "
+                f"this run")
     if records[-1]["step"] != max_steps:
         return f"{file} has no {key} at step {max_steps}, the last step (its last is at step {records[-1]['step']})"
+    if metric.every is not None:
+        return missing_step(records, file, key, metric.every, every, max_steps)
+    return None
+
+
+def missing_step(records: list[dict[str, Any]], file: str, key: str, name: str, every: int,
+                 max_steps: int) -> str | None:
+    """Why a value over every record of `key` (a mean over training) cannot be paired: the first step of the run's
+    schedule (each multiple of `every`, the config's train.`name`, up to `max_steps`) that `records` lack, so
+    that such a mean is over the same steps in every run; None when none is missing."""
+    have = {r["step"] for r in records}
+    for step in range(every, max_steps + 1, every) if every > 0 else ():
+        if step not in have:
+            return f"{file} has no {key} at step {step} (train.{name} = {every}): the mean is over every validation"
     return None
 
 
@@ -146,10 +166,10 @@ METRICS: tuple[Metric, ...] = (
            ("val", "val_accuracy")),
     Metric("val_loss_mean", True, lambda run: curve_mean(run.val, "val_loss"),
            "validation loss averaged over training (area under its curve from the first to the last validation, "
-           "over that span): lower when a run learns sooner", ("val", "val_loss")),
+           "over that span): lower when a run learns sooner", ("val", "val_loss"), "val_every"),
     Metric("val_accuracy_mean", False, lambda run: curve_mean(run.val, "val_accuracy"),
            "held-out accuracy averaged over training (area under its curve from the first to the last "
-           "validation, over that span): higher when a run learns sooner", ("val", "val_accuracy")),
+           "validation, over that span): higher when a run learns sooner", ("val", "val_accuracy"), "val_every"),
     Metric("train_loss", True, lambda run: tail_mean(run.train, "loss", TRAIN_LOSS_TAIL),
            f"training loss, mean over the last {TRAIN_LOSS_TAIL:.0%} of logged steps", ("train", "loss")),
     Metric("fid_last", True, lambda run: last(run.evals, "fid"),

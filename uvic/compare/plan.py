@@ -133,8 +133,23 @@ class Plan:
     def from_json(cls, data: dict[str, Any], out: Path) -> Plan:
         arms = tuple(Arm(a["name"], tuple(a["overrides"])) for a in data["arms"])
         return cls(config=data["config"], overrides=tuple(data["overrides"]), arms=arms,
-                   seeds=tuple(int(s) for s in data["seeds"]), out=Path(out),
+                   seeds=_integer_seeds(data["seeds"]), out=Path(out),
                    configs={a["name"]: a["config"] for a in data["arms"]})
+
+
+def _integer_seeds(seeds: Any) -> tuple[int, ...]:
+    """The seeds of a plan read back, each an integer as `make_plan` writes it: a 0.7 or a `true` read as 0 or 1
+    would report another seed's run dir as this one.
+
+    Raises:
+        ValueError: naming the first seed that is not an integer.
+    """
+    if not isinstance(seeds, list):
+        raise ValueError(f"seeds {seeds!r} is not a list")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seeds: {seed!r} is not an integer")
+    return tuple(seeds)
 
 
 def make_plan(config: str, overrides: Sequence[str], arms: Sequence[Arm], seeds: Sequence[int],
@@ -192,7 +207,7 @@ def check_arm_name(name: Any, where: str = "") -> None:
     Raises:
         ConfigError: naming the arm (and `where` it was read, e.g. plan.json).
     """
-    ok = (isinstance(name, str) and bool(_ARM_NAME.match(name)) and len(name) <= MAX_ARM_NAME
+    ok = (isinstance(name, str) and bool(_ARM_NAME.fullmatch(name)) and len(name) <= MAX_ARM_NAME
           and name.lower() not in _RESERVED_NAMES)
     if not ok:
         hint = " (it looks like an override: write --arm NAME KEY=VALUE ...)" if "=" in str(name) else ""

@@ -39,6 +39,7 @@ import base64
 import html
 import json
 import math
+import os
 import re
 import statistics
 from dataclasses import dataclass
@@ -51,9 +52,18 @@ from uvic.compare.plan import Plan, load_plan, rebase, shell_command
 from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
 from uvic.compare.protocol_fid import read_fids, read_record, record_exclusions
-from uvic.compare.rundirs import RunLogs, RunState, final_samples, read_attempts, read_logs, run_state
+from uvic.compare.rundirs import (
+    RunLogs,
+    RunState,
+    final_samples,
+    finite,
+    read_attempts,
+    read_logs,
+    run_state,
+    shared_records,
+)
 from uvic.compare.stats import fid_spreads, paired_by_seed
-from uvic.errors import storage_errors
+from uvic.errors import StorageError, storage_errors
 from uvic.io import atomic_write
 
 
@@ -79,6 +89,11 @@ def _gather(out: Path, baseline: str | None = None) -> _Gathered:
     for run in plan.runs:
         key = (run.arm, run.seed)
         states[key] = run_state(plan, run, attempts)
+    finished = [run for run in plan.runs if states[run.arm, run.seed].state == "finished"]
+    for key, why in shared_records(plan, finished).items():  # one file counted for two runs: neither counts
+        states[key] = RunState("mismatch", why)
+    for run in plan.runs:
+        key = (run.arm, run.seed)
         if states[key].state == "finished":
             try:
                 logs[key] = read_logs(run.run_dir)
@@ -91,7 +106,7 @@ def _values(g: _Gathered, metric: Metric) -> dict[str, dict[int, float]]:
     """{arm: {seed: value}} of `metric` over the finished runs that have it."""
     out: dict[str, dict[int, float]] = {}
     for (arm, seed), run in g.logs.items():
-        value = metric.read(run)
+        value = finite(metric.read(run))  # a mean of finite values can overflow: no value (`excluded` says why)
         if value is not None:
             out.setdefault(arm, {})[seed] = value
     return out
@@ -191,7 +206,8 @@ def _exclude(g: _Gathered, metric: Metric, values: dict[str, dict[int, float]]) 
     out: dict[str, dict[str, str]] = {arm: {} for arm in g.plan.arm_names}
     for arm, seed in finished:
         value = values.get(arm, {}).get(seed)
-        why = reasons.get((arm, seed)) or exclusion(metric, g.logs[arm, seed], value, max_steps[arm, seed])
+        every = g.plan.configs[arm]["train"].get(metric.every, 0) if metric.every else 0
+        why = reasons.get((arm, seed)) or exclusion(metric, g.logs[arm, seed], value, max_steps[arm, seed], every)
         if why is not None:
             out[arm][str(seed)] = why
             values.get(arm, {}).pop(seed, None)
@@ -226,6 +242,7 @@ def write_report(out: str | Path, baseline: str | None = None, all_pairs: bool =
     written: list[str] = []
     try:
         with storage_errors(f"cannot write the report into {out}"):
+            _check_own_folder(out, FIGURES)
             data = _with_pairs(_report_data(g), all_pairs)
             blocks = _document(g, data, _draw(g, data, out / FIGURES))
             texts = {"report.json": json.dumps(data, indent=1, allow_nan=False), "report.md": to_markdown(blocks, out),
@@ -241,6 +258,22 @@ def write_report(out: str | Path, baseline: str | None = None, all_pairs: bool =
 
 
 REPORT_FILES = ("report.json", "report.md", "report.html")
+
+
+def _check_own_folder(out: Path, name: str) -> None:
+    """Refuse a folder of the report (`figures`) that is a symlink or resolves outside `out`: its figures would be
+    drawn, and stale ones removed, wherever it points.
+
+    Raises:
+        StorageError: naming the folder and where it points.
+    """
+    folder = out / name
+    if folder.is_symlink():
+        raise StorageError(f"{folder}: {name} is a symlink (to {os.readlink(folder)}); the report writes only inside "
+                           f"{out}: remove it")
+    if folder.exists() and not folder.resolve().is_relative_to(out.resolve()):
+        raise StorageError(f"{folder} lies outside {out} (in {folder.resolve()}); the report writes only inside it: "
+                           f"remove it")
 
 
 def _withdraw_stale(out: Path, keep: list[str]) -> None:

@@ -139,8 +139,22 @@ def pending_runs(plan: Plan) -> list[Run]:
             raise ConfigError(f"{run.run_dir}: {state.detail}; it is not overwritten: move it away, or choose "
                               f"another --out")
         else:
+            _check_log_path(run)
             todo.append(run)
     return todo
+
+
+def _check_log_path(run: Run) -> None:
+    """Refuse a run whose log (`Run.log_path`, appended to by `compare.py run`) is a symlink: the output would be
+    written wherever it points, outside the comparison directory.
+
+    Raises:
+        ConfigError: naming the log and where it points.
+    """
+    path = run.log_path
+    if path.is_symlink():
+        raise ConfigError(f"{path} is a symlink (to {os.readlink(path)}): the comparison writes its logs only inside "
+                          f"--out; remove it")
 
 
 def lock_comparison(out: Path) -> RunDirLock:

@@ -103,12 +103,12 @@ def run_state(plan: Plan, run: Run, attempts: dict[str, Any]) -> RunState:
 
 
 def _foreign_record(run_dir: Path, max_steps: int) -> str | None:
-    """Why a record of `run_dir` (`RECORDS`, the last checkpoint's files, the last sample grid) is not the run's
-    own file (a symlink, or a path that resolves outside the run dir), or None."""
+    """Why a record of `run_dir` (`RECORDS`, every file of the last checkpoint and of the export, the last sample
+    grid) is not the run's own file (a symlink, or a path that resolves outside the run dir), or None."""
     root = run_dir.resolve()
     last = checkpoint_dir(run_dir, max_steps)
     paths = [*(run_dir / name for name in RECORDS), last, last / "config.yaml", last / "meta.json",
-             sample_path(run_dir, max_steps, ".png")]
+             sample_path(run_dir, max_steps, ".png"), *_weight_files(run_dir, last)]
     for path in paths:
         name = path.relative_to(run_dir)
         if path.is_symlink():
@@ -116,6 +116,38 @@ def _foreign_record(run_dir: Path, max_steps: int) -> str | None:
         if path.exists() and not path.resolve().is_relative_to(root):
             return f"its {name} lies outside it (in {path.resolve()}): a run's records must be its own files"
     return None
+
+
+def shared_records(plan: Plan, runs: list[Run]) -> dict[tuple[str, int], str]:
+    """{(arm, seed): why} of the `runs` that share a record file (`RECORDS`, the files of the last checkpoint and of
+    the export) with another of them: one file under two names (a hard link, or a folder mounted twice) passes every
+    symlink check, and would report one run's numbers as another's. Both runs are named."""
+    owner: dict[tuple[int, int], tuple[Run, str]] = {}
+    out: dict[tuple[str, int], str] = {}
+    for run in runs:
+        run_dir = run.run_dir
+        last = checkpoint_dir(run_dir, plan.configs[run.arm]["train"]["max_steps"])
+        for path in [*(run_dir / name for name in RECORDS if name != "checkpoints"), *_weight_files(run_dir, last)]:
+            if not path.is_file():
+                continue
+            st = path.stat()
+            name = path.relative_to(run_dir).as_posix()
+            other = owner.setdefault((st.st_dev, st.st_ino), (run, name))
+            if other[0] != run:
+                for a, b in ((run, other[0]), (other[0], run)):
+                    out.setdefault((a.arm, a.seed), f"its {name} is the same file as that of {b.label} (a hard link "
+                                                    f"or a folder mounted twice): a run's records must be its own files")
+    return out
+
+
+def _weight_files(run_dir: Path, last: Path) -> list[Path]:
+    """Everything inside the last checkpoint and the export `pipeline/` (the weights the protocol FID and sample.py
+    load), sorted; nothing below a folder that is itself a symlink (that folder is named instead)."""
+    out = []
+    for folder in (last, run_dir / "pipeline"):
+        if folder.is_dir() and not folder.is_symlink():
+            out += sorted(folder.rglob("*"))  # rglob does not descend into symlinked folders
+    return out
 
 
 def _checkpoint_mismatch(plan: Plan, run: Run) -> str | None:
@@ -166,7 +198,15 @@ def read_attempts(out: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    return _attempt_records(data)
+
+
+def _attempt_records(data: Any) -> dict[str, Any]:
+    """The entries of attempts.json's `data` that are attempt records (mappings); a hand-edited entry that is not
+    one (a string, a list) is ignored, as a damaged attempts.json is, rather than failing the report."""
+    if not isinstance(data, dict):
+        return {}
+    return {key: entry for key, entry in data.items() if isinstance(entry, dict)}
 
 
 def record_attempt(out: str | Path, run: Run, exit_code: int, error: str, log: str) -> None:

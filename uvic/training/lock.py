@@ -38,10 +38,13 @@ class RunDirLock:
             pass
 
     def _try_acquire(self) -> bool:
+        self._refuse_symlink()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink put there since the check
+                self._refuse_symlink()
             raise StorageError(f"cannot use {self.path.parent} as the run dir: {describe_os_error(e)}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -65,6 +68,13 @@ class RunDirLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
         return True
+
+    def _refuse_symlink(self) -> None:
+        """Raise `StorageError` if the lock file is a symlink: the PID would be written over the file it names,
+        wherever that is."""
+        if self.path.is_symlink():
+            raise StorageError(f"{self.path} is a symlink (to {os.readlink(self.path)}): a lock must be the folder's "
+                               f"own file; remove it")
 
     def release(self) -> None:
         """Remove the lock file, then drop the lock (removed first, so that no run ever locks a file that stays)."""
