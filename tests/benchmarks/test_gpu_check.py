@@ -43,7 +43,8 @@ def test_runs_the_gpu_tests_and_every_benchmark(tmp_path):
     pytest_call = next(c for c in calls if c.startswith("-m pytest"))
     assert "tests/kernels/test_triton_gpu.py" in pytest_call and "tests/kernels/test_device.py" in pytest_call
     scripts = {Path(c.split()[0]).name for c in calls if c.startswith("benchmarks/")}
-    assert scripts == {p.name for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    # Every GPU benchmark; bench_nanogpt.py times uvic beside a nanoGPT checkout on the CPU (docs/benchmarks.md).
+    assert scripts == {p.name for p in (ROOT / "benchmarks").glob("bench_*.py")} - {"bench_nanogpt.py"}
     assert any("bench_uvit_step.py --device cuda" in c for c in calls)
 
 

@@ -73,7 +73,10 @@ def _is_cogformer(model: Any) -> bool:
 
 
 def parameter_count(cfg: Any) -> int | None:
-    """The parameters of the model a run config describes (U-ViT or Cogformer), None for another model section."""
+    """The parameters of the model a run config describes (U-ViT or Cogformer), None for another model section or a
+    task whose config has none (a task registered with a run config of its own)."""
+    if not dataclasses.is_dataclass(getattr(cfg, "model", None)):
+        return None
     model = dataclasses.asdict(cfg.model)
     if _is_uvit(cfg.model):
         return uvit_parameter_count(**model)
