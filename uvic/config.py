@@ -15,6 +15,8 @@ Every config dataclass of the built-in tasks lives here. A run config's class de
 The diffusion defaults are the official CIFAR-10 U-ViT-S/2 recipe (U-ViT `configs/cifar10_uvit_small.py`; see
 docs/conventions.md, "Training recipes"), the LM defaults the paper's Sec. 4.1 recipe; `configs/*.yaml` files hold
 only what differs. Unknown keys and values of the wrong type are errors that name the key, never silently ignored.
+The value rules (a value against its type hint, the range of every numeric key) live in `uvic.values`, which the
+checks of a saved model's config.json share (`uvic.models.config_check`).
 """
 
 from __future__ import annotations
