@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from synthetic_runs import CONFIG
 
-from uvic.compare.plan import Arm, Plan, config_difference, load_plan, make_plan, plan_difference
+from uvic.compare.plan import Arm, Plan, config_difference, load_plan, make_plan, plan_growth
 from uvic.config import load_config
 from uvic.errors import ConfigError
 
@@ -175,7 +175,7 @@ def test_plan_and_config_differences():
     assert config_difference(a, {**a, "train": {"lr": 1e-3, "cpu_threads": 2}}) is None
     assert config_difference(a, {"model": a["model"]}) == "train.lr is 0.001 there, '(unset)' here"
     plan = Plan("c.yaml", (), (Arm("a"), Arm("b")), (0, 1), Path("."), {"a": a, "b": a})
-    assert plan_difference(plan, plan) is None
+    assert plan_growth(plan, plan) is None
     with pytest.raises(ConfigError, match="needs at least one seed"):
         make_plan(CONFIG, [], [Arm("a"), Arm("b")], [], "x")
 

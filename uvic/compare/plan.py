@@ -309,19 +309,6 @@ def check_out_dir(plan: Plan) -> None:
                     f"kept as they are")
 
 
-def plan_difference(old: Plan, new: Plan) -> str | None:
-    """How `new` differs from `old` as a comparison ("arms [...] there, [...] here"), or None if it is the same."""
-    if old.arm_names != new.arm_names:
-        return f"arms {old.arm_names} there, {new.arm_names} here (the first is the baseline)"
-    if sorted(old.seeds) != sorted(new.seeds):
-        return f"seeds {sorted(old.seeds)} there, {sorted(new.seeds)} here"
-    for name in new.arm_names:
-        why = config_difference(old.configs[name], new.configs[name])
-        if why is not None:
-            return f"arm {name!r}: {why}"
-    return None
-
-
 def plan_growth(old: Plan, new: Plan) -> str | None:
     """How `new` differs from `old` other than by growing (None if it is `old`, or `old` with arms added after its
     arms or seeds added): a grown comparison trains only its new runs and keeps the others as they are, so every arm
