@@ -4,7 +4,9 @@ metrics.jsonl, the time left from this command's rate; none with --quiet."""
 import importlib.util
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from synthetic_runs import MAX_STEPS
@@ -65,6 +67,26 @@ def test_before_any_logged_step_there_is_no_estimate(make_comparison):
     assert progress.update(plan.runs[:1], [], force=True) == (
         "runs: 0 done, 1 running (uvit seed 0 0/100), 0 waiting; time left: after the first logged steps")
 
+
+
+def test_a_stopped_attempts_log_is_not_counted_as_trained_steps(make_comparison):
+    # A run killed at step 95 resumes from its step-40 checkpoint: until train.py cuts metrics.jsonl back and logs
+    # again, the old lines past 40 are not steps this command trained (they made the estimate "~3 s left").
+    plan = make_comparison(seeds=(0,))
+    run = plan.runs[0]
+    (run.run_dir / "checkpoints" / "step_000000040").mkdir(parents=True)
+    (run.run_dir / "checkpoints" / "step_000000040" / "meta.json").write_text("{}")
+    _lines(run.run_dir, range(1, 96))
+    os.utime(run.run_dir / "metrics.jsonl", (time.time() - 3600, time.time() - 3600))  # the killed attempt's
+    now = [0.0]
+    progress = Progress(plan, plan.runs[:1], enabled=False, clock=lambda: now[0])
+    progress.started(run)
+    now[0] = 10.0
+    assert progress.update(plan.runs[:1], [], force=True) == (
+        "runs: 0 done, 1 running (uvit seed 0 40/100), 0 waiting; time left: after the first logged steps")
+    _lines(run.run_dir, range(1, 51))  # the resumed run: cut back to 40, then 10 steps in 10 s; 50 left at 1/s
+    assert progress.update(plan.runs[:1], [], force=True) == (
+        "runs: 0 done, 1 running (uvit seed 0 50/100), 0 waiting; ~50 s left")
 
 # A stand-in for train.py that logs its steps and leaves a finished run: the plan's config (from plan.json two levels
 # up), its steps in metrics.jsonl, the last checkpoint and pipeline/ (as tests/compare/test_run.py's).

@@ -10,6 +10,8 @@ The bar counts the training steps of the runs this command trains (`todo`), each
 that ends (finished or failed) counts all of its steps. The estimate is the steps left over the rate of this
 command's steps so far (all jobs together; a resumed run's steps before its checkpoint are not counted as this
 command's), so it means something once a few steps were logged, and assumes the runs left train as fast as those.
+A metrics.jsonl last written before its run was launched is a stopped attempt's (train.py cuts it back to the
+checkpoint when it resumes) and is not read: its steps past the checkpoint would count as trained in no time.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from uvic.compare.plan import Plan, Run
 from uvic.training.checkpoint import list_checkpoints
 
 
-def logged_step(run_dir: str | Path, tail_bytes: int = 16_384) -> int | None:
+def logged_step(run_dir: str | Path, tail_bytes: int = 16_384, since: float | None = None) -> int | None:
     """The step of the last training line ({"step", "loss", ...}) of `run_dir/metrics.jsonl`, read from its last
-    `tail_bytes`; None without one. A partial last line (a write in progress) is skipped."""
+    `tail_bytes`; None without one, or when the file was last written before `since` (seconds since the epoch). A
+    partial last line (a write in progress) is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         with open(path, "rb") as f:
+            if since is not None and os.fstat(f.fileno()).st_mtime < since:
+                return None
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
             lines = f.read().split(b"\n")
     except OSError:
@@ -66,6 +71,7 @@ class Progress:
         self.total_runs = len(todo)
         self.clock, self.t0 = clock, clock()
         self.first: dict[str, int] = {}  # each started run's step when this command launched it
+        self.launched: dict[str, float] = {}  # when (time.time()) this command launched each run
         self.steps: dict[str, int] = {}  # each started run's step now
         self.ended: set[str] = set()
         # Redrawn every second on a terminal; every minute into a file (a log of `compare.py run 2> log`).
@@ -79,6 +85,7 @@ class Progress:
         """`run` was launched: it continues from its last checkpoint (0 when it has none)."""
         steps = [step for step, _ in list_checkpoints(run.run_dir)] if run.run_dir.is_dir() else []
         self.first[run.key] = self.steps[run.key] = steps[-1] if steps else 0
+        self.launched[run.key] = time.time()
 
     def update(self, running: Sequence[Run], done: Sequence[Run], force: bool = False) -> str:
         """Read the running runs' steps, count the `done` ones (ended: finished or failed) whole, and redraw, at
@@ -90,7 +97,7 @@ class Progress:
         self.drawn = time.monotonic()
         self.ended |= ended
         for run in running:
-            step = logged_step(run.run_dir)
+            step = logged_step(run.run_dir, since=self.launched.get(run.key))
             if step is not None:
                 self.steps[run.key] = max(self.steps.get(run.key, 0), step)
         now = {key: (self.max_steps[key] if key in self.ended else self.steps.get(key, 0)) for key in self.max_steps}
