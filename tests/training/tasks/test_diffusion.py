@@ -58,3 +58,65 @@ def test_registry_and_weight_decay_on_every_parameter():
     # U-ViT's recipe: one group, decay on everything (pos_embed, norms and biases included).
     (group,) = task.param_groups(model, 0.03)
     assert group["weight_decay"] == 0.03 and len(group["params"]) == len(list(model.parameters()))
+
+
+def _write_fashion_idx(root, prefix, labels):
+    """Tiny Fashion-MNIST idx files (images: 0, 0, 8, 3, then big-endian sizes; labels likewise with ndim 1)."""
+    import gzip
+    import struct
+
+    import numpy as np
+
+    images = np.random.default_rng(len(labels)).integers(0, 256, (len(labels), 28, 28), dtype=np.uint8)
+    for stem, arr in ((f"{prefix}-images-idx3-ubyte", images), (f"{prefix}-labels-idx1-ubyte", np.array(labels))):
+        arr = arr.astype(np.uint8)
+        data = bytes([0, 0, 8, arr.ndim]) + b"".join(struct.pack(">i", d) for d in arr.shape) + arr.tobytes()
+        (root / f"{stem}.gz").write_bytes(gzip.compress(data))
+
+
+TINY_FASHION = ["model.embed_dim=16", "model.depth=2", "model.num_heads=2", "model.patch_size=7"]
+
+
+def test_fashion_mnist_class_conditional_takes_the_files_labels(tmp_path):
+    """model.num_classes=10 on Fashion-MNIST: the loss and the held-out loss give the model each image's label from
+    the labels file, and grids ask for class i % 10; a real (tiny) model trains on them."""
+    train_labels = [9, 0, 3, 7, 2, 5]
+    _write_fashion_idx(tmp_path, "train", train_labels)
+    _write_fashion_idx(tmp_path, "t10k", [1, 8])
+    cfg = load_config("configs/fashion_mnist_uvic.yaml", [f"data.root={tmp_path}", "model.num_classes=10",
+                                                           "data.random_flip=false", *TINY_FASHION])
+    task = build_task(cfg)
+    data, held_out = task.build_dataset(), task.validation_set()
+    batch = {"x": torch.stack([data[i]["x"] for i in range(6)]), "label": torch.stack([data[i]["label"] for i in range(6)])}
+    seen = []
+
+    class LabelSpy(_Spy):
+        def forward(self, x, t, **kwargs):
+            seen.append(kwargs["class_labels"].tolist())
+            return super().forward(x, t)
+
+    task.loss(LabelSpy(), batch, ShardedRNG(0, 0, 1, "cpu"))
+    val = {"x": torch.stack([held_out[i]["x"] for i in range(2)]), "label": torch.stack([held_out[i]["label"] for i in range(2)])}
+    task.validation_losses(LabelSpy(), val, torch.arange(2))
+    assert seen[0] == train_labels and all(labels == [1, 8] for labels in seen[1:])
+    assert task.image_conditions("grid", 12).class_labels == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
+    model = task.build_model()
+    loss = task.loss(model, batch, ShardedRNG(0, 0, 1, "cpu"))
+    loss.backward()
+    assert torch.isfinite(loss) and model.label_emb.weight.grad[train_labels].abs().sum(1).gt(0).all()
+    assert model.label_emb.weight.grad[[1, 4, 6, 8]].abs().sum() == 0  # classes no image of the batch has
+
+
+def test_class_conditional_data_without_fitting_labels_is_refused(tmp_path, image_dir):
+    _write_fashion_idx(tmp_path, "train", [9, 0])
+    few = load_config("configs/fashion_mnist_uvic.yaml", [f"data.root={tmp_path}", "model.num_classes=3",
+                                                          "train.val_every=0", *TINY_FASHION])
+    with pytest.raises(ValueError, match="dataset 'fashion_mnist' has label 9, but model.num_classes=3 embeds only "
+                                         "0..2; set model.num_classes=10"):
+        build_task(few).build_dataset()
+    folder = load_config(None, ["data.name=image_folder", f"data.root={image_dir}", "data.image_size=8",
+                                "model.img_size=8", "model.patch_size=2", "model.num_classes=10",
+                                "train.val_every=0", "model.depth=2", "model.embed_dim=16", "model.num_heads=2"])
+    with pytest.raises(ValueError, match="model.num_classes=10 asks for class labels, but dataset 'image_folder' has "
+                                         "none"):
+        build_task(folder).build_dataset()

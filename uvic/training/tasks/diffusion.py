@@ -100,6 +100,8 @@ class DiffusionTask:
                 f"dataset {self.cfg.data.name!r} gives images of shape {tuple(x.shape)}, but the model expects "
                 f"(model.in_chans, model.img_size, model.img_size) = {(m.in_chans, m.img_size, m.img_size)}"
             )
+        if m.num_classes > 0:
+            check_labels(dataset, self.cfg.data.name, m.num_classes)
         return dataset
 
     def _test_split(self) -> Callable[[], Dataset] | None:
@@ -188,3 +190,20 @@ class DiffusionTask:
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         self.pipeline(copy.deepcopy(model).float().cpu()).save_pretrained(str(out_dir))
+
+
+def check_labels(dataset: Dataset, name: str, num_classes: int) -> None:
+    """A class-conditional model (`model.num_classes` > 0) needs data whose items carry labels in
+    [0, num_classes): the in-memory sets (digits, CIFAR-10, Fashion-MNIST) hold them as `labels` (N,).
+
+    Raises:
+        ValueError: data without labels (an image folder), or a label the model's class embedding cannot take.
+    """
+    labels = getattr(dataset, "labels", None)
+    if labels is None:
+        raise ValueError(f"model.num_classes={num_classes} asks for class labels, but dataset {name!r} has none; "
+                         f"set model.num_classes=-1 (unconditional) or use a labelled dataset")
+    top = int(labels.max()) if len(labels) else -1
+    if top >= num_classes:
+        raise ValueError(f"dataset {name!r} has label {top}, but model.num_classes={num_classes} embeds only "
+                         f"0..{num_classes - 1}; set model.num_classes={top + 1}")
