@@ -16,6 +16,7 @@ report.json has this shape (for other tools; `runs` names every run's state, see
                                                     "text": "uvic vs uvit: -1.6% of uvit's mean (...)"}}},
                  "train_loss": {...}},
      "per_block": {"attn_neg_share": {"uvit": {"0": {"in_blocks.0": 0.0, ...}, ...}, "uvic": {...}}},
+     "per_block_excluded": {"attn_neg_share": {"uvit": {}, "uvic": {"1": "metrics.jsonl has no attn_neg_share ..."}}},
      "runs": {"uvit": {"0": {"state": "finished", "detail": ""}, ...}, ...}}
 
 `values` holds finished runs only, and `vs_baseline` pairs the seeds both arms finished (`uvic.compare.stats`);
@@ -24,11 +25,12 @@ a value that is not finite, no value at the run's last step; for `fid_protocol`,
 step, `uvic.compare.protocol_fid.record_exclusions`), so that no seed leaves a pairing silently. A statistic that
 overflows (values near the float limit) is null: report.json is always valid JSON. A metric no finished run
 records (`uvic.compare.metrics.METRICS`) is left out, and so is a per-block quantity
-(`PER_BLOCK`: each finished run's {block: value} at its last validation). `provenance`, `comparable`, `reason`
-and `headline` (`uvic.compare.provenance`): where the numbers come from (a FID's network, dims, images, sampler
-and steps; a validation metric's held-out split and examples), whether a FID is the standard one (if not, every
-verdict is "smoke test", also in `pairs`, and the report opens with a banner), and what each interval rules out
-as a share of the baseline's mean. report.md and report.html are the
+(`PER_BLOCK`: each finished run's {block: value} at its last validation, which must be at its last step:
+`per_block_excluded` names the runs left out and why, `uvic.compare.metrics.per_block_exclusion`). `provenance`,
+`comparable`, `reason` and `headline` (`uvic.compare.provenance`): where the numbers come from (a FID's network,
+dims, images, sampler and steps; a validation metric's held-out split and examples), whether a FID is the
+standard one (if not, every verdict is "smoke test", also in `pairs`, and the report opens with a banner), and
+what each interval rules out as a share of the baseline's mean. report.md and report.html are the
 same document (one list of blocks, two renderers): the runs, a table of every metric with the verdicts, per-seed
 values, and the figures; the HTML embeds them as base64 PNG data URIs, so it opens offline with nothing beside it.
 """
@@ -47,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from uvic.compare import figures, provenance
-from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric, exclusion
+from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric, exclusion, per_block_exclusion
 from uvic.compare.plan import Plan, load_plan, rebase, shell_command
 from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
@@ -145,20 +147,39 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
         metrics[PROTOCOL_FID]["resamplings"] = {arm: {str(s): f for s, f in by_arm.get(arm, {}).items()}
                                                 for arm in arms}
         metrics[PROTOCOL_FID]["spreads"] = {arm: fid_spreads(by_arm.get(arm, {})) for arm in arms}
-    per_block = {}
-    for entry in PER_BLOCK:
-        values = {}
-        for (arm, seed), run in sorted(g.logs.items()):
-            if by_block := entry.read(run):
-                values.setdefault(arm, {})[str(seed)] = by_block
-        if values:
-            per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
+    per_block, per_block_excluded = _per_block(g)
     for name, entry in metrics.items():  # where each number comes from; a smoke-test FID is never better or worse
         provenance.annotate(name, entry, g.logs, plan)
     runs = {arm: {str(seed): {"state": g.states[arm, seed].state, "detail": g.states[arm, seed].detail}
                   for seed in plan.seeds} for arm in arms}
     return _finite_only({"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics,
-                         "per_block": per_block, "runs": runs})
+                         "per_block": per_block, "per_block_excluded": per_block_excluded, "runs": runs})
+
+
+def _per_block(g: _Gathered) -> tuple[dict[str, Any], dict[str, Any]]:
+    """report.json's `per_block`, {name: {arm: {seed: {block: value}}}} of the finished runs whose values are of
+    their last step, and `per_block_excluded`, {name: {arm: {seed: why}}} of the others
+    (`uvic.compare.metrics.per_block_exclusion`), for each entry of `PER_BLOCK` some finished run records."""
+    arms = g.plan.arm_names
+    per_block, per_block_excluded = {}, {}
+    for entry in PER_BLOCK:
+        kind, key = entry.source
+        values: dict[str, dict[str, dict[str, float]]] = {}
+        excluded: dict[str, dict[str, str]] = {arm: {} for arm in arms}
+        present = False
+        for (arm, seed), run in sorted(g.logs.items()):
+            present = present or any(key in r for r in getattr(run, kind))
+            by_block = entry.read(run)
+            max_steps = g.plan.configs[arm]["train"]["max_steps"]
+            if (why := per_block_exclusion(entry, run, by_block, max_steps)) is not None:
+                excluded[arm][str(seed)] = why
+            else:
+                values.setdefault(arm, {})[str(seed)] = by_block
+        if values:
+            per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
+        if present:
+            per_block_excluded[entry.name] = excluded
+    return per_block, per_block_excluded
 
 
 def _with_pairs(data: dict[str, Any], all_pairs: bool) -> dict[str, Any]:
@@ -448,12 +469,15 @@ def _pair_blocks(pairs: dict[str, dict[str, Any]]) -> list[tuple]:
             ("table", ["pair", "n", "difference (95% interval)", "relative", "p", "verdict"], rows)]
 
 
-def _excluded_blocks(excluded: dict[str, dict[str, str]]) -> list[tuple]:
-    """The finished runs a metric leaves out, each with why (report.json's `excluded`)."""
+_LEFT_OUT = "Finished runs left out of this metric (not paired, not in the mean)"
+
+
+def _excluded_blocks(excluded: dict[str, dict[str, str]], intro: str = _LEFT_OUT) -> list[tuple]:
+    """The finished runs a metric (or a per-block quantity) leaves out, each with why (report.json's `excluded`)."""
     items = [f"{arm} seed {seed}: {why}" for arm, by_seed in excluded.items() for seed, why in by_seed.items()]
     if not items:
         return []
-    return [("p", "Finished runs left out of this metric (not paired, not in the mean):"), ("list", items)]
+    return [("p", f"{intro}:"), ("list", items)]
 
 
 def _stdev(values: list[float]) -> float | None:
@@ -531,18 +555,21 @@ def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
         blocks += [("figure", path, f"{curve.title}: per arm, and the paired difference from {data['baseline']}")
                    for curve, path in curves]
     for entry in PER_BLOCK:
-        if entry.name not in data["per_block"]:
+        excluded = data.get("per_block_excluded", {}).get(entry.name, {})
+        if entry.name not in data["per_block"] and not any(excluded.values()):
             continue
-        by_arm = data["per_block"][entry.name]
-        names = list(dict.fromkeys(b for per_seed in by_arm.values() for v in per_seed.values() for b in v))
-        arms = [arm for arm in data["arms"] if arm in by_arm]
-        rows = [[name, *(_fmt(_mean([v[name] for v in by_arm[arm].values() if name in v]), ".3f") for arm in arms)]
-                for name in names]
         blocks += [("h2", entry.title[0].upper() + entry.title[1:]), ("p", f"`{entry.name}`: {entry.description}; "
-                                                                           "the mean over the finished seeds."),
-                   ("table", ["block", *arms], rows),
-                   ("figure", drawn[f"blocks_{entry.name}"], f"{entry.title} per block: a bar at the mean over "
-                                                             "seeds, a dot per seed")]
+                                                                           "the mean over the finished seeds.")]
+        if entry.name in data["per_block"]:
+            by_arm = data["per_block"][entry.name]
+            names = list(dict.fromkeys(b for per_seed in by_arm.values() for v in per_seed.values() for b in v))
+            arms = [arm for arm in data["arms"] if arm in by_arm]
+            rows = [[name, *(_fmt(_mean([v[name] for v in by_arm[arm].values() if name in v]), ".3f")
+                             for arm in arms)] for name in names]
+            blocks += [("table", ["block", *arms], rows),
+                       ("figure", drawn[f"blocks_{entry.name}"], f"{entry.title} per block: a bar at the mean over "
+                                                                 "seeds, a dot per seed")]
+        blocks += _excluded_blocks(excluded, "Finished runs left out (not in the mean)")
     if "samples" in drawn:
         blocks += [("h2", "Samples"), ("figure", drawn["samples"], "each run's last sample grid; every grid is drawn "
                                                                    "from the same sampling seeds")]
