@@ -326,6 +326,35 @@ def test_fids_of_two_protocols_are_never_paired(make_comparison):
     assert fid["vs_baseline"]["uvic"]["n"] == 0
 
 
+def test_protocol_fids_are_paired_on_the_resamplings_every_run_has(make_comparison):
+    """uvit seed 0 holds 3 resamplings, every other run 2 (a report killed during the third FIDs): resampling j is
+    the images of the same sampling seeds in every run, so every mean is over resamplings 0 and 1, never 3 beside
+    2; the later FID is named, and a run of another protocol does not lower the count."""
+    plan = make_comparison(seeds=(0, 1, 2))
+    fids = {("uvit", 0): [10.0, 12.0, 20.0], ("uvit", 1): [11.0, 13.0], ("uvit", 2): [12.0, 12.0],
+            ("uvic", 0): [9.0, 10.0], ("uvic", 1): [10.0, 11.0], ("uvic", 2): [11.0, 12.0]}
+    for (arm, seed), values in fids.items():
+        _protocol_record(write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, grid=False), values)
+    data = write_report(plan.out, all_pairs=True)
+    fid = data["metrics"]["fid_protocol"]
+    assert fid["values"] == {"uvit": {"0": 11.0, "1": 12.0, "2": 12.0}, "uvic": {"0": 9.5, "1": 10.5, "2": 11.5}}
+    assert fid["excluded"] == {"uvit": {}, "uvic": {}}
+    assert fid["resamplings"]["uvit"] == {"0": [10.0, 12.0], "1": [11.0, 13.0], "2": [12.0, 12.0]}
+    assert fid["resamplings_left_out"] == {"uvit": {"0": [20.0]}, "uvic": {}}
+    assert fid["spreads"]["uvit"]["gen_seeds"] == [2] and fid["spreads"]["uvit"]["mean"] == pytest.approx(35 / 3)
+    # Differences -1.5, -1.5, -0.5 (the means of 3 and 2 would give -3.5 at seed 0).
+    assert fid["vs_baseline"]["uvic"]["mean_diff"] == pytest.approx(-3.5 / 3)
+    assert fid["pairs"]["uvic - uvit"]["mean_diff"] == pytest.approx(-3.5 / 3)
+    md = (plan.out / "report.md").read_text()
+    assert ("Each run's mean is over its first 2 resamplings, those every paired run has (the same sampling seeds "
+            "in every run); later ones left out: uvit seed 0: 1.") in md
+    # A run of 1 resampling of another protocol is left out as such and does not lower the count to 1.
+    _protocol_record(plan.run("uvic", 2).run_dir, [5.0], num_images=300)
+    fid = build_report(plan.out)["metrics"]["fid_protocol"]
+    assert fid["values"] == {"uvit": {"0": 11.0, "1": 12.0, "2": 12.0}, "uvic": {"0": 9.5, "1": 10.5}}
+    assert list(fid["excluded"]["uvic"]) == ["2"]
+
+
 @pytest.mark.parametrize("damage, what", [
     (lambda out: (out / "report.html").mkdir(), "is a directory"),
     (lambda out: (out / "figures").write_text("not a folder"), "a file is in the way"),

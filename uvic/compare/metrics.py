@@ -198,8 +198,11 @@ METRICS: tuple[Metric, ...] = (
            "FID while training (train.eval_every) at the last evaluation", ("evals", "fid")),
     Metric("fid_best", True, lambda run: lowest(run.evals, "fid"),
            "FID while training (train.eval_every), the lowest evaluation", ("evals", "fid")),
+    # One run's mean over all it holds; the report pairs the means over the resamplings every paired run has
+    # (`protocol_fid.paired_resamplings`), so that every mean is over the same sampling seeds.
     Metric(protocol_fid.METRIC, True, lambda run: mean_or_none(protocol_fid.read_fids(run.path)),
-           "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings"),
+           "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings (the first K, "
+           "those every paired run has)"),
 )
 
 CURVES: tuple[Curve, ...] = (
