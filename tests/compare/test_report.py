@@ -39,7 +39,8 @@ def test_report_json_has_the_documented_shape_and_the_paired_statistics(make_com
     _full(plan)
     data = write_report(plan.out)
     assert json.loads((plan.out / "report.json").read_text()) == data
-    assert set(data) == {"baseline", "arms", "seeds", "metrics", "per_block", "runs"} and data["per_block"] == {}
+    assert set(data) == {"baseline", "arms", "seeds", "metrics", "per_block", "per_block_excluded", "runs"}
+    assert data["per_block"] == data["per_block_excluded"] == {}
     assert (data["baseline"], data["arms"], data["seeds"]) == ("uvit", ["uvit", "uvic"], [0, 1, 2])
     assert list(data["metrics"]) == ["val_loss", "val_loss_mean", "train_loss", "fid_last", "fid_best"]
     for name, entry in data["metrics"].items():
@@ -161,6 +162,32 @@ def test_per_block_attention_shares_and_accuracy_are_reported_from_the_last_vali
     assert "| block | uvit | uvic |" in md and "| mid_block | 0.000 | 0.400 |" in md and "| in_blocks.0 | 0.000 | 0.000 |" in md
     assert "](figures/blocks_attn_neg_share.png)" in md and "](figures/curve_val_accuracy.png)" in md
     assert Image.open(plan.out / "figures" / "blocks_attn_neg_share.png").size[0] > 100
+
+
+def test_per_block_shares_are_paired_only_at_the_last_step(make_comparison):
+    """A run whose last shares are of step 50 (its step-100 validation without them) or of a step after the last
+    would put another step's shares beside the others' step-100 ones: it is left out, named, as a metric's run."""
+    plan = make_comparison(seeds=(0, 1, 2))
+    at = {seed: {"in_blocks.0": 0.0, "mid_block": 0.1 * (seed + 1)} for seed in range(3)}
+    early = {"in_blocks.0": 0.0, "mid_block": 0.9}
+    for arm in ("uvit", "uvic"):
+        for seed in range(3):
+            write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, val={50: 0.6, MAX_STEPS: 0.5}, grid=False,
+                      shares={50: early, MAX_STEPS: at[seed]})
+    write_run(plan, "uvic", 1, losses={MAX_STEPS: 1.0}, val={50: 0.6, MAX_STEPS: 0.5}, grid=False,
+              shares={50: early})
+    write_run(plan, "uvic", 2, losses={MAX_STEPS: 1.0}, val={50: 0.6, MAX_STEPS: 0.5, 150: 0.4}, grid=False,
+              shares={50: early, MAX_STEPS: at[2], 150: early})
+    data = write_report(plan.out)
+    assert data["per_block"] == {"attn_neg_share": {"uvit": {str(s): at[s] for s in range(3)}, "uvic": {"0": at[0]}}}
+    assert data["per_block_excluded"] == {"attn_neg_share": {"uvit": {}, "uvic": {
+        "1": f"metrics.jsonl has no attn_neg_share at step {MAX_STEPS}, the last step (its last is at step 50)",
+        "2": f"metrics.jsonl has attn_neg_share at step 150, after the last step {MAX_STEPS}: not a record of this "
+             "run"}}}
+    md = (plan.out / "report.md").read_text()
+    assert "| mid_block | 0.200 | 0.100 |" in md  # uvit: the mean of 0.1, 0.2, 0.3; uvic: seed 0's alone
+    assert (f"- uvic seed 1: metrics.jsonl has no attn_neg_share at step {MAX_STEPS}, the last step (its last is at "
+            "step 50)") in md
 
 
 def test_report_of_100_runs_with_1000_lines_each_takes_under_10_s_of_cpu(make_comparison):
@@ -297,6 +324,35 @@ def test_fids_of_two_protocols_are_never_paired(make_comparison):
                       "1000 there)"}}
     assert fid["values"] == {"uvit": {"1": 21.0}, "uvic": {"0": 21.0, "2": 23.0}}
     assert fid["vs_baseline"]["uvic"]["n"] == 0
+
+
+def test_protocol_fids_are_paired_on_the_resamplings_every_run_has(make_comparison):
+    """uvit seed 0 holds 3 resamplings, every other run 2 (a report killed during the third FIDs): resampling j is
+    the images of the same sampling seeds in every run, so every mean is over resamplings 0 and 1, never 3 beside
+    2; the later FID is named, and a run of another protocol does not lower the count."""
+    plan = make_comparison(seeds=(0, 1, 2))
+    fids = {("uvit", 0): [10.0, 12.0, 20.0], ("uvit", 1): [11.0, 13.0], ("uvit", 2): [12.0, 12.0],
+            ("uvic", 0): [9.0, 10.0], ("uvic", 1): [10.0, 11.0], ("uvic", 2): [11.0, 12.0]}
+    for (arm, seed), values in fids.items():
+        _protocol_record(write_run(plan, arm, seed, losses={MAX_STEPS: 1.0}, grid=False), values)
+    data = write_report(plan.out, all_pairs=True)
+    fid = data["metrics"]["fid_protocol"]
+    assert fid["values"] == {"uvit": {"0": 11.0, "1": 12.0, "2": 12.0}, "uvic": {"0": 9.5, "1": 10.5, "2": 11.5}}
+    assert fid["excluded"] == {"uvit": {}, "uvic": {}}
+    assert fid["resamplings"]["uvit"] == {"0": [10.0, 12.0], "1": [11.0, 13.0], "2": [12.0, 12.0]}
+    assert fid["resamplings_left_out"] == {"uvit": {"0": [20.0]}, "uvic": {}}
+    assert fid["spreads"]["uvit"]["gen_seeds"] == [2] and fid["spreads"]["uvit"]["mean"] == pytest.approx(35 / 3)
+    # Differences -1.5, -1.5, -0.5 (the means of 3 and 2 would give -3.5 at seed 0).
+    assert fid["vs_baseline"]["uvic"]["mean_diff"] == pytest.approx(-3.5 / 3)
+    assert fid["pairs"]["uvic - uvit"]["mean_diff"] == pytest.approx(-3.5 / 3)
+    md = (plan.out / "report.md").read_text()
+    assert ("Each run's mean is over its first 2 resamplings, those every paired run has (the same sampling seeds "
+            "in every run); later ones left out: uvit seed 0: 1.") in md
+    # A run of 1 resampling of another protocol is left out as such and does not lower the count to 1.
+    _protocol_record(plan.run("uvic", 2).run_dir, [5.0], num_images=300)
+    fid = build_report(plan.out)["metrics"]["fid_protocol"]
+    assert fid["values"] == {"uvit": {"0": 11.0, "1": 12.0, "2": 12.0}, "uvic": {"0": 9.5, "1": 10.5}}
+    assert list(fid["excluded"]["uvic"]) == ["2"]
 
 
 @pytest.mark.parametrize("damage, what", [

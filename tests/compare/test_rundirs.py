@@ -188,3 +188,27 @@ def test_weights_in_the_last_checkpoint_or_the_export_linked_to_another_arm_are_
     assert (state.state, state.detail) == ("mismatch", f"its {inside} is a symlink (to {theirs}): a run's records "
                                                        f"must be its own files")
     assert run_state(plan, plan.run("uvit", 0), {}).state == "finished"
+
+
+def test_validation_json_linked_to_another_run_is_a_mismatch(make_comparison, tmp_path):
+    """validation.json (the held-out split and count the headlines quote) is a record like metrics.jsonl: a symlink,
+    a file outside the run dir, or one file hard-linked into two runs is not the run's own."""
+    from uvic.compare.rundirs import shared_records
+
+    plan = make_comparison(seeds=(0,))
+    record = {"split": "the data's test split", "examples": 1000, "held_out": 10_000}
+    theirs = write_run(plan, "uvit", 0, losses={MAX_STEPS: 1.0}, validation=record) / "validation.json"
+    ours = write_run(plan, "uvic", 0, losses={MAX_STEPS: 1.0}, validation=record) / "validation.json"
+    assert run_state(plan, plan.run("uvic", 0), {}).state == "finished"
+    ours.unlink()
+    ours.symlink_to(theirs)
+    state = run_state(plan, plan.run("uvic", 0), {})
+    assert (state.state, state.detail) == ("mismatch", f"its validation.json is a symlink (to {theirs}): a run's "
+                                                       f"records must be its own files")
+    ours.unlink()
+    ours.hardlink_to(theirs)
+    assert run_state(plan, plan.run("uvic", 0), {}).state == "finished"  # no symlink: only the pair shows it
+    why = ("its validation.json is the same file as that of {} (a hard link or a folder mounted twice): a run's "
+           "records must be its own files")
+    assert shared_records(plan, plan.runs) == {("uvit", 0): why.format("uvic seed 0"),
+                                               ("uvic", 0): why.format("uvit seed 0")}

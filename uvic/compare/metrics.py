@@ -7,7 +7,8 @@ has no value (e.g. no validation or no FID while training); a metric no run has 
 statistics, tables, paired dot plots and report.json pick the entry up with no other edit. A new curve is one
 `Curve` entry likewise: {step: value} from the logs, drawn per arm (mean over seeds) and as the paired difference.
 A quantity with one value per block of the model (the share of negative attention weight) is one `PerBlock` entry:
-{block: value} at the run's last validation, shown per arm with a point per seed, and tabled.
+{block: value} at the run's last validation, which must be at its last step like a metric's value
+(`per_block_exclusion`), shown per arm with a point per seed, and tabled.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class PerBlock:
     title: str
     read: Callable[[RunLogs], dict[str, float]]
     description: str
+    # Where `read` takes its values, as `Metric.source`: a run whose last record of them is not at its last step is
+    # left out (`per_block_exclusion`).
+    source: tuple[str, str]
 
 
 # The file each RunLogs list is read from.
@@ -74,24 +78,39 @@ def exclusion(metric: Metric, run: RunLogs, value: float | None, max_steps: int,
     evaluates whatever it does every so many steps), so that the runs' values are only ever paired at one step."""
     if metric.source is None:
         return None if value is not None else "no value"
-    kind, key = metric.source
+    why = _record_exclusion(run, metric.source, metric.name, value is None, max_steps)
+    if why is None and metric.every is not None:
+        kind, key = metric.source
+        return missing_step([r for r in getattr(run, kind) if key in r], FILES[kind], key, metric.every, every,
+                            max_steps)
+    return why
+
+
+def per_block_exclusion(entry: PerBlock, run: RunLogs, value: dict[str, float], max_steps: int) -> str | None:
+    """Why a finished run's {block: value} of `entry` (`entry.read(run)`) is left out, as `exclusion`: no file, no
+    record of it, no finite value in its last record, or that record not at `max_steps`; None when it is counted."""
+    return _record_exclusion(run, entry.source, entry.name, not value, max_steps)
+
+
+def _record_exclusion(run: RunLogs, source: tuple[str, str], name: str, no_value: bool, max_steps: int) -> str | None:
+    """Why the value `name` read from the records `source` (kind, key) of `run` cannot be paired (see `exclusion`),
+    or None; `no_value`: the read gave none."""
+    kind, key = source
     file = FILES[kind]
     if not (run.path / file).is_file():
         return f"{file} is missing"
     records = [r for r in getattr(run, kind) if key in r]
     if not records:
         return f"{file} has no {key}"
-    if value is None:
+    if no_value:
         bad = next((r for r in reversed(records) if finite(r[key]) is None), None)
         return (f"{file}: {key} is {bad[key]!r} at step {bad['step']}" if bad is not None
-                else f"{file}: {metric.name} of its {key} is not a finite number (the values overflow)")
+                else f"{file}: {name} of its {key} is not a finite number (the values overflow)")
     if records[-1]["step"] > max_steps:
         return (f"{file} has {key} at step {records[-1]['step']}, after the last step {max_steps}: not a record of "
                 f"this run")
     if records[-1]["step"] != max_steps:
         return f"{file} has no {key} at step {max_steps}, the last step (its last is at step {records[-1]['step']})"
-    if metric.every is not None:
-        return missing_step(records, file, key, metric.every, every, max_steps)
     return None
 
 
@@ -148,9 +167,12 @@ def mean_or_none(values: list[float]) -> float | None:
 
 
 def last_per_block(records: list[dict[str, Any]], key: str) -> dict[str, float]:
-    """{block: value} of `key` ({block: value}) in the last record (by step) that has it; finite values only."""
-    values = [r[key] for r in records if isinstance(r.get(key), dict)]
-    return {str(b): v for b, x in values[-1].items() if (v := finite(x)) is not None} if values else {}
+    """{block: value} of `key` ({block: value}) in the last record (by step) that has it; finite values only ({}
+    where that record's `key` is not a mapping: the record `per_block_exclusion` checks is the one read)."""
+    values = [r[key] for r in records if key in r]
+    if not values or not isinstance(values[-1], dict):
+        return {}
+    return {str(b): v for b, x in values[-1].items() if (v := finite(x)) is not None}
 
 
 def series(records: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -176,8 +198,11 @@ METRICS: tuple[Metric, ...] = (
            "FID while training (train.eval_every) at the last evaluation", ("evals", "fid")),
     Metric("fid_best", True, lambda run: lowest(run.evals, "fid"),
            "FID while training (train.eval_every), the lowest evaluation", ("evals", "fid")),
+    # One run's mean over all it holds; the report pairs the means over the resamplings every paired run has
+    # (`protocol_fid.paired_resamplings`), so that every mean is over the same sampling seeds.
     Metric(protocol_fid.METRIC, True, lambda run: mean_or_none(protocol_fid.read_fids(run.path)),
-           "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings"),
+           "the protocol FID of the final weights (`--gen-seeds K`), the mean over its K resamplings (the first K, "
+           "those every paired run has)"),
 )
 
 CURVES: tuple[Curve, ...] = (
@@ -191,5 +216,5 @@ PER_BLOCK: tuple[PerBlock, ...] = (
     PerBlock(ATTN_NEG_SHARE, "share of negative attention weight",
              lambda run: last_per_block(run.val, ATTN_NEG_SHARE),
              "each block's share of negative attention weight at the last validation, on the fixed probe batch "
-             "(train.val_probe_examples; softmax blocks: 0)"),
+             "(train.val_probe_examples; softmax blocks: 0)", ("val", ATTN_NEG_SHARE)),
 )

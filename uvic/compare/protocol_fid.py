@@ -16,8 +16,10 @@ the task's conditions of image i (`Task.image_conditions("fid", N)`), scored aga
 the FID network of `train.eval_fid_weights` / `train.eval_fid_dims`, sampled with `train.eval_sampler` /
 `train.eval_steps` (default: the sample section's). Resampling j uses the seeds `sample.seed + j * N + i`, i < N:
 j = 0 is exactly the images of FID while training, and the K sets are disjoint. Every run of every arm draws the
-same seeds (common random numbers). The settings are each run's own config, with `overrides` of those keys
-(`FID_KEYS`, compare.py's `--fid KEY=VALUE`) on top.
+same seeds (common random numbers); where the runs hold different numbers of resamplings, every run is paired on
+the first k, the fewest any holds (`paired_resamplings`), so that every mean is over the same seeds. The
+settings are each run's own config, with `overrides` of those keys (`FID_KEYS`, compare.py's `--fid KEY=VALUE`)
+on top.
 
 One process (the GPU, when there is one) or several (`accelerate launch compare.py report ...`) compute them.
 On disk, per run: `fid_protocol.json` = {"protocol": {settings}, "fids": [FID of resampling 0, 1, ...], "network":
@@ -199,6 +201,21 @@ def record_exclusions(records: dict[Any, tuple[dict[str, Any], list[float]] | No
                 out[run] = (f"{FILE} is of another protocol than the other {count} run(s)' ({k} is "
                             f"{settings_.get(k)!r} here, {common.get(k)!r} there)")
     return out
+
+
+def paired_resamplings(records: dict[Any, tuple[dict[str, Any], list[float]] | None | str],
+                       excluded: dict[Any, str]) -> dict[Any, list[float]]:
+    """{run: its first k FIDs} of the runs of `records` (as `record_exclusions` takes them) that `excluded`
+    (`record_exclusions`' result) does not name, k the fewest FIDs any of them holds.
+
+    Resampling j of every run of one protocol scores the images of the same sampling seeds (`sample.seed + j * N +
+    i`), so every run's mean is then over the same seeds: a run computed K = 3 times is never paired by its mean of
+    3 with another's mean of 2 (a report killed during the third FIDs, `--gen-seeds` raised for some runs only).
+    The later FIDs are left out, not the run; a run left out (`excluded`) does not lower k."""
+    usable = {run: record[1] for run, record in records.items()
+              if run not in excluded and isinstance(record, tuple)}
+    k = min((len(fids) for fids in usable.values()), default=0)
+    return {run: fids[:k] for run, fids in usable.items()}
 
 
 def _recorded(path: Path, expected: dict[str, Any]) -> list[float]:

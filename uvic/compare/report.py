@@ -16,19 +16,24 @@ report.json has this shape (for other tools; `runs` names every run's state, see
                                                     "text": "uvic vs uvit: -1.6% of uvit's mean (...)"}}},
                  "train_loss": {...}},
      "per_block": {"attn_neg_share": {"uvit": {"0": {"in_blocks.0": 0.0, ...}, ...}, "uvic": {...}}},
+     "per_block_excluded": {"attn_neg_share": {"uvit": {}, "uvic": {"1": "metrics.jsonl has no attn_neg_share ..."}}},
      "runs": {"uvit": {"0": {"state": "finished", "detail": ""}, ...}, ...}}
 
 `values` holds finished runs only, and `vs_baseline` pairs the seeds both arms finished (`uvic.compare.stats`);
 `excluded` names each finished run a metric leaves out and why (`uvic.compare.metrics.exclusion`: a missing file,
 a value that is not finite, no value at the run's last step; for `fid_protocol`, a record of another protocol or
-step, `uvic.compare.protocol_fid.record_exclusions`), so that no seed leaves a pairing silently. A statistic that
+step, `uvic.compare.protocol_fid.record_exclusions`), so that no seed leaves a pairing silently. `fid_protocol`'s
+value of a run is the mean of its first K resamplings, K the fewest any run paired holds (the same sampling seeds
+in every run: `uvic.compare.protocol_fid.paired_resamplings`); its `resamplings` are those K per run, and
+`resamplings_left_out` {arm: {seed: [FID]}} the later ones of runs that hold more. A statistic that
 overflows (values near the float limit) is null: report.json is always valid JSON. A metric no finished run
 records (`uvic.compare.metrics.METRICS`) is left out, and so is a per-block quantity
-(`PER_BLOCK`: each finished run's {block: value} at its last validation). `provenance`, `comparable`, `reason`
-and `headline` (`uvic.compare.provenance`): where the numbers come from (a FID's network, dims, images, sampler
-and steps; a validation metric's held-out split and examples), whether a FID is the standard one (if not, every
-verdict is "smoke test", also in `pairs`, and the report opens with a banner), and what each interval rules out
-as a share of the baseline's mean. report.md and report.html are the
+(`PER_BLOCK`: each finished run's {block: value} at its last validation, which must be at its last step:
+`per_block_excluded` names the runs left out and why, `uvic.compare.metrics.per_block_exclusion`). `provenance`,
+`comparable`, `reason` and `headline` (`uvic.compare.provenance`): where the numbers come from (a FID's network,
+dims, images, sampler and steps; a validation metric's held-out split and examples), whether a FID is the
+standard one (if not, every verdict is "smoke test", also in `pairs`, and the report opens with a banner), and
+what each interval rules out as a share of the baseline's mean. report.md and report.html are the
 same document (one list of blocks, two renderers): the runs, a table of every metric with the verdicts, per-seed
 values, and the figures; the HTML embeds them as base64 PNG data URIs, so it opens offline with nothing beside it.
 """
@@ -47,11 +52,20 @@ from pathlib import Path
 from typing import Any
 
 from uvic.compare import figures, provenance
-from uvic.compare.metrics import CURVES, METRICS, PER_BLOCK, Curve, Metric, exclusion
+from uvic.compare.metrics import (
+    CURVES,
+    METRICS,
+    PER_BLOCK,
+    Curve,
+    Metric,
+    exclusion,
+    mean_or_none,
+    per_block_exclusion,
+)
 from uvic.compare.plan import Plan, load_plan, rebase, shell_command
 from uvic.compare.protocol_fid import FILE as PROTOCOL_FILE
 from uvic.compare.protocol_fid import METRIC as PROTOCOL_FID
-from uvic.compare.protocol_fid import read_fids, read_record, record_exclusions
+from uvic.compare.protocol_fid import paired_resamplings, read_fids, read_record, record_exclusions
 from uvic.compare.rundirs import (
     RunLogs,
     RunState,
@@ -102,14 +116,33 @@ def _gather(out: Path, baseline: str | None = None) -> _Gathered:
     return _Gathered(plan, states, logs)
 
 
-def _values(g: _Gathered, metric: Metric) -> dict[str, dict[int, float]]:
-    """{arm: {seed: value}} of `metric` over the finished runs that have it."""
+def _values(g: _Gathered, metric: Metric,
+            paired_fids: dict[tuple[str, int], list[float]]) -> dict[str, dict[int, float]]:
+    """{arm: {seed: value}} of `metric` over the finished runs that have it; the protocol FID's is the mean of
+    `paired_fids` (`_protocol_fids`: the resamplings every run paired has), not of all the run holds."""
     out: dict[str, dict[int, float]] = {}
     for (arm, seed), run in g.logs.items():
-        value = finite(metric.read(run))  # a mean of finite values can overflow: no value (`excluded` says why)
+        # A mean of finite values can overflow: no value (`excluded` says why).
+        value = finite(mean_or_none(paired_fids.get((arm, seed), [])) if metric.name == PROTOCOL_FID
+                       else metric.read(run))
         if value is not None:
             out.setdefault(arm, {})[seed] = value
     return out
+
+
+def _protocol_fids(g: _Gathered) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], str]]:
+    """The protocol FIDs each finished run is paired on ({(arm, seed): FIDs}: the first k of each, k the fewest any
+    run paired holds, `uvic.compare.protocol_fid.paired_resamplings`), and {(arm, seed): why} of the finished runs
+    left out (a missing or unusable record, another step or protocol: `record_exclusions`)."""
+    order = {(run.arm, run.seed): i for i, run in enumerate(g.plan.runs)}
+    records: dict[tuple[str, int], Any] = {}
+    for key in sorted(g.logs, key=order.__getitem__):
+        try:
+            records[key] = read_record(g.logs[key].path)
+        except ValueError as e:
+            records[key] = str(e)
+    reasons = record_exclusions(records, {key: g.plan.configs[key[0]]["train"]["max_steps"] for key in records})
+    return paired_resamplings(records, reasons), reasons
 
 
 def build_report(out: str | Path, baseline: str | None = None, all_pairs: bool = False) -> dict[str, Any]:
@@ -122,11 +155,12 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
     plan = g.plan
     arms, base = plan.arm_names, plan.baseline
     metrics = {}
+    paired_fids, protocol_reasons = _protocol_fids(g)
     for metric in METRICS:
-        values = _values(g, metric)
+        values = _values(g, metric, paired_fids)
         if not values and not _present(g, metric):
             continue
-        excluded = _exclude(g, metric, values)
+        excluded = _exclude(g, metric, values, protocol_reasons if metric.name == PROTOCOL_FID else {})
         vs = {arm: paired_by_seed(values.get(arm, {}), values.get(base, {}), metric.lower_is_better).to_dict()
               for arm in arms[1:]}
         metrics[metric.name] = {
@@ -137,28 +171,50 @@ def _report_data(g: _Gathered) -> dict[str, Any]:
         }
     if PROTOCOL_FID in metrics:  # the K resamplings behind each run's mean, and the two spreads they separate
         by_arm: dict[str, dict[int, list[float]]] = {}
+        later: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}  # resamplings not every run has
         for (arm, seed), run in sorted(g.logs.items()):
             if str(seed) not in metrics[PROTOCOL_FID]["values"][arm]:  # left out (`excluded`)
                 continue
-            if fids := read_fids(run.path):
-                by_arm.setdefault(arm, {})[seed] = fids
+            by_arm.setdefault(arm, {})[seed] = fids = paired_fids[arm, seed]
+            if more := read_fids(run.path)[len(fids):]:
+                later[arm][str(seed)] = more
         metrics[PROTOCOL_FID]["resamplings"] = {arm: {str(s): f for s, f in by_arm.get(arm, {}).items()}
                                                 for arm in arms}
+        metrics[PROTOCOL_FID]["resamplings_left_out"] = later
         metrics[PROTOCOL_FID]["spreads"] = {arm: fid_spreads(by_arm.get(arm, {})) for arm in arms}
-    per_block = {}
-    for entry in PER_BLOCK:
-        values = {}
-        for (arm, seed), run in sorted(g.logs.items()):
-            if by_block := entry.read(run):
-                values.setdefault(arm, {})[str(seed)] = by_block
-        if values:
-            per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
+    per_block, per_block_excluded = _per_block(g)
     for name, entry in metrics.items():  # where each number comes from; a smoke-test FID is never better or worse
         provenance.annotate(name, entry, g.logs, plan)
     runs = {arm: {str(seed): {"state": g.states[arm, seed].state, "detail": g.states[arm, seed].detail}
                   for seed in plan.seeds} for arm in arms}
     return _finite_only({"baseline": base, "arms": arms, "seeds": list(plan.seeds), "metrics": metrics,
-                         "per_block": per_block, "runs": runs})
+                         "per_block": per_block, "per_block_excluded": per_block_excluded, "runs": runs})
+
+
+def _per_block(g: _Gathered) -> tuple[dict[str, Any], dict[str, Any]]:
+    """report.json's `per_block`, {name: {arm: {seed: {block: value}}}} of the finished runs whose values are of
+    their last step, and `per_block_excluded`, {name: {arm: {seed: why}}} of the others
+    (`uvic.compare.metrics.per_block_exclusion`), for each entry of `PER_BLOCK` some finished run records."""
+    arms = g.plan.arm_names
+    per_block, per_block_excluded = {}, {}
+    for entry in PER_BLOCK:
+        kind, key = entry.source
+        values: dict[str, dict[str, dict[str, float]]] = {}
+        excluded: dict[str, dict[str, str]] = {arm: {} for arm in arms}
+        present = False
+        for (arm, seed), run in sorted(g.logs.items()):
+            present = present or any(key in r for r in getattr(run, kind))
+            by_block = entry.read(run)
+            max_steps = g.plan.configs[arm]["train"]["max_steps"]
+            if (why := per_block_exclusion(entry, run, by_block, max_steps)) is not None:
+                excluded[arm][str(seed)] = why
+            else:
+                values.setdefault(arm, {})[str(seed)] = by_block
+        if values:
+            per_block[entry.name] = {arm: values[arm] for arm in arms if arm in values}
+        if present:
+            per_block_excluded[entry.name] = excluded
+    return per_block, per_block_excluded
 
 
 def _with_pairs(data: dict[str, Any], all_pairs: bool) -> dict[str, Any]:
@@ -187,22 +243,15 @@ def _present(g: _Gathered, metric: Metric) -> bool:
     return False
 
 
-def _exclude(g: _Gathered, metric: Metric, values: dict[str, dict[int, float]]) -> dict[str, dict[str, str]]:
-    """{arm: {seed: why}} of the finished runs whose value of `metric` is left out of its pairing (why: the file
-    and what is wrong, or which step is missing; `uvic.compare.metrics.exclusion`); they are removed from `values`,
-    so that no seed leaves a pairing silently and values are paired only at one step."""
+def _exclude(g: _Gathered, metric: Metric, values: dict[str, dict[int, float]],
+             reasons: dict[tuple[str, int], str]) -> dict[str, dict[str, str]]:
+    """{arm: {seed: why}} of the finished runs whose value of `metric` is left out of its pairing (why: `reasons`,
+    the protocol FID's from `_protocol_fids`, or the file and what is wrong, or which step is missing:
+    `uvic.compare.metrics.exclusion`); they are removed from `values`, so that no seed leaves a pairing silently and
+    values are paired only at one step."""
     order = {(run.arm, run.seed): i for i, run in enumerate(g.plan.runs)}
     finished = sorted(g.logs, key=order.__getitem__)
     max_steps = {key: g.plan.configs[key[0]]["train"]["max_steps"] for key in finished}
-    reasons: dict[tuple[str, int], str] = {}
-    if metric.name == PROTOCOL_FID:
-        records: dict[tuple[str, int], Any] = {}
-        for key in finished:
-            try:
-                records[key] = read_record(g.logs[key].path)
-            except ValueError as e:
-                records[key] = str(e)
-        reasons = record_exclusions(records, max_steps)
     out: dict[str, dict[str, str]] = {arm: {} for arm in g.plan.arm_names}
     for arm, seed in finished:
         value = values.get(arm, {}).get(seed)
@@ -430,7 +479,7 @@ def _result_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
         blocks += _excluded_blocks(entry.get("excluded", {}))
         blocks += _pair_blocks(entry.get("pairs", {}))
         if "spreads" in entry:
-            blocks += _spread_blocks(arms, entry["spreads"])
+            blocks += _spread_blocks(arms, entry["spreads"], entry.get("resamplings_left_out", {}))
         if f"paired_{name}" in drawn:
             blocks.append(("figure", drawn[f"paired_{name}"], f"{name} per seed: a line joins the arms of one seed"))
     return blocks
@@ -448,12 +497,15 @@ def _pair_blocks(pairs: dict[str, dict[str, Any]]) -> list[tuple]:
             ("table", ["pair", "n", "difference (95% interval)", "relative", "p", "verdict"], rows)]
 
 
-def _excluded_blocks(excluded: dict[str, dict[str, str]]) -> list[tuple]:
-    """The finished runs a metric leaves out, each with why (report.json's `excluded`)."""
+_LEFT_OUT = "Finished runs left out of this metric (not paired, not in the mean)"
+
+
+def _excluded_blocks(excluded: dict[str, dict[str, str]], intro: str = _LEFT_OUT) -> list[tuple]:
+    """The finished runs a metric (or a per-block quantity) leaves out, each with why (report.json's `excluded`)."""
     items = [f"{arm} seed {seed}: {why}" for arm, by_seed in excluded.items() for seed, why in by_seed.items()]
     if not items:
         return []
-    return [("p", "Finished runs left out of this metric (not paired, not in the mean):"), ("list", items)]
+    return [("p", f"{intro}:"), ("list", items)]
 
 
 def _stdev(values: list[float]) -> float | None:
@@ -506,8 +558,10 @@ def _provenance_text(entry: dict[str, Any]) -> str:
     return ""
 
 
-def _spread_blocks(arms: list[str], spreads: dict[str, dict[str, Any]]) -> list[tuple]:
-    """The protocol FID's two spreads per arm (`uvic.compare.stats.fid_spreads`)."""
+def _spread_blocks(arms: list[str], spreads: dict[str, dict[str, Any]],
+                   left_out: dict[str, dict[str, list[float]]]) -> list[tuple]:
+    """The protocol FID's two spreads per arm (`uvic.compare.stats.fid_spreads`), and the resamplings of runs that
+    hold more than every run paired has (`left_out`: {arm: {seed: the later FIDs}})."""
     rows = []
     for arm in arms:
         s = spreads[arm]
@@ -520,7 +574,20 @@ def _spread_blocks(arms: list[str], spreads: dict[str, dict[str, Any]]) -> list[
             ("p", "Each run's FID is computed once per resampling, with disjoint sampling seeds (the same for every "
                   "run). sd across training seeds: the standard deviation across runs of the per-run means (it "
                   "still holds 1/K of the resampling variance); sd across resamplings: the mean over runs of the "
-                  "standard deviation across their resamplings. The paired comparison above uses the per-run means.")]
+                  "standard deviation across their resamplings. The paired comparison above uses the per-run means.")
+            ] + _left_out_resamplings(spreads, left_out)
+
+
+def _left_out_resamplings(spreads: dict[str, dict[str, Any]],
+                          left_out: dict[str, dict[str, list[float]]]) -> list[tuple]:
+    """A sentence naming the runs whose later resamplings not every paired run has, which their means leave out;
+    k, the number each mean is over, is the spreads' `gen_seeds` (one value: every run is paired on k)."""
+    items = [f"{arm} seed {seed}: {len(fids)}" for arm, by_seed in left_out.items() for seed, fids in by_seed.items()]
+    k = next((s["gen_seeds"][0] for s in spreads.values() if s["gen_seeds"]), None)
+    if not items or k is None:
+        return []
+    return [("p", f"Each run's mean is over its first {k} resamplings, those every paired run has (the same sampling "
+                  f"seeds in every run); later ones left out: {', '.join(items)}.")]
 
 
 def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
@@ -531,18 +598,21 @@ def _figure_blocks(data: dict[str, Any], drawn: dict[str, Path]) -> list[tuple]:
         blocks += [("figure", path, f"{curve.title}: per arm, and the paired difference from {data['baseline']}")
                    for curve, path in curves]
     for entry in PER_BLOCK:
-        if entry.name not in data["per_block"]:
+        excluded = data.get("per_block_excluded", {}).get(entry.name, {})
+        if entry.name not in data["per_block"] and not any(excluded.values()):
             continue
-        by_arm = data["per_block"][entry.name]
-        names = list(dict.fromkeys(b for per_seed in by_arm.values() for v in per_seed.values() for b in v))
-        arms = [arm for arm in data["arms"] if arm in by_arm]
-        rows = [[name, *(_fmt(_mean([v[name] for v in by_arm[arm].values() if name in v]), ".3f") for arm in arms)]
-                for name in names]
         blocks += [("h2", entry.title[0].upper() + entry.title[1:]), ("p", f"`{entry.name}`: {entry.description}; "
-                                                                           "the mean over the finished seeds."),
-                   ("table", ["block", *arms], rows),
-                   ("figure", drawn[f"blocks_{entry.name}"], f"{entry.title} per block: a bar at the mean over "
-                                                             "seeds, a dot per seed")]
+                                                                           "the mean over the finished seeds.")]
+        if entry.name in data["per_block"]:
+            by_arm = data["per_block"][entry.name]
+            names = list(dict.fromkeys(b for per_seed in by_arm.values() for v in per_seed.values() for b in v))
+            arms = [arm for arm in data["arms"] if arm in by_arm]
+            rows = [[name, *(_fmt(_mean([v[name] for v in by_arm[arm].values() if name in v]), ".3f")
+                             for arm in arms)] for name in names]
+            blocks += [("table", ["block", *arms], rows),
+                       ("figure", drawn[f"blocks_{entry.name}"], f"{entry.title} per block: a bar at the mean over "
+                                                                 "seeds, a dot per seed")]
+        blocks += _excluded_blocks(excluded, "Finished runs left out (not in the mean)")
     if "samples" in drawn:
         blocks += [("h2", "Samples"), ("figure", drawn["samples"], "each run's last sample grid; every grid is drawn "
                                                                    "from the same sampling seeds")]

@@ -38,7 +38,9 @@ from uvic.training.tasks import sample_path
 
 ATTEMPTS_FILE = "attempts.json"
 # What the report and the comparison read in a run dir: each must be the run's own, never a symlink.
-RECORDS = ("config.yaml", "metrics.jsonl", "eval.jsonl", "fid_protocol.json", "checkpoints", "pipeline", "samples")
+# validation.json: the held-out split and count the headlines quote (`uvic.compare.provenance`).
+RECORDS = ("config.yaml", "metrics.jsonl", "eval.jsonl", "validation.json", "fid_protocol.json", "checkpoints",
+           "pipeline", "samples")
 # libyaml's safe loader where PyYAML has it: ten times faster than the Python one, which took most of a report.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 State = Literal["finished", "unfinished", "failed", "missing", "mismatch"]
