@@ -4,6 +4,8 @@ train.py reports it in one line with exit status 2, leaving nothing behind (no r
 Each case goes through train.py (conftest's `run_script`): a config no run can use, from every part that checks
 one (the config's ranges and choices, the trackers, the task, the model, FID while training)."""
 
+import math
+
 import pytest
 
 from uvic.config import load_config
@@ -228,3 +230,39 @@ def test_every_key_a_resume_may_change_is_a_config_key():
     assert set(RESUME_MAY_CHANGE) <= known
     assert not may_change_on_resume("model.attention") and not may_change_on_resume("train.max_steps_x")
     assert may_change_on_resume("train.max_steps")
+
+
+def test_an_ema_too_slow_for_the_run_is_warned(caplog):
+    from uvic.training.preflight import warn_short_ema
+
+    with caplog.at_level("WARNING", logger="uvic.training.preflight"):
+        share = warn_short_ema(0.999, 2000)
+    assert share == pytest.approx(math.exp(2000 * math.log1p(-0.001)))  # e^(2000 ln 0.999) = 0.13520
+    # The suggested decay d is the largest 4-decimal one with d^2000 <= 1%: 0.9977^2000 = 0.0100 - , 0.9978^2000 > 1%.
+    assert 0.9977**2000 <= 0.01 < 0.9978**2000
+    assert caplog.messages == [
+        "train.ema_decay=0.999 over train.max_steps=2000 leaves 13.5% of the initial weights (random unless the run "
+        "starts from trained ones) in the EMA, the sampling weights; for a run this short use train.ema_decay <= "
+        "0.9977 (under 1%), or 0 (no EMA)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="uvic.training.preflight"):
+        # U-ViT's recipe (0.9999 over 500k steps), the demo (0.995 over 3,200), no EMA, and an EMA frozen at the init
+        assert warn_short_ema(0.9999, 500_000) < 1e-20 and warn_short_ema(0.995, 3200) < 1e-6
+        assert warn_short_ema(0.0, 10) == 0.0
+    assert caplog.messages == []
+    with caplog.at_level("WARNING", logger="uvic.training.preflight"):
+        assert warn_short_ema(1.0, 10) == 1.0
+    assert "leaves 100.0% of the initial weights" in caplog.messages[0]
+
+
+def test_every_shipped_config_keeps_under_1_percent_of_the_init_in_its_ema():
+    from pathlib import Path
+
+    from uvic.training.preflight import EMA_INIT_SHARE
+
+    for path in sorted(Path("configs").glob("*.yaml")):
+        cfg = load_config(path)
+        train = getattr(cfg, "train", None)
+        if train is None or not getattr(train, "ema_decay", 0):
+            continue
+        assert train.ema_decay**train.max_steps <= EMA_INIT_SHARE, path.name
