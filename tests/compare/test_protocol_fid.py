@@ -125,7 +125,7 @@ def test_each_run_gets_k_fids_of_disjoint_seeds_and_the_report_separates_the_spr
     # statistics say, in report.json, report.md and report.html.
     sha = hashlib.sha256(Path(trained["weights"]).read_bytes()).hexdigest()
     assert record["network"] == {"weights": Path(trained["weights"]).name, "weights_sha256": sha,
-                                 "standard_weights": False, "trained": False, "mode": "pytorch-fid"}
+                                 "standard_weights": False, "trained": False, "mode": "pytorch-fid", "dims": 64}
     assert entry["comparable"] is False and vs["verdict"] == "smoke test"
     assert entry["reason"].startswith(f"the FID network's weights {Path(trained['weights']).name} were never "
                                       "trained (random-init test weights); 64-d features, not the standard FID's "

@@ -180,3 +180,20 @@ def test_a_classifier_fd_keeps_its_verdict_and_is_never_called_a_fid(make_compar
     entry = build_report(untrained.out)["metrics"]["fid_last"]
     assert entry["comparable"] is False and "never trained" in entry["reason"]
     assert entry["vs_baseline"]["uvic"]["verdict"] == "smoke test"
+
+
+def test_a_protocol_fd_names_the_classifiers_own_feature_width(tmp_path):
+    """The protocol's settings carry train.eval_fid_dims (2048 by default), which a classifier ignores: the
+    provenance gives the width of the features used (the network record's), and none for an older record."""
+    from types import SimpleNamespace
+
+    from uvic.compare.provenance import _fid_record
+
+    protocol = {"num_images": 1000, "dims": 2048, "sampler": "dpm_solver", "steps": 25, "reference": "ref.npz",
+                "weights": "runs/fd/cnn.safetensors"}
+    network = {"weights": "cnn.safetensors", "weights_sha256": "9c" * 32, "standard_weights": False,
+               "trained": True, "mode": "classifier", "title": "FD (Fashion-MNIST classifier)"}
+    for net, dims in (({**network, "dims": 128}, 128), (network, None),
+                      ({**network, "mode": "pytorch-fid"}, 2048)):  # an Inception record: the protocol's dims
+        (tmp_path / "fid_protocol.json").write_text(json.dumps({"protocol": protocol, "fids": [1.0], "network": net}))
+        assert _fid_record("fid_protocol", SimpleNamespace(path=tmp_path), {})["dims"] == dims

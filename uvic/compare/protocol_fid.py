@@ -278,11 +278,13 @@ def compute_protocol_fids(plan: Plan, protocol: Protocol) -> list[Run]:
         if run.arm not in evaluators:
             evaluators[run.arm] = Evaluator(cfg, task, state)
         evaluator, n = evaluators[run.arm], cfg.train.eval_num_images
+        # the features' own width: the protocol's "dims" is train.eval_fid_dims, which a classifier ignores
+        network = {**evaluator.features(), "dims": evaluator.dims}
         for j in range(len(fids), protocol.gen_seeds):
             fids.append(evaluator.fid(model, first_seed=cfg.sample.seed + j * n))
             if state.is_main_process:  # every process has read the file: the FID above was a collective
                 with atomic_write(path, "w") as f:
-                    json.dump({"protocol": expected, "fids": fids, "network": evaluator.features()}, f, indent=1)
+                    json.dump({"protocol": expected, "fids": fids, "network": network}, f, indent=1)
                 name = f"fid{n}" if evaluator.title == "FID" else f"{evaluator.title} fd{n}"
                 logger.info(f"{run.label}: {name} of resampling {j + 1}/{protocol.gen_seeds} = {fids[-1]:.4f}")
         computed.append(run)

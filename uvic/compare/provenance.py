@@ -153,6 +153,10 @@ def _fid_record(name: str, run: RunLogs, train_cfg: dict[str, Any]) -> dict[str,
         out["weights"] = network.get("weights") or (Path(protocol["weights"]).name if protocol.get("weights")
                                                      else None)
         out.update({k: network.get(k) for k in ("weights_sha256", "standard_weights", "trained", "mode", "title")})
+        if isinstance(network.get("dims"), int):  # the features used (the protocol's is train.eval_fid_dims)
+            out["dims"] = network["dims"]
+        elif out["mode"] == CLASSIFIER_MODE:  # an older record: train.eval_fid_dims is not a classifier's width
+            out["dims"] = None
         return out
     records = [r for r in run.evals if "fid" in r]
     if not records:
