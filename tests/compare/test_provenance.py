@@ -197,3 +197,9 @@ def test_a_protocol_fd_names_the_classifiers_own_feature_width(tmp_path):
                       ({**network, "mode": "pytorch-fid"}, 2048)):  # an Inception record: the protocol's dims
         (tmp_path / "fid_protocol.json").write_text(json.dumps({"protocol": protocol, "fids": [1.0], "network": net}))
         assert _fid_record("fid_protocol", SimpleNamespace(path=tmp_path), {})["dims"] == dims
+    from uvic.compare.report import _provenance_text
+
+    older = _fid_record("fid_protocol", SimpleNamespace(path=tmp_path), {})
+    older.update(mode="classifier", dims=None)
+    assert "SHA-256 `" + "9c" * 32 + "`; feature width not recorded; 1000 images" in _provenance_text(
+        {"provenance": older})

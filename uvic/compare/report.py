@@ -535,9 +535,10 @@ def _provenance_text(entry: dict[str, Any]) -> str:
     """Where a metric's numbers come from (report.json's `provenance`), in a sentence."""
     p = entry.get("provenance") or {}
     show = lambda v: "not recorded" if v is None else ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+    width = "feature width not recorded" if p.get("dims") is None else f"{show(p['dims'])}-d features"
     if "num_images" in p and p.get("mode") == "classifier":  # uvic.fid.classifier's features: never called a FID
         return (f"Provenance: {show(p.get('title'))}, not a FID: a Fréchet distance in the features of the classifier "
-                f"`{show(p['weights'])}`, SHA-256 `{show(p['weights_sha256'])}`; {show(p['dims'])}-d features; "
+                f"`{show(p['weights'])}`, SHA-256 `{show(p['weights_sha256'])}`; {width}; "
                 f"{show(p['num_images'])} images, sampler {show(p['sampler'])} with {show(p['steps'])} steps; "
                 f"reference `{show(p['reference'])}`. It compares only with distances of the same weights and number "
                 f"of images.")
@@ -547,7 +548,7 @@ def _provenance_text(entry: dict[str, Any]) -> str:
         kind = standard.get(p["standard_weights"], show(p["standard_weights"]))
         trained = " (never trained)" if p.get("trained") is False else ""
         return (f"Provenance: FID network `{show(p['weights'])}`, SHA-256 `{show(p['weights_sha256'])}`, "
-                f"{kind}{trained}; {show(p['dims'])}-d features, mode {show(p['mode'])}; {show(p['num_images'])} "
+                f"{kind}{trained}; {width}, mode {show(p['mode'])}; {show(p['num_images'])} "
                 f"images, sampler {show(p['sampler'])} with {show(p['steps'])} steps; reference "
                 f"`{show(p['reference'])}`.")
     if "examples" in p:
