@@ -1,32 +1,16 @@
 """The Fashion-MNIST idx reader on idx files written here by hand (big-endian header, then the bytes); CI has no
 real files."""
 
-import gzip
-import struct
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from tiny_fashion_mnist import idx_bytes, write_split
 
 from uvic.data import fashion_mnist as fm
 from uvic.data.images import DATASETS, TEST_SPLITS
 from uvic.errors import DataError
-
-
-def idx_bytes(array: np.ndarray) -> bytes:
-    """LeCun's idx format: 0, 0, 0x08 (ubyte), ndim; each dimension as a big-endian int32; the data."""
-    return bytes([0, 0, 8, array.ndim]) + b"".join(struct.pack(">i", d) for d in array.shape) + array.tobytes()
-
-
-def write_split(folder, prefix, images, labels, gz=True):
-    folder.mkdir(parents=True, exist_ok=True)
-    for stem, arr in ((f"{prefix}-images-idx3-ubyte", images), (f"{prefix}-labels-idx1-ubyte", labels)):
-        data = idx_bytes(arr.astype(np.uint8))
-        if gz:
-            (folder / (stem + ".gz")).write_bytes(gzip.compress(data))
-        else:
-            (folder / stem).write_bytes(data)
 
 
 @pytest.fixture

@@ -2,8 +2,10 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from tiny_fashion_mnist import write_split
 
 from uvic.config import load_config
 from uvic.errors import ConfigError
@@ -61,17 +63,9 @@ def test_registry_and_weight_decay_on_every_parameter():
 
 
 def _write_fashion_idx(root, prefix, labels):
-    """Tiny Fashion-MNIST idx files (images: 0, 0, 8, 3, then big-endian sizes; labels likewise with ndim 1)."""
-    import gzip
-    import struct
-
-    import numpy as np
-
+    """Tiny Fashion-MNIST idx files of random images with these labels (`tiny_fashion_mnist.write_split`)."""
     images = np.random.default_rng(len(labels)).integers(0, 256, (len(labels), 28, 28), dtype=np.uint8)
-    for stem, arr in ((f"{prefix}-images-idx3-ubyte", images), (f"{prefix}-labels-idx1-ubyte", np.array(labels))):
-        arr = arr.astype(np.uint8)
-        data = bytes([0, 0, 8, arr.ndim]) + b"".join(struct.pack(">i", d) for d in arr.shape) + arr.tobytes()
-        (root / f"{stem}.gz").write_bytes(gzip.compress(data))
+    write_split(root, prefix, images, np.array(labels))
 
 
 TINY_FASHION = ["model.embed_dim=16", "model.depth=2", "model.num_heads=2", "model.patch_size=7"]
